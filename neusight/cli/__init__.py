@@ -1,0 +1,1 @@
+"""Hydra command-line apps; the only place NeuSightError is caught (one line on stderr, exit code 2)."""

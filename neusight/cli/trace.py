@@ -1,0 +1,66 @@
+"""``neusight-trace model=gpt2-large batch_size=4 seq_len=1024 mode=training``: trace a model and print
+the kernel summary per family; the full kernel table goes to CSV."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TraceConfig:
+    model: str = MISSING                 # preset, HF config JSON path
+    batch_size: int = 1
+    seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
+    mode: str = "inference"              # inference | training
+    head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
+    optimizer: Optional[str] = "adamw"   # adamw | sgd | null (training only)
+    attn_implementation: str = "eager"   # eager | sdpa
+    image_size: int = 224                # vision models
+    dtype: str = "float32"
+    csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
+
+
+ConfigStore.instance().store(name="trace_schema", node=TraceConfig)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="trace")
+@catch_user_errors
+def _app(cfg: TraceConfig) -> None:
+    import pandas as pd
+
+    from neusight.graph.tracer import trace
+
+    quiet_third_party_logs()
+    g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
+              optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
+              dtype=cfg.dtype)
+    s = g.summary()
+    total = pd.DataFrame([s.sum()], index=["total"])
+    print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")
+          + f", {g.n_params / 1e6:.1f} M parameters, {len(g.ops)} aten ops, {len(g.kernels)} kernels")
+    for note in g.notes:
+        print(f"  note: {note}")
+    with pd.option_context("display.float_format", "{:,.2f}".format):
+        print(pd.concat([s, total]).to_string())
+    if g.unmodeled:
+        print(f"unmodeled ops (estimated as memory-bound): {', '.join(g.unmodeled)}")
+    if cfg.csv:
+        from hydra.core.hydra_config import HydraConfig
+
+        path = cfg.csv if os.path.isabs(cfg.csv) else os.path.join(HydraConfig.get().runtime.output_dir, cfg.csv)
+        g.to_csv(path)
+        print(f"kernel table: {path}")
+
+
+main = exit_2_on_config_errors(_app)

@@ -1,0 +1,31 @@
+"""One error hierarchy for everything a user can get wrong; caught only at the CLI boundary."""
+
+from __future__ import annotations
+
+
+class NeuSightError(Exception):
+    """Base class of every error neusight raises on bad input; the CLI prints it in one line, exit 2."""
+
+
+class DeviceError(NeuSightError, ValueError):
+    """Unknown GPU name, or a malformed device spec file."""
+
+
+class ModelError(NeuSightError, ValueError):
+    """Unknown model preset, malformed config, or a module that cannot run on the meta device."""
+
+
+class TraceError(NeuSightError, RuntimeError):
+    """The tracer met an op it cannot follow on the meta device (data-dependent control flow)."""
+
+
+class InputError(NeuSightError, ValueError):
+    """Impossible run parameters: batch size 0, negative sequence length, unknown mode."""
+
+
+class DataError(NeuSightError, ValueError):
+    """A trace CSV or dataset that cannot be used (missing columns, no usable rows)."""
+
+
+class CheckpointError(NeuSightError, ValueError):
+    """A predictor checkpoint that is missing, corrupt, or does not match the code."""

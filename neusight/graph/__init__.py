@@ -1,0 +1,1 @@
+"""Model builders and the meta-device tracer."""

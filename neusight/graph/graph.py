@@ -1,0 +1,90 @@
+"""The traced graph: ops in program order and the kernel table derived from them."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from neusight.graph.records import OpRecord, TensorMeta
+from neusight.kernels.base import Family
+
+KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", "dims", "dtype", "flops", "bytes", "modeled"]
+
+
+@dataclass
+class Graph:
+    """Result of :func:`neusight.trace`.
+
+    ``ops`` holds every recorded aten op; ``kernels`` one row per GPU kernel (views launch none);
+    ``unmodeled`` the names of ops without a registry entry (estimated as memory-bound, never dropped).
+    """
+
+    model: str
+    mode: str
+    batch_size: int
+    seq_len: int | None
+    optimizer: str | None
+    dtype: str
+    notes: tuple[str, ...]
+    ops: list[OpRecord]
+    params: list[TensorMeta] = field(default_factory=list)
+    grads: list[TensorMeta] = field(default_factory=list)
+    buffers: list[TensorMeta] = field(default_factory=list)
+    optimizer_state: list[TensorMeta] = field(default_factory=list)
+    image_size: int | None = None
+
+    @functools.cached_property
+    def kernels(self) -> pd.DataFrame:
+        rows: dict[str, list] = {c: [] for c in KERNEL_COLUMNS}
+        for r in self.ops:
+            for k in r.kernels:
+                rows["op_index"].append(r.index)
+                rows["phase"].append(r.phase)
+                rows["module"].append(r.module)
+                rows["aten_op"].append(r.call.op)
+                rows["family"].append(k.family.value)
+                rows["kernel"].append(k.name)
+                rows["dims"].append(k.dims)
+                rows["dtype"].append(k.dtype)
+                rows["flops"].append(k.flops)
+                rows["bytes"].append(k.bytes)
+                rows["modeled"].append(r.modeled)
+        df = pd.DataFrame(rows)
+        df["flops"] = df["flops"].astype("float64")
+        df["bytes"] = df["bytes"].astype("float64")
+        return df
+
+    @property
+    def unmodeled(self) -> list[str]:
+        return sorted({r.call.op for r in self.ops if not r.modeled})
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def summary(self) -> pd.DataFrame:
+        """Per family: kernel count, GFLOPs, GB of minimum DRAM traffic."""
+        k = self.kernels
+        out = k.groupby("family").agg(count=("kernel", "size"), gflops=("flops", "sum"), gb=("bytes", "sum"))
+        out["gflops"] /= 1e9
+        out["gb"] /= 1e9
+        order = [f.value for f in Family if f.value in out.index]
+        return out.loc[order]
+
+    def flops(self, phase: str | None = None, families: tuple[str, ...] | None = None) -> float:
+        k = self.kernels
+        if phase is not None:
+            k = k[k["phase"] == phase]
+        if families is not None:
+            k = k[k["family"].isin(families)]
+        return float(k["flops"].sum())
+
+    def to_csv(self, path: str | Path) -> None:
+        from neusight.util import atomic_write_text
+
+        df = self.kernels.copy()
+        df["dims"] = df["dims"].map(lambda d: "x".join(str(x) for x in d))
+        atomic_write_text(path, df.to_csv(index=False))

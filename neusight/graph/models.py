@@ -1,0 +1,231 @@
+"""Model builders: presets, Hugging Face config JSONs, the ResNet family and any nn.Module, always built on
+the meta device (no weights are ever allocated).
+
+Presets are written here from the public architecture numbers of each family (papers and model cards).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from neusight.errors import InputError, ModelError
+from neusight.graph import resnet as _resnet
+
+log = logging.getLogger(__name__)
+
+# name -> (model_type, config kwargs). Sources: GPT-2 (Radford et al. 2019, HF model cards), GPT-3
+# (Brown et al. 2020, Table 2.1), BERT (Devlin et al. 2019), OPT (Zhang et al. 2022, Table 1), Switch
+# Transformer (Fedus et al. 2022) with 4 experts at Switch-Large-like width (the NeuSight evaluation model).
+_GPT2 = dict(vocab_size=50257, activation_function="gelu_new")
+HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("gpt2", dict(_GPT2, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
+    "gpt2-medium": ("gpt2", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16, n_positions=1024)),
+    "gpt2-large": ("gpt2", dict(_GPT2, n_embd=1280, n_layer=36, n_head=20, n_positions=1024)),
+    "gpt2-xl": ("gpt2", dict(_GPT2, n_embd=1600, n_layer=48, n_head=25, n_positions=1024)),
+    # NB: Table 2.1 of the GPT-3 paper lists GPT-3 XL with d_model 2048 but 24 heads of 128 (= 3072); we
+    # keep d_model = 2048 (which gives the stated 1.3B parameters) with 16 heads of 128.
+    "gpt3-xl": ("gpt2", dict(_GPT2, n_embd=2048, n_layer=24, n_head=16, n_positions=2048)),
+    "gpt3-2.7b": ("gpt2", dict(_GPT2, n_embd=2560, n_layer=32, n_head=32, n_positions=2048)),
+    "gpt3-6.7b": ("gpt2", dict(_GPT2, n_embd=4096, n_layer=32, n_head=32, n_positions=2048)),
+    "gpt3-13b": ("gpt2", dict(_GPT2, n_embd=5120, n_layer=40, n_head=40, n_positions=2048)),
+    "bert-base": ("bert", dict(architectures=["BertForPreTraining"], hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                               vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, hidden_act="gelu")),
+    "bert-large": ("bert", dict(architectures=["BertForPreTraining"], hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                                vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, hidden_act="gelu")),
+    "opt-1.3b": ("opt", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
+                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048,
+                             activation_function="relu", do_layer_norm_before=True)),
+    "switch-xl-4": ("switch_transformers", dict(d_model=1024, d_ff=16384, d_kv=128, num_heads=32, num_layers=24,
+                                                num_decoder_layers=24, num_experts=4, expert_capacity=64,
+                                                num_sparse_encoder_layers=12, num_sparse_decoder_layers=12,
+                                                encoder_sparse_step=2, decoder_sparse_step=2, vocab_size=32128,
+                                                feed_forward_proj="relu", dropout_rate=0.1, router_jitter_noise=0.01)),
+}
+PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
+                  "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4"}
+
+HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq")
+
+
+@dataclass
+class BuiltModel:
+    """A model on the meta device with what it takes to feed it and to take a loss of its output."""
+
+    name: str
+    module: nn.Module
+    kind: str                                   # "hf" | "vision" | "module"
+    make_inputs: Callable[[int, int | None], tuple[tuple, dict]]
+    loss: Callable[[Any, tuple, dict], torch.Tensor]
+    needs_seq_len: bool
+    max_seq_len: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def list_models() -> list[str]:
+    """Preset names, sorted."""
+    return sorted(list(HF_PRESETS) + list(_resnet.RESNET_LAYERS))
+
+
+def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
+                image_size: int = 224, input_shapes: list[tuple[int, ...]] | None = None,
+                dtype: torch.dtype = torch.float32) -> BuiltModel:
+    """Build a model on the meta device from a preset name, an HF config JSON path or an nn.Module."""
+    if head is not None and head not in HEADS:
+        raise ModelError(f"head={head!r} is not known; use one of {', '.join(HEADS)} or None (the config's architectures)")
+    if attn_implementation not in ("eager", "sdpa"):
+        raise ModelError(f"attn_implementation={attn_implementation!r} is not supported; use 'eager' or 'sdpa'")
+    if isinstance(model, nn.Module):
+        return _from_module(model, input_shapes, dtype)
+    name = str(model)
+    key = PRESET_ALIASES.get(name.lower(), name.lower())
+    if key in _resnet.RESNET_LAYERS:
+        return _vision(key, image_size, dtype)
+    if key in HF_PRESETS:
+        model_type, kwargs = HF_PRESETS[key]
+        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype)
+    path = Path(name).expanduser()
+    if path.suffix == ".json" or path.exists():
+        cfg = _read_config_json(path)
+        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype)
+    close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise ModelError(f"model={name!r} is neither a preset nor an existing config JSON.{hint} "
+                     f"Presets: {', '.join(list_models())}; or pass the path of a Hugging Face config.json.")
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelError(f"model config {str(path)!r} does not exist; pass a preset name or the path of a config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"model config {str(path)!r} is not valid JSON ({e}); fix the file or pass a preset name") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ModelError(f"model config {str(path)!r} has no 'model_type' field; a Hugging Face config.json needs one")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face models
+
+
+def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype) -> BuiltModel:
+    import transformers
+    from transformers import AutoConfig
+
+    architectures = kwargs.pop("architectures", None)
+    for k in ("transformers_version", "torch_dtype", "dtype", "_name_or_path"):
+        kwargs.pop(k, None)
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, KeyError) as e:
+        raise ModelError(f"model_type={model_type!r} of {name!r} is not a transformers config type ({e})") from None
+    cls = _hf_class(config, model_type, head, architectures, transformers)
+    notes: list[str] = []
+    try:
+        with torch.device("meta"):
+            module = cls._from_config(config, attn_implementation=attn, dtype=dtype)
+    except Exception as e:  # transformers raises many types for an unusable config
+        raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
+    is_seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    if model_type == "switch_transformers":
+        from neusight.graph.moe import fix_switch_capacity
+
+        notes.append(fix_switch_capacity(module, config))
+    max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if model_type in ("t5", "switch_transformers"):
+        max_len = None  # relative position buckets: any length
+    vocab = config.vocab_size
+    kind_name = type(module).__name__
+
+    def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")  # (B, T)
+        kw: dict[str, Any] = {"input_ids": ids}
+        if is_seq2seq:
+            kw["decoder_input_ids"] = ids
+            kw["decoder_attention_mask"] = torch.ones(batch, seq, dtype=torch.long, device="meta")
+        return (), kw
+
+    def loss(out: Any, args: tuple, kw: dict) -> torch.Tensor:
+        # Cross-entropy over the main logits, as the NeuSight labels were measured.
+        logits = out.logits if hasattr(out, "logits") else out.prediction_logits
+        ids = kw["input_ids"]
+        if logits.dim() == 2:  # sequence classification: (B, num_labels)
+            return F.cross_entropy(logits, ids[:, 0] % logits.shape[-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1) % vocab)
+
+    notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
+    return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+
+
+def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:
+    autos = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification",
+             "pretraining": "AutoModelForPreTraining", "seq2seq": "AutoModelForSeq2SeqLM"}
+    if head is not None:
+        auto = getattr(transformers, autos[head])
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            raise ModelError(f"head={head!r} does not exist for model_type={model_type!r}; "
+                             f"choose another head or None") from None
+    for arch in architectures or []:
+        if hasattr(transformers, arch):
+            return getattr(transformers, arch)
+    for h in ("causal-lm", "seq2seq", "pretraining"):
+        mapping = getattr(transformers, autos[h])._model_mapping
+        if type(config) in mapping:
+            return mapping[type(config)]
+    return transformers.AutoModel._model_mapping[type(config)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vision and arbitrary modules
+
+
+def _vision(name: str, image_size: int, dtype: torch.dtype) -> BuiltModel:
+    if image_size < 32:
+        raise InputError(f"image_size={image_size} is too small for {name} (5 stride-2 stages); use >= 32, e.g. 224")
+    with torch.device("meta"):
+        module = _resnet.resnet(name).to(dtype)
+
+    def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
+        return (torch.zeros(batch, 3, image_size, image_size, dtype=dtype, device="meta"),), {}
+
+    def loss(out: torch.Tensor, args: tuple, kw: dict) -> torch.Tensor:
+        target = torch.zeros(out.shape[0], dtype=torch.long, device="meta")
+        return F.cross_entropy(out, target)
+
+    return BuiltModel(name, module, "vision", make_inputs, loss, False, None,
+                      [f"{name} (torchvision v1.5 layout), {image_size}x{image_size} images, 1000 classes"])
+
+
+def _from_module(module: nn.Module, input_shapes: list[tuple[int, ...]] | None, dtype: torch.dtype) -> BuiltModel:
+    if not input_shapes:
+        raise InputError("an nn.Module needs input_shapes=[(dims of input 1 without batch), ...] so the tracer can "
+                         "build example inputs, e.g. input_shapes=[(3, 224, 224)]")
+    try:
+        module = module.to(device="meta")
+    except Exception as e:
+        raise ModelError(f"{type(module).__name__} cannot be moved to the meta device: {e}") from None
+    shapes = [tuple(int(d) for d in s) for s in input_shapes]
+
+    def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
+        return tuple(torch.zeros(batch, *s, dtype=dtype, device="meta") for s in shapes), {}
+
+    def loss(out: Any, args: tuple, kw: dict) -> torch.Tensor:
+        # NB: an arbitrary module has no target: the mean of its first output stands in for a loss.
+        t = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+        return t.float().mean()
+
+    return BuiltModel(type(module).__name__, module, "module", make_inputs, loss, False, None,
+                      [f"{type(module).__name__} with inputs (batch, *{shapes})"])

@@ -1,0 +1,68 @@
+"""Kernel families and the Kernel record that the op registry produces and the predictor consumes."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Family(str, enum.Enum):
+    """What kind of GPU kernel an aten op launches; each family has its own tile rule and predictor.
+
+    Dims conventions (``Kernel.dims``), fixed here once:
+
+    - LINEAR, BMM, CONV: ``(B, M, N, K)`` = B independent GEMMs of (M x N) @ (N x K) -> (M x K);
+      **N is the reduction dimension** (the convention of the NeuSight kernel CSVs). A conv is given by
+      its implicit-GEMM shape: M = batch x output pixels, N = C_in/groups x R x S, K = C_out/groups,
+      B = groups.
+    - every other family: ``(rows, cols)``, the kernel's tensor seen as rows x cols with cols the
+      innermost (normalised / reduced / contiguous) dimension; rows x cols = elements processed.
+    """
+
+    LINEAR = "linear"
+    BMM = "bmm"
+    CONV = "conv"
+    ELEMENTWISE = "elementwise"
+    SOFTMAX = "softmax"
+    LAYERNORM = "layernorm"
+    BATCHNORM = "batchnorm"
+    POOLING = "pooling"
+    REDUCTION = "reduction"
+    EMBEDDING = "embedding"
+    MEMORY = "memory"
+    VIEW = "view"
+
+    @property
+    def is_gemm(self) -> bool:
+        return self in (Family.LINEAR, Family.BMM, Family.CONV)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel: what the predictor needs to know about it, nothing about tensors.
+
+    Attributes
+    ----------
+    family : Family
+    name : str
+        A short kernel kind, e.g. ``"gemm"``, ``"conv_dgrad"``, ``"add"``, ``"softmax_bwd"``.
+    dims : tuple[int, ...]
+        Family-specific shape, see :class:`Family`.
+    flops : float
+        Floating-point operations (a multiply-add counts 2).
+    bytes : float
+        Minimum DRAM traffic: every input read once, every output written once.
+    dtype : str
+        Compute dtype, e.g. ``"float32"``.
+    """
+
+    family: Family
+    name: str
+    dims: tuple[int, ...]
+    flops: float
+    bytes: float
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.flops < 0 or self.bytes < 0:
+            raise ValueError(f"kernel {self.name}: flops and bytes must be >= 0, got {self.flops}, {self.bytes}")

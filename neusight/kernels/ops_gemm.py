@@ -1,0 +1,160 @@
+"""GEMM-family builders: mm, addmm, bmm, baddbmm, linear, matmul leftovers, and convolutions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neusight.graph.records import OpCall, TensorMeta
+from neusight.kernels import formulas
+from neusight.kernels.base import Family, Kernel
+from neusight.kernels.registry import register
+
+aten = torch.ops.aten
+
+
+@register(aten.mm)
+def _mm(c: OpCall) -> list[Kernel]:
+    """(M x N) @ (N x K)."""
+    a, b = c.args[0], c.args[1]
+    return [formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True, name="mm")]
+
+
+@register(aten.addmm)
+def _addmm(c: OpCall) -> list[Kernel]:
+    """bias + (M x N) @ (N x K); cuBLAS folds a broadcast bias into the epilogue (beta = 1)."""
+    bias, a, b = c.args[0], c.args[1], c.args[2]
+    full_c = bias.numel == a.shape[0] * b.shape[1]
+    return [formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True,
+                          bias=not full_c, beta_c=full_c, name="addmm")]
+
+
+@register(aten.bmm)
+def _bmm(c: OpCall) -> list[Kernel]:
+    """(B x M x N) @ (B x N x K)."""
+    a, b = c.args[0], c.args[1]
+    return [formulas.gemm(a.shape[0], a.shape[1], a.shape[2], b.shape[2], dtype=a.dtype, family=Family.BMM, name="bmm")]
+
+
+@register(aten.baddbmm)
+def _baddbmm(c: OpCall) -> list[Kernel]:
+    """beta * C + alpha * (B x M x N) @ (B x N x K)."""
+    a, b = c.args[1], c.args[2]
+    beta = c.kwargs.get("beta", c.args[3] if len(c.args) > 3 else 1)
+    return [formulas.gemm(a.shape[0], a.shape[1], a.shape[2], b.shape[2], dtype=a.dtype, family=Family.BMM,
+                          beta_c=beta != 0, name="baddbmm")]
+
+
+@register(aten.linear)
+def _linear(c: OpCall) -> list[Kernel]:
+    """x (..., N) @ W^T (N -> K) (+ bias): one GEMM over all leading dims."""
+    x, w = c.args[0], c.args[1]
+    bias = c.args[2] if len(c.args) > 2 else c.kwargs.get("bias")
+    m = math.prod(x.shape[:-1])
+    return [formulas.gemm(1, m, x.shape[-1], w.shape[0], dtype=x.dtype, shared_b=True,
+                          bias=isinstance(bias, TensorMeta), name="linear")]
+
+
+def _conv_params(c: OpCall, first: int) -> tuple:
+    """(stride, padding, dilation, transposed, groups) from aten.convolution-style positional args."""
+    a = c.args
+    stride, padding, dilation, transposed = a[first], a[first + 1], a[first + 2], a[first + 3]
+    groups = a[first + 5]
+    return tuple(stride), tuple(padding), tuple(dilation), bool(transposed), int(groups)
+
+
+def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups, name: str) -> Kernel:
+    """Forward-shaped implicit GEMM of a 1-, 2- or 3-D convolution (extra spatial dims fold into M and N)."""
+    spatial = len(x.shape) - 2
+    if spatial == 1:
+        return formulas.conv2d_implicit_gemm(x.shape[0], x.shape[1], 1, x.shape[2], w.shape[0], 1, w.shape[2],
+                                             stride=(1, stride[0]), padding=(0, padding[0]),
+                                             dilation=(1, dilation[0]), groups=groups, dtype=x.dtype, name=name)
+    if spatial == 2:
+        return formulas.conv2d_implicit_gemm(x.shape[0], x.shape[1], x.shape[2], x.shape[3], w.shape[0], w.shape[2],
+                                             w.shape[3], stride=stride, padding=padding, dilation=dilation,
+                                             groups=groups, dtype=x.dtype, name=name)
+    # NB: 3-D: treat the leading spatial dim as extra batch through an equivalent 2-D shape (same FLOPs).
+    k2 = formulas.conv2d_implicit_gemm(x.shape[0], x.shape[1] * w.shape[2], x.shape[3], x.shape[4], w.shape[0],
+                                       w.shape[3], w.shape[4], stride=stride[1:], padding=padding[1:],
+                                       dilation=dilation[1:], groups=groups, dtype=x.dtype, name=name)
+    d_out = (x.shape[2] + 2 * padding[0] - dilation[0] * (w.shape[2] - 1) - 1) // stride[0] + 1
+    g, m, n, k = k2.dims
+    return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype)
+
+
+@register(aten.convolution, aten._convolution, aten.cudnn_convolution)
+def _convolution(c: OpCall) -> list[Kernel]:
+    """Forward convolution (+ a bias add kernel when a bias is given)."""
+    x, w, bias = c.args[0], c.args[1], c.args[2] if len(c.args) > 2 else None
+    stride, padding, dilation, transposed, groups = _conv_params(c, 3)
+    if transposed:  # a transposed conv is the data gradient of a conv: same GEMM with input and output swapped
+        y = c.outputs[0]
+        wt = TensorMeta(( w.shape[1] * groups, w.shape[0] // groups) + w.shape[2:], w.dtype, w.stride, w.storage, w.nbytes)
+        ks = [_conv_kernel(y, wt, stride, padding, dilation, groups, "conv_transpose")]
+    else:
+        ks = [_conv_kernel(x, w, stride, padding, dilation, groups, "conv_fwd")]
+    if isinstance(bias, TensorMeta):
+        out = c.outputs[0]
+        ks.append(formulas.elementwise("conv_bias", out.numel, n_tensor_inputs=1, cols=math.prod(out.shape[2:]) or 1,
+                                       dtype=out.dtype))
+    return ks
+
+
+@register(aten.convolution_backward)
+def _convolution_backward(c: OpCall) -> list[Kernel]:
+    """Data gradient and weight gradient as two GEMMs of the forward's FLOPs; a bias gradient is a reduction."""
+    dy, x, w = c.args[0], c.args[1], c.args[2]
+    stride, padding, dilation, transposed, groups = tuple(c.args[4]), tuple(c.args[5]), tuple(c.args[6]), bool(c.args[7]), int(c.args[9])
+    mask = c.args[10] if len(c.args) > 10 else (True, True, True)
+    fwd = _conv_kernel(x, w, stride, padding, dilation, groups, "conv")
+    g, m, n, k = fwd.dims
+    size = formulas.itemsize(x.dtype)
+    ks = []
+    if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K
+        ks.append(Kernel(Family.CONV, "conv_dgrad", (g, m, k, n), fwd.flops, float(size * (dy.numel + w.numel + x.numel)), x.dtype))
+    if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
+        ks.append(Kernel(Family.CONV, "conv_wgrad", (g, n, m, k), fwd.flops, float(size * (dy.numel + x.numel + w.numel)), x.dtype))
+    if len(mask) > 2 and mask[2]:
+        cols = math.prod(dy.shape[2:]) or 1
+        ks.append(Kernel(Family.REDUCTION, "conv_bgrad", (dy.numel // cols, cols), float(dy.numel),
+                         float(size * (dy.numel + dy.shape[1])), dy.dtype))
+    return ks
+
+
+def _attention(q: TensorMeta, k: TensorMeta, v: TensorMeta, causal: bool, extra: list[TensorMeta],
+               outs: list[TensorMeta], backward: bool, name: str) -> Kernel:
+    """Fused attention over (B, H, Lq, D) x (B, H, Lk, D): forward = two GEMMs, 4·B·H·Lq·Lk·D FLOPs
+    (halved when causal, since masked tiles are skipped); backward recomputes the scores: 5 GEMMs, 2.5x.
+    Dims are the score GEMM's: (B·H, Lq, D, Lk). Bytes: q, k, v, out (+ bias, log-sum-exp) once."""
+    bh = math.prod(q.shape[:-2])
+    lq, d, lk = q.shape[-2], q.shape[-1], k.shape[-2]
+    flops = 4.0 * bh * lq * lk * d * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
+    nbytes = sum(t.view_nbytes for t in [q, k, v] + extra + outs)
+    return Kernel(Family.BMM, name, (bh, lq, d, lk), flops, float(nbytes), q.dtype)
+
+
+@register(aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention,
+          aten._scaled_dot_product_cudnn_attention)
+def _sdpa(c: OpCall) -> list[Kernel]:
+    """Fused scaled-dot-product attention (memory-efficient / flash / cuDNN kernels)."""
+    q, k, v = c.args[:3]
+    causal = bool(c.kwargs.get("is_causal", False))
+    for a in c.args[3:]:
+        if isinstance(a, bool):
+            causal = causal or a
+    if c.op.startswith("aten._scaled_dot_product_efficient_attention"):
+        causal = bool(c.args[6]) if len(c.args) > 6 else bool(c.kwargs.get("is_causal", False))
+    extra = [t for t in c.args[3:] if isinstance(t, TensorMeta)]
+    return [_attention(q, k, v, causal, extra, list(c.outputs[:2]), False, "attention")]
+
+
+@register(aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_flash_attention_backward,
+          aten._scaled_dot_product_cudnn_attention_backward)
+def _sdpa_bwd(c: OpCall) -> list[Kernel]:
+    """Backward of fused attention: reads dO, q, k, v, O, lse; writes dq, dk, dv (+ dbias)."""
+    do, q, k, v = c.args[:4]
+    causal = bool(c.kwargs.get("is_causal", False)) or any(a is True for a in c.args[6:])
+    extra = [do] + [t for t in c.args[4:] if isinstance(t, TensorMeta)]
+    return [_attention(q, k, v, causal, extra, list(c.outputs), True, "attention_bwd")]

@@ -1,0 +1,159 @@
+"""Tracer behaviour: phases, modules, dropout, optimizer kernels, label models, registry coverage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import neusight
+from neusight.errors import InputError, ModelError, TraceError
+from tests.conftest import DATASET, need_shared
+
+ALL_MODELS = [("gpt2", dict(seq_len=64)), ("bert-base", dict(seq_len=64)), ("opt-1.3b", dict(seq_len=64)),
+              ("switch-xl-4", dict(seq_len=64)), ("resnet50", dict())]
+
+
+@pytest.mark.parametrize("name,kw", ALL_MODELS)
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_every_op_is_registered(name, kw, mode):
+    g = neusight.trace(name, batch_size=2, mode=mode, optimizer="adamw", **kw)
+    assert g.unmodeled == []
+    assert len(g.kernels) > 0
+    assert (g.kernels["bytes"] > 0).all()
+
+
+def test_training_phases_modules_and_dropout():
+    g = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training", optimizer="adamw")
+    k = g.kernels
+    assert set(k["phase"]) == {"forward", "loss", "backward", "optimizer"}
+    # forward and backward GEMMs are attributed to the layer that owns them
+    attn = k[k["module"] == "transformer.h.3.attn.c_attn"]
+    assert set(attn["phase"]) >= {"forward", "backward"}
+    # dropout runs as the fused CUDA kernel in training: 12 layers x 3 + embeddings = 37
+    assert (k["aten_op"] == "aten.native_dropout.default").sum() == 37
+    assert (k["aten_op"] == "aten.native_dropout_backward.default").sum() == 37
+    # AdamW with foreach: a handful of multi-tensor kernels, not one per parameter
+    opt = k[k["phase"] == "optimizer"]
+    assert 0 < len(opt) < 20
+    assert opt["aten_op"].str.startswith("aten._foreach_").all()
+    # the optimizer reads parameters, grads and two states: >= 4 x parameter bytes
+    assert opt["bytes"].sum() >= 4 * 4 * g.n_params
+    assert len(g.optimizer_state) == 2 * len(g.params)
+
+
+def test_inference_has_no_dropout_no_backward():
+    g = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="inference")
+    assert set(g.kernels["phase"]) == {"forward"}
+    assert not g.kernels["aten_op"].str.contains("dropout").any()
+
+
+def test_sgd_and_no_optimizer():
+    sgd = neusight.trace("resnet18", batch_size=2, mode="training", optimizer="sgd")
+    none = neusight.trace("resnet18", batch_size=2, mode="training", optimizer=None)
+    assert (sgd.kernels["phase"] == "optimizer").any()
+    assert not (none.kernels["phase"] == "optimizer").any()
+    assert len(sgd.optimizer_state) == len(sgd.params)  # momentum buffers
+
+
+def test_switch_notes_fixed_capacity():
+    g = neusight.trace("switch-xl-4", batch_size=1, seq_len=64, mode="inference")
+    assert any("fixed expert capacity" in n for n in g.notes)
+    # 12 + 12 sparse layers x 4 experts x 2 GEMMs on batch x capacity = 64 tokens each
+    expert = g.kernels[g.kernels["module"].str.contains(r"experts\.expert_\d+\.w[io]$", regex=True)]
+    assert len(expert) == 24 * 4 * 2
+    assert set(expert["dims"].map(lambda d: d[1])) == {64}
+
+
+def test_nn_module_with_input_shapes():
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    g = neusight.trace(net, batch_size=8, mode="training", input_shapes=[(16,)], optimizer="sgd")
+    lin = g.kernels[(g.kernels["family"] == "linear") & (g.kernels["phase"] == "forward")]
+    assert sorted(lin["dims"]) == [(1, 8, 16, 32), (1, 8, 32, 4)]
+
+
+def test_sdpa_is_selectable():
+    eager = neusight.trace("gpt2", batch_size=1, seq_len=64, attn_implementation="eager")
+    sdpa = neusight.trace("gpt2", batch_size=1, seq_len=64, attn_implementation="sdpa")
+    assert eager.unmodeled == [] and sdpa.unmodeled == []
+    assert (eager.kernels["family"] == "softmax").sum() > (sdpa.kernels["family"] == "softmax").sum()
+
+
+@pytest.mark.parametrize("cfg,head,cls", [
+    ("gpt2_large.json", None, "GPT2LMHeadModel"),
+    ("gpt3_xl.json", None, "GPT2LMHeadModel"),
+    ("opt_13.json", None, "OPTForCausalLM"),
+    ("bert_large.json", "sequence-classification", "BertForSequenceClassification"),
+    ("bert_large.json", "pretraining", "BertForPreTraining"),
+    ("switchxl4.json", "seq2seq", "SwitchTransformersForConditionalGeneration"),
+])
+def test_label_models_trace(cfg, head, cls):
+    path = need_shared(DATASET / "models" / cfg)
+    g = neusight.trace(str(path), batch_size=1, seq_len=128, mode="inference", head=head)
+    assert g.unmodeled == []
+    assert g.notes[0].startswith(cls)
+
+
+def test_gpt3_6_7b_needs_no_weights():
+    code = ("import resource, neusight; g = neusight.trace('gpt3-6.7b', batch_size=1, seq_len=128, mode='training');"
+            "print(g.n_params, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    n_params, maxrss_kib = int(out[-2]), int(out[-1])
+    assert n_params > 6.5e9                 # 6.7 B parameters = 27 GB of FP32 weights (+ grads + AdamW states)
+    assert maxrss_kib < 3 * 1024 * 1024     # the whole process stays under 3 GiB
+
+
+@pytest.mark.parametrize("kw,err", [
+    (dict(batch_size=0), InputError),
+    (dict(batch_size=2, seq_len=-1), InputError),
+    (dict(batch_size=2, seq_len=4096), InputError),   # GPT-2 has 1024 positions
+    (dict(batch_size=2, mode="train"), InputError),
+    (dict(batch_size=2, optimizer="lion", mode="training"), InputError),
+    (dict(batch_size=2, head="vision"), ModelError),
+])
+def test_bad_run_parameters(kw, err):
+    with pytest.raises(err):
+        neusight.trace("gpt2", **kw)
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(ModelError, match="gpt2-large"):
+        neusight.trace("gpt2-lage")
+
+
+def test_data_dependent_module_names_op_and_module():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y[y > 0]  # boolean indexing: data-dependent shape
+
+    with pytest.raises((TraceError, ModelError), match="meta"):
+        neusight.trace(Bad(), batch_size=2, input_shapes=[(4,)])
+
+
+def test_module_without_input_shapes():
+    with pytest.raises(InputError, match="input_shapes"):
+        neusight.trace(nn.Linear(3, 3), batch_size=2)
+
+
+def test_broken_config_json(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        neusight.trace(str(p))
+    p.write_text('{"n_layer": 2}')
+    with pytest.raises(ModelError, match="model_type"):
+        neusight.trace(str(p))
+
+
+def test_deterministic_trace():
+    a = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
+    b = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
+    assert a.equals(b)
