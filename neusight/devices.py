@@ -1,0 +1,334 @@
+"""GPU spec library: one YAML per GPU in ``data/devices``, loaded into a frozen, validated :class:`Device`.
+
+Units live in the field names; a spec value is a plain number in that unit or a string with a unit
+("3.35 TB/s", "80 GB"), converted on load. No GPU is known by name here: every number comes from a spec file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, get_args, get_type_hints
+
+import yaml
+
+from neusight.errors import DeviceError
+
+__all__ = ["Device", "device_dir", "list_devices", "load_device"]
+
+VENDORS = ("nvidia", "amd")
+ARCHITECTURES = ("maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell",
+                 "cdna1", "cdna2", "cdna3")
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+_EXAMPLE = "data/devices/h100-sxm5-80gb.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Spec sheet of one GPU as torch sees it (one GCD of a two-die AMD package); units in the field names.
+
+    Tensor peaks are dense (no 2:4 sparsity), None where the type is unsupported. GB/s are decimal
+    (10**9 bytes/s); memory and cache sizes are binary as marketed (GB = GiB, MB = MiB).
+    """
+
+    key: str  # library key = file stem, e.g. "h100-sxm5-80gb"
+    name: str  # marketing name
+    aliases: tuple[str, ...]  # other names, incl. every torch.cuda.get_device_name() spelling
+    vendor: str  # "nvidia" | "amd"
+    architecture: str  # one of ARCHITECTURES
+    compute_capability: str  # CUDA "8.0"; AMD gfx target "gfx90a"
+    sm_count: int  # SMs (AMD: compute units)
+    fp32_cores_per_sm: int  # FP32 lanes per SM as the spec sheet counts them
+    fp32_dual_issue: bool  # half of those lanes are shared with INT32, so SGEMM cannot fill them all
+    boost_clock_mhz: float  # clock behind fp32_tflops = 2 x sm_count x fp32_cores_per_sm x clock
+    fp32_tflops: float  # non-tensor (vector) FP32 peak
+    fp32_matrix_tflops: float  # FP32 on matrix units (AMD MFMA); NVIDIA: = fp32_tflops
+    fp16_tensor_tflops: float  # FP16 tensor peak, FP32 accumulate; without tensor cores what FP16 really does
+    memory_gib: float  # marketed memory
+    mem_bandwidth_gbps: float  # DRAM bandwidth, GB/s
+    l2_cache_mib: float
+    shared_mem_per_sm_kib: float  # max configurable shared memory (AMD: LDS) per SM
+    registers_per_sm_k: int  # 32-bit registers per SM, in units of 1024
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    interconnect_gbps: float  # NVLink / Infinity Fabric per GPU, bidirectional; PCIe where there is none
+    pcie_gbps: float  # host link, bidirectional
+    tdp_w: float  # board power
+    source: str  # the public documents the numbers come from
+    tf32_tensor_tflops: float | None = None  # None before Ampere / CDNA3
+    bf16_tensor_tflops: float | None = None  # None where BF16 math is not supported
+    infinity_cache_mib: float | None = None  # AMD memory-side cache
+
+    @property
+    def peak_fp32_flops(self) -> float:
+        """Non-tensor FP32 peak in FLOP/s."""
+        return self.fp32_tflops * 1e12
+
+    @property
+    def mem_bandwidth_bytes_per_s(self) -> float:
+        """DRAM bandwidth in bytes/s (datasheet GB/s are decimal)."""
+        return self.mem_bandwidth_gbps * 1e9
+
+    @property
+    def l2_cache_bytes(self) -> int:
+        """L2 size in bytes (a marketed "50 MB" L2 is 50 MiB)."""
+        return round(self.l2_cache_mib * 2**20)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory in bytes (a marketed "80 GB" of HBM is 80 GiB)."""
+        return round(self.memory_gib * 2**30)
+
+    @property
+    def ridge_point_fp32(self) -> float:
+        """Arithmetic intensity (FLOP/byte) where the FP32 roofline turns from memory- to compute-bound."""
+        return self.peak_fp32_flops / self.mem_bandwidth_bytes_per_s
+
+    def peak_flops(self, dtype: Any, tensor_cores: bool = True) -> float:
+        """Peak FLOP/s for `dtype` ("float32", "tf32", "float16", "bfloat16", short names or a torch.dtype).
+
+        float32: matrix-unit peak if `tensor_cores` (= vector peak on NVIDIA); tf32: float32 where unsupported
+        or without tensor cores; float16/bfloat16: tensor peak, else packed-vector min(2 x FP32, tensor peak).
+        """
+        kind = _DTYPES.get(str(dtype).lower().removeprefix("torch."))
+        if kind is None:
+            raise DeviceError(f"peak_flops: unknown dtype {dtype!r}. Fix: pass one of {sorted(_DTYPES)}.")
+        if kind == "tf32" and tensor_cores and self.tf32_tensor_tflops is not None:
+            return self.tf32_tensor_tflops * 1e12
+        tensor = {"float16": self.fp16_tensor_tflops, "bfloat16": self.bf16_tensor_tflops}.get(kind)
+        if tensor is None:  # float32, tf32 without TF32 units, and bfloat16 on parts without BF16 math
+            # NB: without BF16 units frameworks upcast bfloat16 math to FP32, so it runs at the FP32 rate.
+            return (self.fp32_matrix_tflops if tensor_cores else self.fp32_tflops) * 1e12
+        return (tensor if tensor_cores else min(2 * self.fp32_tflops, tensor)) * 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (aliases as a list), ready for YAML/JSON."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "tf32": "tf32",
+           "tensorfloat32": "tf32", "float16": "float16", "fp16": "float16", "half": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+# Accepted unit spellings per key-name suffix -> factor into the key's unit. NB: memory sizes are binary as
+# marketed ("80 GB" of HBM is 80 GiB, a "50 MB" L2 is 50 MiB), so GB and GiB mean the same here.
+_SIZES = {"KB": 2**10, "KiB": 2**10, "MB": 2**20, "MiB": 2**20, "GB": 2**30, "GiB": 2**30, "TB": 2**40,
+          "TiB": 2**40}
+_UNITS: dict[str, tuple[str, dict[str, float]]] = {  # suffix -> (the key's unit, accepted units)
+    "_mhz": ("MHz", {"MHz": 1.0, "GHz": 1e3}),
+    "_tflops": ("TFLOPS", {"GFLOPS": 1e-3, "TFLOPS": 1.0, "PFLOPS": 1e3, "GFLOP/s": 1e-3, "TFLOP/s": 1.0,
+                           "PFLOP/s": 1e3}),
+    "_gbps": ("GB/s", {"MB/s": 1e-3, "GB/s": 1.0, "TB/s": 1e3}),
+    "_w": ("W", {"W": 1.0, "kW": 1e3}),
+    "_kib": ("KiB", {u: f / 2**10 for u, f in _SIZES.items()}),
+    "_mib": ("MiB", {u: f / 2**20 for u, f in _SIZES.items()}),
+    "_gib": ("GiB", {u: f / 2**30 for u, f in _SIZES.items()}),
+}
+_QUANTITY = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(.*?)\s*$")
+_FIELDS = {f.name: f for f in dataclasses.fields(Device)}
+_TYPES = get_type_hints(Device)
+_CHOICES = {"vendor": VENDORS, "architecture": ARCHITECTURES}
+
+
+def _units_of(field: str) -> tuple[str, dict[str, float]]:
+    """The unit a field is stored in (from its name's suffix) and the unit spellings it accepts."""
+    return next((spec for suffix, spec in _UNITS.items() if field.endswith(suffix)), ("", {}))
+
+
+def _fail(where: str, field: str, value: Any, problem: str, fix: str) -> DeviceError:
+    return DeviceError(f"{where}: field '{field}' = {value!r}: {problem}. Fix: {fix}")
+
+
+def _number(field: str, value: Any, where: str, integer: bool) -> float | int:
+    """One numeric field: a plain number in the key's unit, or a string "<number> <unit>"."""
+    base, units = _units_of(field)
+    accepted = f"a plain number in {base} or a string with a unit ({', '.join(units)})" if units else "a number"
+    if isinstance(value, str):
+        match = _QUANTITY.match(value)
+        if match is None:
+            raise _fail(where, field, value, "not a number", f"write {accepted}")
+        number, unit = float(match.group(1)), match.group(2)
+        if unit:
+            factor = {u.lower(): f for u, f in units.items()}.get(unit.lower())
+            if factor is None:
+                raise _fail(where, field, value, f"unknown unit '{unit}'", f"write {accepted}")
+            number *= factor
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = value
+    else:
+        raise _fail(where, field, value, f"expected a number, got {type(value).__name__}", f"write {accepted}")
+    if not math.isfinite(number) or number <= 0:
+        raise _fail(where, field, value, "must be > 0", "write the positive spec-sheet value")
+    if integer:
+        if float(number) != int(number):
+            raise _fail(where, field, value, "must be a whole number", "write an integer count")
+        return int(number)
+    return float(number)
+
+
+def _convert(field: str, value: Any, where: str) -> Any:
+    """Check and convert one field's raw value to the dataclass type (units converted, tuples frozen)."""
+    kind = _TYPES[field]
+    if get_args(kind) and type(None) in get_args(kind):  # Optional[float]
+        if value is None:
+            return None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if kind is bool and not isinstance(value, bool):
+        raise _fail(where, field, value, "expected true or false", "write true or false")
+    if kind is bool:
+        return value
+    if kind in (int, float):
+        return _number(field, value, where, integer=kind is int)
+    if kind is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and field == "compute_capability":
+            value = str(value)  # YAML reads an unquoted 8.0 as a float
+        if not isinstance(value, str) or not value.strip():
+            raise _fail(where, field, value, "expected a non-empty string", "quote the text")
+        if field in _CHOICES and value not in _CHOICES[field]:
+            raise _fail(where, field, value, "not a known value", f"use one of {', '.join(_CHOICES[field])}")
+        return value
+    # tuple[str, ...]: aliases
+    if not isinstance(value, list) or not all(isinstance(a, str) and a.strip() for a in value):
+        raise _fail(where, field, value, "expected a list of non-empty strings",
+                    'write e.g. aliases: ["NVIDIA H100 80GB HBM3", "H100"]')
+    return tuple(value)
+
+
+def _from_mapping(raw: Any, key: str, where: str) -> Device:
+    """Validate a parsed spec (mapping of field -> raw value) and build the Device called `key`."""
+    if not isinstance(raw, Mapping):
+        raise DeviceError(f"{where}: expected a mapping of 'field: value' lines at the top level, got "
+                          f"{type(raw).__name__} {str(raw)[:60]!r}. Fix: write one 'field: value' per line "
+                          f"as in {_EXAMPLE}.")
+    if "Num_Sm" in raw and "Device" in raw:
+        raise DeviceError(f"{where}: this is a NeuSight-style JSON ('Device', 'Num_Sm', ...), not a neusight "
+                          f"device spec. Fix: pass its device name instead, load_device({raw['Device']!r}), "
+                          f"or write a spec YAML as in {_EXAMPLE}.")
+    unknown = [k for k in raw if k not in _FIELDS]
+    if unknown:
+        hints = [f"'{u}' (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(str(u), _FIELDS, 1))
+                 else f"'{u}'" for u in unknown]
+        raise DeviceError(f"{where}: unknown field {', '.join(hints)} = {raw[unknown[0]]!r}. Fix: rename or remove "
+                          f"it; accepted fields: {', '.join(f for f in _FIELDS if f != 'key')}.")
+    if raw.get("key", key) != key:
+        raise _fail(where, "key", raw["key"], f"differs from the file name '{key}'", "rename the file or the key")
+    values: dict[str, Any] = {"key": key}
+    for field, spec in _FIELDS.items():
+        if field == "key":
+            continue
+        if field not in raw:
+            if spec.default is dataclasses.MISSING:
+                unit = _units_of(field)[0]
+                raise DeviceError(f"{where}: missing required field '{field}'{f' (in {unit})' if unit else ''}."
+                                  f" Fix: add '{field}: <value>' from the spec sheet, see {_EXAMPLE}.")
+            continue
+        values[field] = _convert(field, raw[field], where)
+    return Device(**values)
+
+
+def _read_spec(path: Path) -> Device:
+    """Parse and validate one spec file (YAML, or JSON with the same fields)."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))  # NB: JSON is read by the YAML parser too
+    except OSError as exc:
+        raise DeviceError(f"{path}: cannot read device spec ({exc}). Fix: check the path.") from exc
+    except yaml.YAMLError as exc:
+        raise DeviceError(f"{path}: not valid YAML: {exc}. Fix: correct the syntax at the line shown.") from exc
+    return _from_mapping(raw, key=path.stem, where=str(path))
+
+
+def _normalize(label: str) -> str:
+    """Case-insensitive form that also ignores spaces, dashes and underscores."""
+    return re.sub(r"[\s_\-]+", "", label).lower()
+
+
+def device_dir() -> Path:
+    """Folder of the spec library: ``$NEUSIGHT_DATA/devices`` if set, else ``data/devices`` of the repo."""
+    env = os.environ.get("NEUSIGHT_DATA")
+    base = Path(env).expanduser() if env else Path(__file__).resolve().parent.parent / "data"
+    return base / "devices"
+
+
+@functools.lru_cache(maxsize=8)
+def _library(directory: str) -> tuple[Mapping[str, Device], Mapping[str, str]]:
+    """Every spec in `directory` by key, and an index normalized key/alias -> key (cached, read-only)."""
+    devices: dict[str, Device] = {}
+    index: dict[str, str] = {}
+    for path in sorted(p for p in Path(directory).glob("*.y*ml") if p.suffix in (".yaml", ".yml")):
+        device = _read_spec(path)
+        devices[device.key] = device
+        for label in (device.key, *device.aliases):
+            owner = index.setdefault(_normalize(label), device.key)
+            if owner != device.key:
+                raise DeviceError(f"{path}: alias {label!r} also names device '{owner}' ({owner}.yaml). Fix: "
+                                  "keep it in one file; names must be unique ignoring case, spaces, '-' and '_'.")
+    if not devices:
+        raise DeviceError(f"no device specs (*.yaml) found in {directory}. Fix: set NEUSIGHT_DATA to the "
+                          "folder that holds devices/*.yaml (the repository's data/ folder).")
+    return MappingProxyType(devices), MappingProxyType(index)
+
+
+def list_devices() -> list[str]:
+    """Sorted keys of every GPU in the spec library."""
+    return sorted(_library(str(device_dir()))[0])
+
+
+def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
+    """Find a GPU by key, alias or spec-file path and return its validated :class:`Device`.
+
+    Parameters
+    ----------
+    name_or_path : str, os.PathLike or Device
+        A Device (returned as is); a path to a ``.yaml``/``.yml``/``.json`` spec; or a library key
+        (``"h100-sxm5-80gb"``) or alias such as the exact ``torch.cuda.get_device_name()`` string. Names
+        match ignoring case, spaces, dashes and underscores.
+
+    Returns
+    -------
+    Device
+        Frozen and validated; library entries are parsed once per process and shared.
+
+    Raises
+    ------
+    DeviceError
+        Unknown name (the message lists the closest known keys), missing file, or an invalid spec.
+
+    Examples
+    --------
+    >>> h100 = load_device("NVIDIA H100 80GB HBM3")
+    >>> h100.key, h100.sm_count, h100.fp32_dual_issue
+    ('h100-sxm5-80gb', 132, False)
+    >>> load_device("a100 sxm4 40gb").mem_bandwidth_gbps
+    1555.0
+    >>> round(load_device("t4").ridge_point_fp32, 1)
+    25.3
+    """
+    if isinstance(name_or_path, Device):
+        return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise DeviceError(f"load_device: expected a device name, a spec path or a Device, got "
+                          f"{type(name_or_path).__name__} {name_or_path!r}. Fix: pass e.g. 'h100-sxm5-80gb'.")
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if isinstance(name_or_path, os.PathLike) or path.suffix.lower() in SPEC_SUFFIXES:
+        if not path.is_file():
+            raise DeviceError(f"device spec file {str(path)!r} does not exist or is not a file. Fix: check the path, or pass a "
+                              "library key (neusight.devices.list_devices()) instead.")
+        return _read_spec(path)
+    devices, index = _library(str(device_dir()))
+    key = index.get(_normalize(text))
+    if key is None:
+        query = _normalize(text)  # labels containing the query first ("v100"), then the most similar ones
+        close = [c for c in index if query in c] + difflib.get_close_matches(query, list(index), len(index), 0)
+        nearest = list(dict.fromkeys(index[c] for c in close))[:3]
+        raise DeviceError(f"unknown device {text!r}. Closest known: {', '.join(nearest)}. Fix: pass a key from "
+                          f"neusight.devices.list_devices(), an alias (e.g. the torch.cuda.get_device_name() "
+                          f"string) or a spec path; for a new GPU add {device_dir()}/<key>.yaml (copy "
+                          f"{_EXAMPLE}, cite the datasheet in 'source').")
+    return devices[key]

@@ -1,0 +1,333 @@
+"""The GPU spec library: every shipped YAML, lookup by key/alias/path, and validation errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from neusight.devices import Device, device_dir, list_devices, load_device
+from neusight.errors import DeviceError
+
+SPEC_FILES = sorted(device_dir().glob("*.yaml"))
+KEYS = [p.stem for p in SPEC_FILES]
+
+REQUIRED_KEYS = [
+    "p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "v100-sxm2-16gb", "a10", "a40", "a100-pcie-40gb",
+    "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb", "l4", "l40s", "h100-pcie", "h100-sxm5-80gb",
+    "h200", "b200", "rtx-3090", "rtx-4090", "rtx-2080-ti", "gtx-1080-ti", "titan-v", "titan-rtx",
+    "titan-xp", "mi100", "mi210", "mi250", "mi300x",
+]
+
+# exact torch.cuda.get_device_name() strings (old and new driver spellings) -> library key
+REQUIRED_ALIASES = {
+    "Tesla P4": "p4",
+    "Tesla P100-PCIE-16GB": "p100-pcie-16gb",
+    "Tesla T4": "t4",
+    "Tesla V100-PCIE-32GB": "v100-pcie-32gb",
+    "Tesla V100-SXM2-16GB": "v100-sxm2-16gb",
+    "v100-sxm2": "v100-sxm2-16gb",
+    "NVIDIA A10": "a10",
+    "NVIDIA A40": "a40",
+    "NVIDIA A100-PCIE-40GB": "a100-pcie-40gb",
+    "NVIDIA A100-SXM4-40GB": "a100-sxm4-40gb",
+    "NVIDIA A100 80GB PCIe": "a100-80gb-pcie",
+    "NVIDIA A100-SXM4-80GB": "a100-sxm4-80gb",
+    "NVIDIA L4": "l4",
+    "NVIDIA L40S": "l40s",
+    "NVIDIA H100 80GB HBM3": "h100-sxm5-80gb",
+    "NVIDIA H100 PCIe": "h100-pcie",
+    "NVIDIA H200": "h200",
+    "NVIDIA B200": "b200",
+    "H100": "h100-sxm5-80gb",
+    "A100": "a100-sxm4-40gb",
+    "GeForce RTX 2080 Ti": "rtx-2080-ti",
+    "NVIDIA GeForce RTX 2080 Ti": "rtx-2080-ti",
+    "GeForce GTX 1080 Ti": "gtx-1080-ti",
+    "NVIDIA GeForce GTX 1080 Ti": "gtx-1080-ti",
+    "GeForce RTX 3090": "rtx-3090",
+    "NVIDIA GeForce RTX 3090": "rtx-3090",
+    "NVIDIA GeForce RTX 4090": "rtx-4090",
+    "TITAN V": "titan-v",
+    "NVIDIA TITAN V": "titan-v",
+    "TITAN RTX": "titan-rtx",
+    "NVIDIA TITAN RTX": "titan-rtx",
+    "TITAN Xp": "titan-xp",
+    "NVIDIA TITAN Xp": "titan-xp",
+    "TITAN X (Pascal)": "titan-x-pascal",
+    "Tesla M40": "m40",
+    "AMD Instinct MI100": "mi100",
+    "AMD Instinct MI210": "mi210",
+    "AMD Instinct MI250": "mi250",
+    "AMD Instinct MI250X / MI250": "mi250",
+    "AMD Instinct MI300X": "mi300x",
+}
+
+
+def _norm(label: str) -> str:
+    return re.sub(r"[\s_\-]+", "", label).lower()
+
+
+# ---- the shipped library ---------------------------------------------------------------------------------
+
+def test_library_has_every_required_key():
+    assert set(REQUIRED_KEYS) <= set(list_devices())
+    assert list_devices() == sorted(KEYS)
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=KEYS)
+def test_every_spec_file_loads_and_cites_its_source(path: Path):
+    device = load_device(path)
+    assert device.key == path.stem
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", device.key)
+    assert path.read_text().startswith("# source: ")
+    assert len(device.source) > 20
+    assert load_device(device.key) == device  # same numbers by path and by key
+
+
+@pytest.mark.parametrize("alias, key", REQUIRED_ALIASES.items())
+def test_required_alias_resolves(alias: str, key: str):
+    assert load_device(alias).key == key
+
+
+@pytest.mark.parametrize("name, key", [
+    ("nvidia h100 80gb hbm3", "h100-sxm5-80gb"),
+    ("NVIDIA_H100_80GB_HBM3", "h100-sxm5-80gb"),
+    ("  Tesla T4 ", "t4"),
+    ("tesla-t4", "t4"),
+    ("A100 SXM4 40GB", "a100-sxm4-40gb"),
+    ("H100_SXM5_80GB", "h100-sxm5-80gb"),
+    ("geforce rtx 2080ti", "rtx-2080-ti"),
+    ("MI300X", "mi300x"),
+    ("NVIDIA_A100_80GB_PCIe", "a100-80gb-pcie"),  # file-stem spellings of the NeuSight dataset
+    ("Tesla_V100-PCIE-32GB", "v100-pcie-32gb"),
+    ("AMD_Instinct_MI250", "mi250"),
+])
+def test_lookup_ignores_case_spaces_dashes_underscores(name: str, key: str):
+    assert load_device(name).key == key
+
+
+def test_no_two_devices_share_an_alias():
+    owner: dict[str, str] = {}
+    for key in list_devices():
+        device = load_device(key)
+        for label in {_norm(a) for a in (key, *device.aliases)}:
+            assert owner.setdefault(label, key) == key, f"{label!r} names both {owner[label]} and {key}"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_fp32_peak_matches_lanes_times_clock(key: str):
+    # fp32 = 2 FLOP/FMA x SMs x FP32 lanes per SM x clock, e.g. H100 SXM: 2 x 132 x 128 x 1980 MHz = 66.9 TF
+    d = load_device(key)
+    derived_tflops = 2 * d.sm_count * d.fp32_cores_per_sm * d.boost_clock_mhz / 1e6
+    assert derived_tflops == pytest.approx(d.fp32_tflops, rel=0.03)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_peaks_are_ordered_sensibly(key: str):
+    d = load_device(key)
+    assert d.fp32_matrix_tflops >= d.fp32_tflops
+    assert d.fp16_tensor_tflops >= d.fp32_tflops
+    for tensor in (d.tf32_tensor_tflops, d.bf16_tensor_tflops):
+        assert tensor is None or tensor >= d.fp32_tflops
+    assert d.interconnect_gbps >= d.pcie_gbps
+    assert d.architecture in ("maxwell", "pascal", "volta", "turing") or d.bf16_tensor_tflops is not None
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_dual_issue_flag_marks_ga10x_and_ada_only(key: str):
+    d = load_device(key)
+    assert d.fp32_dual_issue == (d.architecture == "ada" or d.compute_capability == "8.6")
+
+
+@pytest.mark.parametrize("a100", ["a100-pcie-40gb", "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb"])
+def test_h100_sxm_beats_a100_in_every_peak(a100: str):
+    h, a = load_device("h100-sxm5-80gb"), load_device(a100)
+    for dtype in ("float32", "tf32", "float16", "bfloat16"):
+        for tensor_cores in (True, False):
+            assert h.peak_flops(dtype, tensor_cores) > a.peak_flops(dtype, tensor_cores)
+    assert h.mem_bandwidth_bytes_per_s > a.mem_bandwidth_bytes_per_s
+    assert h.l2_cache_bytes > a.l2_cache_bytes
+    assert h.interconnect_gbps > a.interconnect_gbps
+
+
+def test_mi250_is_one_gcd():
+    # torch sees each of the two dies as a device: half the package's 208 CUs, 128 GB, 3.2768 TB/s
+    d = load_device("AMD Instinct MI250")
+    assert (d.sm_count, d.memory_gib, d.mem_bandwidth_gbps) == (104, 64, 1638.4)
+
+
+# ---- derived quantities ----------------------------------------------------------------------------------
+
+def test_derived_properties():
+    d = load_device("h100-sxm5-80gb")
+    assert d.peak_fp32_flops == 67e12
+    assert d.mem_bandwidth_bytes_per_s == 3350e9
+    assert d.memory_bytes == 80 * 2**30
+    assert d.l2_cache_bytes == 50 * 2**20
+    assert d.ridge_point_fp32 == pytest.approx(67e12 / 3350e9)  # = 20 FLOP/byte
+
+
+def test_peak_flops_by_dtype():
+    h, v, p100, mi = (load_device(k) for k in ("h100-sxm5-80gb", "v100-sxm2-16gb", "p100-pcie-16gb", "mi100"))
+    assert h.peak_flops("float32") == h.peak_flops("fp32", tensor_cores=False) == 67e12
+    assert h.peak_flops("tf32") == pytest.approx(494.7e12)
+    assert h.peak_flops("tf32", tensor_cores=False) == 67e12
+    assert h.peak_flops("torch.bfloat16") == h.peak_flops("bf16") == pytest.approx(989.4e12)
+    assert h.peak_flops("half", tensor_cores=False) == 2 * 67e12  # packed half2 vector rate
+    assert v.peak_flops("tf32") == v.peak_flops("float32") == 15.7e12  # no TF32 before Ampere
+    assert v.peak_flops("bfloat16") == 15.7e12  # no BF16 units: upcast to FP32
+    assert p100.peak_flops("float16") == pytest.approx(18.7e12)
+    assert p100.peak_flops("float16", tensor_cores=False) == pytest.approx(18.6e12)  # min(2 x 9.3, 18.7)
+    assert mi.peak_flops("float32") == pytest.approx(46.1e12)  # matrix cores
+    assert mi.peak_flops("float32", tensor_cores=False) == pytest.approx(23.1e12)
+    with pytest.raises(DeviceError, match="int8"):
+        h.peak_flops("int8")
+
+
+def test_device_is_frozen_and_round_trips_through_dict():
+    d = load_device("l4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.sm_count = 1  # type: ignore[misc]
+    as_dict = d.to_dict()
+    assert isinstance(as_dict["aliases"], list)
+    assert Device(**{**as_dict, "aliases": tuple(as_dict["aliases"])}) == d
+    assert load_device(d) is d
+    assert load_device("NVIDIA L4") is load_device("l4")  # parsed once, shared
+
+
+# ---- spec files given by path ----------------------------------------------------------------------------
+
+def _valid_spec() -> dict:
+    spec = load_device("h100-sxm5-80gb").to_dict()
+    del spec["key"]
+    return spec
+
+
+def _write(tmp_path: Path, spec, name: str = "my-gpu.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False) if not isinstance(spec, str) else spec)
+    return path
+
+
+def test_path_loading_yaml_json_and_pathlike(tmp_path: Path):
+    by_str = load_device(str(_write(tmp_path, _valid_spec())))
+    assert by_str.key == "my-gpu" and by_str.sm_count == 132
+    assert load_device(tmp_path / "my-gpu.yaml") == by_str
+    json_path = tmp_path / "h100-sxm5-80gb.json"
+    json_path.write_text(json.dumps(load_device("h100-sxm5-80gb").to_dict()))
+    assert load_device(json_path) == load_device("h100-sxm5-80gb")
+
+
+def test_values_with_units_are_converted(tmp_path: Path):
+    spec = {**_valid_spec(), "mem_bandwidth_gbps": "3.35 TB/s", "memory_gib": "80 GB",
+            "boost_clock_mhz": "1.98 GHz", "l2_cache_mib": "50 MB", "fp32_tflops": "67 TFLOPS",
+            "shared_mem_per_sm_kib": "228 KiB", "tdp_w": "0.7 kW", "interconnect_gbps": "900 GB/s",
+            "sm_count": "132"}
+    d = load_device(_write(tmp_path, spec))
+    assert d.mem_bandwidth_gbps == pytest.approx(3350)
+    assert d.memory_gib == 80 and d.l2_cache_mib == 50 and d.shared_mem_per_sm_kib == 228
+    assert d.boost_clock_mhz == pytest.approx(1980) and d.tdp_w == pytest.approx(700)
+    assert d.fp32_tflops == 67 and d.interconnect_gbps == 900 and d.sm_count == 132
+    assert load_device(_write(tmp_path, {**spec, "l2_cache_mib": "512 KB"})).l2_cache_mib == 0.5
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"mem_bandwidth_gbps": -5}, ["mem_bandwidth_gbps", "-5", "must be > 0"]),
+    ({"sm_count": 0}, ["sm_count", "0", "must be > 0"]),
+    ({"mem_bandwidth_gbps": "3.35 TB/sec"}, ["mem_bandwidth_gbps", "3.35 TB/sec", "TB/sec", "GB/s", "TB/s"]),
+    ({"boost_clock_mhz": "fast"}, ["boost_clock_mhz", "fast", "MHz", "GHz"]),
+    ({"sm_count": 131.5}, ["sm_count", "131.5", "whole number"]),
+    ({"sm_count": "132 SMs"}, ["sm_count", "132 SMs", "unknown unit"]),
+    ({"fp32_dual_issue": "yes"}, ["fp32_dual_issue", "yes", "true or false"]),
+    ({"aliases": "H100"}, ["aliases", "H100", "list"]),
+    ({"vendor": "intel"}, ["vendor", "intel", "nvidia, amd"]),
+    ({"architecture": "Hopper"}, ["architecture", "Hopper", "hopper"]),
+    ({"mem_bandwith_gbps": 3350}, ["mem_bandwith_gbps", "3350", "did you mean 'mem_bandwidth_gbps'"]),
+    ({"tf32_tensor_tflops": True}, ["tf32_tensor_tflops", "True", "expected a number"]),
+])
+def test_bad_value_names_file_field_and_value(tmp_path: Path, change: dict, expected: list[str]):
+    path = _write(tmp_path, {**_valid_spec(), **change})
+    with pytest.raises(DeviceError) as info:
+        load_device(path)
+    message = str(info.value)
+    assert str(path) in message and "Fix:" in message
+    for part in expected:
+        assert part in message
+
+
+def test_missing_field_is_named(tmp_path: Path):
+    spec = _valid_spec()
+    del spec["mem_bandwidth_gbps"]
+    with pytest.raises(DeviceError, match=r"missing required field 'mem_bandwidth_gbps' \(in GB/s\)"):
+        load_device(_write(tmp_path, spec))
+    del spec["infinity_cache_mib"], spec["bf16_tensor_tflops"]  # optional ones may be left out
+    spec["mem_bandwidth_gbps"] = 3350
+    assert load_device(_write(tmp_path, spec)).bf16_tensor_tflops is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("- name: H100\n- sm_count: 132\n", "expected a mapping"),
+    ("just a string\n", "expected a mapping"),
+    ("", "expected a mapping"),
+    ("name: [unclosed\n", "not valid YAML"),
+    (json.dumps({"Device": "Tesla T4", "Num_Sm": 40, "Mem_Bw": 320}), "load_device('Tesla T4')"),
+])
+def test_malformed_file(tmp_path: Path, text: str, expected: str):
+    path = _write(tmp_path, text)
+    with pytest.raises(DeviceError, match=re.escape(expected)) as info:
+        load_device(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_spec_file(tmp_path: Path):
+    with pytest.raises(DeviceError, match="does not exist"):
+        load_device(tmp_path / "nope.yaml")
+
+
+# ---- unknown names and other libraries -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, close", [
+    ("H100 SXM6", "h100-sxm5-80gb"),
+    ("a100-sxm4-40g", "a100-sxm4-40gb"),
+    ("rtx 4080", "rtx-4090"),
+])
+def test_unknown_name_lists_close_matches(name: str, close: str):
+    with pytest.raises(DeviceError) as info:
+        load_device(name)
+    message = str(info.value)
+    assert repr(name) in message and close in message and ".yaml" in message
+    listed = message.split("Closest known: ")[1].split(". Fix")[0].split(", ")
+    assert len(listed) == 3 and close in listed
+
+
+def test_wrong_argument_type():
+    with pytest.raises(DeviceError, match="expected a device name"):
+        load_device(132)  # type: ignore[arg-type]
+
+
+def test_neusight_data_env_and_duplicate_aliases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    spec = _valid_spec()  # read from the shipped library before NEUSIGHT_DATA points elsewhere
+    folder = tmp_path / "devices"
+    folder.mkdir()
+    _write(folder, spec, "gpu-a.yaml")
+    monkeypatch.setenv("NEUSIGHT_DATA", str(tmp_path))
+    assert device_dir() == folder
+    assert list_devices() == ["gpu-a"]
+    assert load_device("NVIDIA H100 80GB HBM3").key == "gpu-a"
+
+    other = tmp_path / "other"
+    (other / "devices").mkdir(parents=True)
+    _write(other / "devices", spec, "gpu-a.yaml")
+    _write(other / "devices", {**spec, "aliases": ["h100_sxm"]}, "gpu-b.yaml")
+    monkeypatch.setenv("NEUSIGHT_DATA", str(other))
+    with pytest.raises(DeviceError, match=r"gpu-b\.yaml: alias 'h100_sxm' also names device 'gpu-a'"):
+        list_devices()
+
+    monkeypatch.setenv("NEUSIGHT_DATA", str(tmp_path / "empty"))
+    with pytest.raises(DeviceError, match="NEUSIGHT_DATA"):
+        load_device("h100")
