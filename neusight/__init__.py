@@ -1,7 +1,11 @@
 """neusight: forecast GPU latency of deep-learning inference and training from spec sheets alone."""
 
+from neusight.api import Prediction, load_predictor, predict, predict_graph, predict_kernel_table
+from neusight.devices import Device, list_devices, load_device
 from neusight.errors import NeuSightError
+from neusight.graph.models import list_models
 from neusight.graph.tracer import trace
 
-__all__ = ["NeuSightError", "trace"]
+__all__ = ["Device", "NeuSightError", "Prediction", "list_devices", "list_models", "load_device", "load_predictor",
+           "predict", "predict_graph", "predict_kernel_table", "trace"]
 __version__ = "0.1.0"

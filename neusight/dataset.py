@@ -318,7 +318,32 @@ def _resolve(name: str, cache: dict[str, Device | None]) -> Device | None:
 
 def _read_trace_file(path: Path, cache: dict[str, Device | None]) -> tuple[pd.DataFrame, Counter]:
     """One CSV -> the standardised rows that pass every check, and the skip counts."""
-    raw = _read_csv(path)
+    return _standardize(_read_csv(path), path, cache)
+
+
+def kernel_frame(raw: pd.DataFrame, *, source: str = "<DataFrame>", measured: bool = True) -> pd.DataFrame:
+    """A DataFrame in the shared kernel-CSV schema -> the tidy frame of :func:`load_kernel_traces`.
+
+    With ``measured=False`` (rows to predict), ``Latency``, ``Kernel Name`` and the launch columns may be
+    absent: they are filled with placeholders (latency 1 ms, no kernel name, a 1x1x1 launch). Rows are
+    never dropped silently: a row that is not usable raises (``measured=False``) or is counted.
+    """
+    raw = raw.copy()
+    if not measured:
+        for col, fill in {"Latency": 1.0, "Kernel Name": "", **{c: 1 for c in _LAUNCH}}.items():
+            if col not in raw.columns:
+                raw[col] = fill
+        raw["Kernel Name"] = raw["Kernel Name"].fillna("")
+    cache: dict[str, Device | None] = {}
+    part, counts = _standardize(raw, Path(source), cache)
+    if not measured and counts:
+        raise DataError(f"{source}: {sum(counts.values())} of {len(raw)} rows cannot be predicted ({dict(counts)}); "
+                        f"known OPNames are {sorted(_OPS)}, Device must be a GPU name neusight knows, dims > 0")
+    by_file = {source: dict(counts)} if counts else {}
+    return _finish(part, cache, counts, by_file)
+
+
+def _standardize(raw: pd.DataFrame, path: Path, cache: dict[str, Device | None]) -> tuple[pd.DataFrame, Counter]:
     _require(raw, ("OPName", "Latency", "Device"), path)
     op = raw["OPName"].astype(object).where(raw["OPName"].notna()).map(
         lambda s: s.strip() if isinstance(s, str) else s)

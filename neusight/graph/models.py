@@ -50,6 +50,12 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                 num_sparse_encoder_layers=12, num_sparse_decoder_layers=12,
                                                 encoder_sparse_step=2, decoder_sparse_step=2, vocab_size=32128,
                                                 feed_forward_proj="relu", dropout_rate=0.1, router_jitter_noise=0.01)),
+    # Switch-Base (Fedus et al. 2022, the switch-base-8 layout) with 4 experts: the NeuSight L4 "switch4" runs.
+    "switch-base-4": ("switch_transformers", dict(d_model=768, d_ff=3072, d_kv=64, num_heads=12, num_layers=12,
+                                                  num_decoder_layers=12, num_experts=4, expert_capacity=64,
+                                                  num_sparse_encoder_layers=6, num_sparse_decoder_layers=6,
+                                                  encoder_sparse_step=2, decoder_sparse_step=2, vocab_size=32128,
+                                                  feed_forward_proj="relu", dropout_rate=0.1, router_jitter_noise=0.01)),
 }
 PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
                   "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4"}

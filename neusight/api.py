@@ -1,0 +1,187 @@
+"""Public API: trace a model, predict its kernels on a GPU from the spec sheet, aggregate."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from neusight.devices import Device, load_device
+from neusight.errors import DataError
+from neusight.graph.graph import Graph
+from neusight.graph.tracer import trace
+from neusight.kernels.base import Family
+from neusight.predictor.model import Predictor
+from neusight.util import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+GEMM = {Family.LINEAR.value, Family.BMM.value, Family.CONV.value}
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+@functools.lru_cache(maxsize=4)
+def _predictor(path: str | None) -> Predictor:
+    return Predictor.load(path)
+
+
+def load_predictor(path: str | Path | Predictor | None = None) -> Predictor:
+    """The shipped predictor (cached), a checkpoint directory, or a Predictor passed through."""
+    if isinstance(path, Predictor):
+        return path
+    return _predictor(None if path is None else str(Path(path).resolve()))
+
+
+def kernel_dims(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Split a trace's ``dims`` tuples into B, M, N, K (GEMM families) or rows, cols (the others)."""
+    dims = kernels["dims"].tolist()
+    gemm = kernels["family"].isin(GEMM).to_numpy()
+    out = pd.DataFrame(np.nan, index=kernels.index, columns=["B", "M", "N", "K", "rows", "cols"])
+    if gemm.any():
+        out.loc[gemm, ["B", "M", "N", "K"]] = np.array([d for d, g in zip(dims, gemm) if g], dtype=float)
+    if (~gemm).any():
+        out.loc[~gemm, ["rows", "cols"]] = np.array([d for d, g in zip(dims, gemm) if not g], dtype=float)
+    return out
+
+
+@dataclass
+class Prediction:
+    """Result of :func:`predict`: total, per phase, per layer and per kernel, plus memory."""
+
+    model: str
+    device: Device
+    mode: str
+    batch_size: int
+    seq_len: int | None
+    latency_ms: float
+    phases: dict[str, float]
+    kernels: pd.DataFrame
+    graph: Graph = field(repr=False)
+    notes: tuple[str, ...] = ()
+    memory: Any = None
+    predictor_devices: tuple[str, ...] = ()
+
+    @property
+    def layers(self) -> pd.DataFrame:
+        """Per module path: latency (ms), share of the total, kernels, and the dominant bound."""
+        k = self.kernels
+        agg = k.groupby("module", sort=False).agg(latency_ms=("latency_ms", "sum"), kernels=("latency_ms", "size"),
+                                                  gflops=("flops", lambda s: s.sum() / 1e9))
+        mem = k[k["bound"] == "memory"].groupby("module")["latency_ms"].sum()
+        agg["memory_bound_share"] = (mem.reindex(agg.index).fillna(0) / agg["latency_ms"]).round(3)
+        agg["share"] = agg["latency_ms"] / max(self.latency_ms, 1e-12)
+        return agg.sort_values("latency_ms", ascending=False)
+
+    def by_family(self) -> pd.DataFrame:
+        k = self.kernels
+        agg = k.groupby("family").agg(kernels=("latency_ms", "size"), latency_ms=("latency_ms", "sum"),
+                                      roofline_ms=("roofline_ms", "sum"), gflops=("flops", lambda s: s.sum() / 1e9),
+                                      gb=("bytes", lambda s: s.sum() / 1e9))
+        agg["share"] = agg["latency_ms"] / max(self.latency_ms, 1e-12)
+        return agg.sort_values("latency_ms", ascending=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"model": self.model, "device": self.device.key, "device_name": self.device.name, "mode": self.mode,
+             "batch_size": self.batch_size, "seq_len": self.seq_len, "latency_ms": self.latency_ms,
+             "phases": self.phases, "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
+             "families": self.by_family().reset_index().to_dict(orient="records")}
+        if self.memory is not None and hasattr(self.memory, "to_dict"):
+            d["memory"] = self.memory.to_dict()
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, default=float)
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    def to_csv(self, path: str | Path) -> None:
+        k = self.kernels.copy()
+        k["dims"] = k["dims"].map(lambda d: "x".join(str(x) for x in d))
+        atomic_write_text(path, k.to_csv(index=False))
+
+
+def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None) -> Prediction:
+    """Predict an already traced graph on ``device``."""
+    device = load_device(device)
+    pred = load_predictor(predictor)
+    k = g.kernels.reset_index(drop=True)
+    frame = pd.concat([k[["family", "flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
+    res = pred.predict(frame, device)
+    kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
+    # NB: kernels were measured one at a time, paying the launch overhead on top of their work. In a model
+    # the launches are queued asynchronously and overlap the previous kernel, so a kernel costs its work or
+    # the launch floor, whichever is larger (measured on the training GPUs' labels: docs/evaluation.md).
+    kernels["isolated_ms"] = kernels["latency_ms"]
+    kernels["latency_ms"] = np.maximum(kernels["latency_ms"] - kernels["overhead_ms"], kernels["overhead_ms"])
+    phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
+              if (kernels["phase"] == p).any()}
+    return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,
+                      kernels, g, g.notes, None, pred.train_devices_)
+
+
+def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int | None = None,
+            mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
+            predictor: Predictor | str | Path | None = None, memory: bool = True, **trace_kwargs: Any) -> Prediction:
+    """Forecast one inference pass or one training step of ``model`` on ``device``.
+
+    Parameters
+    ----------
+    model : str, path or nn.Module
+        A preset, a Hugging Face config JSON, or an nn.Module (then pass ``input_shapes``).
+    device : str, path or Device
+        A library key (``"h100-sxm5-80gb"``), a ``torch.cuda.get_device_name()`` string, or a spec YAML.
+    mode : {"inference", "training"}
+        Training = forward + loss + backward + optimizer step (``optimizer=None`` leaves the step out).
+    predictor : optional
+        A checkpoint directory; the shipped predictor by default.
+
+    Returns
+    -------
+    Prediction
+        ``latency_ms``, ``phases``, ``kernels`` (trace columns + tiles, waves, bound, roofline_ms,
+        utilization, latency_ms), ``layers``, ``memory``.
+
+    Examples
+    --------
+    >>> import neusight
+    >>> p = neusight.predict("gpt2", "h100-sxm5-80gb", batch_size=2, seq_len=128)
+    >>> p.latency_ms > 0 and set(p.phases) == {"forward"}
+    True
+    """
+    device = load_device(device)
+    g = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, **trace_kwargs)
+    p = predict_graph(g, device, predictor)
+    if memory:
+        try:
+            from neusight.memory import estimate_memory
+        except ImportError:  # pragma: no cover - memory module not installed
+            return p
+        p.memory = estimate_memory(g, device)
+    return p
+
+
+def predict_kernel_table(df: pd.DataFrame, predictor: Predictor | str | Path | None = None) -> pd.Series:
+    """Predicted latency (ms) of every row of a DataFrame in the shared kernel-CSV schema.
+
+    Needs ``OPName``, ``Device`` and the op's shape columns (``B, M, N, K`` for bmm/linear, conv columns,
+    ``B, H`` for the others); ``Latency``, kernel names and launch columns are not used.
+    """
+    from neusight.dataset import kernel_frame
+
+    if not isinstance(df, pd.DataFrame) or df.empty:
+        raise DataError("predict_kernel_table needs a non-empty DataFrame in the shared kernel-CSV schema "
+                        "(OPName, Device and shape columns)")
+    frame = kernel_frame(df.reset_index(drop=True), measured=False)
+    pred = load_predictor(predictor)
+    out = pd.Series(np.nan, index=frame.index, name="predicted_ms")
+    for dev, rows in frame.groupby("device"):
+        out.loc[rows.index] = pred.predict(rows, dev)["latency_ms"].to_numpy()
+    out.index = df.index
+    return out

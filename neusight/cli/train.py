@@ -1,0 +1,93 @@
+"""``neusight-train``: fit the per-family utilization MLPs on kernel traces and write a checkpoint.
+
+The defaults regenerate the shipped predictor (``data/predictor``): NVIDIA kernel sweeps of the five
+training GPUs only (P4, P100, T4, V100, A100-40GB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class DataConfig:
+    traces: list[str] = field(default_factory=lambda: [str(REPO.parent / "shared/datasets/neusight-asplos25/kernels/nvidia")])
+    devices: list[str] = field(default_factory=lambda: ["p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "a100-pcie-40gb"])
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    predictor: Any = MISSING                 # config group predictor/: hyper-parameters per family
+    val_devices: list[str] = field(default_factory=lambda: ["logo"])   # or GPU keys held out for early stopping
+    seed: int = 0
+    out: str = str(REPO / "data" / "predictor")
+    progress: bool = True
+    resume: bool = True
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def data_hash(paths: list[str]) -> str:
+    """sha256 over the CSV files (relative name + content), so a checkpoint says exactly what it saw."""
+    from neusight.dataset import _expand_paths
+
+    h = hashlib.sha256()
+    for f in sorted(_expand_paths(paths)):
+        h.update(f.name.encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
+@catch_user_errors
+def _app(cfg: TrainConfig) -> float:
+    from neusight.dataset import load_kernel_traces
+    from neusight.predictor.mlp import MLPConfig
+    from neusight.predictor.model import Predictor, PredictorConfig
+
+    quiet_third_party_logs()
+    t0 = time.time()
+    traces = [str(Path(p)) for p in cfg.data.traces]
+    df = load_kernel_traces(traces, devices=list(cfg.data.devices))
+    log.info("loaded %d kernel rows of %s in %.1f s", len(df), sorted(df["device"].unique()), time.time() - t0)
+    fams = {name: MLPConfig(**{**OmegaConf.to_container(spec, resolve=True), "seed": cfg.seed,
+                               "hidden": tuple(spec.hidden)})
+            for name, spec in cfg.predictor.families.items()}
+    pcfg = PredictorConfig(families=fams, val_devices=tuple(cfg.val_devices), seed=cfg.seed)
+    digest = data_hash(traces)
+    resume_dir = Path(cfg.out).with_name(f".{Path(cfg.out).name}.partial-{digest[:12]}") if cfg.resume else None
+    pred = Predictor(pcfg).fit(df, progress=cfg.progress, resume_dir=resume_dir)
+    command = "neusight-train " + " ".join(sys.argv[1:])
+    pred.save(cfg.out, manifest_extra={
+        "command": command.strip(), "data": {"traces": traces, "devices": list(cfg.data.devices), "rows": int(len(df)),
+                                             "sha256": digest},
+        "trained_on": "kernel sweeps of " + ", ".join(sorted(df["device"].unique())),
+        "created_s": round(time.time() - t0, 1)})
+    if resume_dir is not None:
+        import shutil
+
+        shutil.rmtree(resume_dir, ignore_errors=True)
+    mean = sum(v["train_mape_per_device"][d] for v in pred.metrics_.values() for d in v["train_mape_per_device"])
+    n = sum(len(v["train_mape_per_device"]) for v in pred.metrics_.values())
+    print(f"wrote {cfg.out} in {time.time() - t0:.0f} s; mean training MAPE {mean / max(n, 1):.1f} %")
+    return mean / max(n, 1)
+
+
+main = exit_2_on_config_errors(_app)

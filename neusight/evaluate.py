@@ -1,0 +1,102 @@
+"""End-to-end evaluation against the measured NeuSight labels (protocol of the dataset README).
+
+A label ``labels/<GPU>/<model>-<mode>-<seqlen>-<batch>.json`` is one measured step: inference =
+``eval()`` + ``no_grad`` forward; training = forward + ``loss.backward()`` of a cross-entropy, with the
+loss computation and the optimizer step not timed. Heads: GPT / OPT causal LM; BERT sequence
+classification (inference) and pre-training (training); Switch seq2seq.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from neusight.devices import load_device
+from neusight.errors import DataError
+
+LABEL_RE = re.compile(r"^(?P<model>[a-z0-9_]+)-(?P<mode>inf|train)-(?P<seq>\d+)-(?P<batch>\d+)(?:-(?P<option>.+))?\.json$")
+# label model names without a config JSON under models/ -> our preset of the same architecture. L4's
+# "switch4" runs are a Switch-Base with 4 experts (d_model 768, d_ff 3072, 12+12 layers: read off the
+# shapes in its per-node CSV), not the Switch-XL of "switchxl4".
+PRESET_FOR = {"switch4": "switch-base-4"}
+
+
+@dataclass(frozen=True)
+class LabelRun:
+    gpu_dir: str
+    device: str            # library key
+    model: str             # label model name, e.g. gpt2_large
+    config: str            # path of the model's HF config JSON (or a preset name)
+    mode: str              # inference | training
+    seq_len: int
+    batch_size: int
+    option: str | None     # fusion, dp4, ... (None = plain eager run)
+    measured_ms: float
+    measured_fw_ms: float
+    measured_bw_ms: float
+    path: str
+
+    @property
+    def head(self) -> str:
+        if self.model.startswith("bert"):
+            return "sequence-classification" if self.mode == "inference" else "pretraining"
+        if self.model.startswith("switch"):
+            return "seq2seq"
+        return "causal-lm"
+
+
+def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), plain_only: bool = True) -> list[LabelRun]:
+    """Every label run under ``dataset/labels`` whose GPU the device library knows."""
+    root = Path(dataset)
+    labels = root / "labels"
+    if not labels.is_dir():
+        raise DataError(f"{labels} does not exist; pass the neusight-asplos25 dataset folder (it holds labels/ and models/)")
+    runs = []
+    for gpu_dir in sorted(p for p in labels.iterdir() if p.is_dir()):
+        dev = load_device(gpu_dir.name.replace("_", " "))
+        if dev.vendor not in vendors:
+            continue
+        for f in sorted(gpu_dir.glob("*.json")):
+            m = LABEL_RE.match(f.name)
+            if not m or (plain_only and m["option"]):
+                continue
+            data = json.loads(f.read_text())
+            cfg = root / "models" / f"{m['model']}.json"
+            if m["model"] in PRESET_FOR:
+                cfg = PRESET_FOR[m["model"]]
+            elif not cfg.is_file():
+                raise DataError(f"{f}: its model config {cfg} does not exist")
+            runs.append(LabelRun(gpu_dir.name, dev.key, m["model"], str(cfg), "inference" if m["mode"] == "inf" else "training",
+                                 int(m["seq"]), int(m["batch"]), m["option"], float(data["e2e_latency"]),
+                                 float(data.get("fw_latency", 0.0)), float(data.get("bwall_latency", 0.0)), str(f)))
+    return runs
+
+
+def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None) -> dict:
+    """Predict one label run with its protocol; returns the run's fields + predicted ms and % error."""
+    from neusight.api import predict_graph
+    from neusight.graph.tracer import trace
+
+    key = (run.config, run.mode, run.seq_len, run.batch_size, run.head)
+    g = graph_cache.get(key) if graph_cache is not None else None
+    if g is None:
+        g = trace(run.config, run.batch_size, run.seq_len, run.mode, head=run.head, optimizer=None)
+        if graph_cache is not None:
+            graph_cache[key] = g
+    p = predict_graph(g, run.device, predictor)
+    fw = p.phases.get("forward", 0.0)
+    bw = p.phases.get("backward", 0.0)
+    pred = fw + bw   # the loss computation is not timed in the labels
+    roof = float(p.kernels.loc[p.kernels["phase"].isin(["forward", "backward"]), "roofline_ms"].sum())
+    return {**asdict(run), "predicted_ms": pred, "predicted_fw_ms": fw, "predicted_bw_ms": bw, "roofline_ms": roof,
+            "error_pct": (pred - run.measured_ms) / run.measured_ms * 100,
+            "roofline_error_pct": (roof - run.measured_ms) / run.measured_ms * 100}
+
+
+def evaluate_labels(runs: list[LabelRun], predictor=None) -> pd.DataFrame:
+    cache: dict = {}
+    return pd.DataFrame([predict_label(r, predictor, cache) for r in runs])

@@ -1,0 +1,266 @@
+"""The kernel predictor: tile table + one utilization MLP per family; fit / predict / save / load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+import torch
+
+from neusight.devices import Device, load_device
+from neusight.errors import CheckpointError
+from neusight.predictor.features import MODEL_FAMILIES, decompose, feature_names
+from neusight.predictor.mlp import MLPConfig, UtilizationMLP
+from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp
+from neusight.tile_table import TileTable
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+TRAINING_GPUS = ("p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "a100-pcie-40gb")
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "predictor"
+FILES = ("weights.pt", "tile_table.pt", "manifest.json")
+
+
+@dataclass
+class PredictorConfig:
+    """What a predictor is fitted with (saved in its manifest)."""
+
+    families: dict[str, MLPConfig] = field(default_factory=lambda: {f: MLPConfig() for f in MODEL_FAMILIES})
+    # whole GPUs held out for early stopping; ("logo",) = leave-one-GPU-out over the training GPUs
+    val_devices: tuple[str, ...] = ("logo",)
+    seed: int = 0
+
+
+class Predictor:
+    """Per-family utilization MLPs over the tile decomposition (scikit-learn style fit / predict).
+
+    Examples
+    --------
+    >>> p = Predictor.load()                       # the shipped checkpoint in data/predictor
+    >>> sorted(p.models_)[:2]
+    ['bmm', 'conv']
+    """
+
+    def __init__(self, config: PredictorConfig | None = None) -> None:
+        self.config = config or PredictorConfig()
+
+    # ------------------------------------------------------------------------------------ fit
+    def fit(self, df: pd.DataFrame, *, progress: bool = False, resume_dir: str | os.PathLike | None = None) -> "Predictor":
+        """Fit the tile table and the family MLPs on a :func:`neusight.dataset.load_kernel_traces` frame.
+
+        With ``resume_dir``, each family's fitted model is kept there as it completes, and a fit that was
+        interrupted picks up the finished families instead of training them again (the caller names the
+        directory after the data hash, so a changed dataset starts afresh).
+        """
+        devices = {k: load_device(k) for k in df["device"].unique()}
+        self.table_ = TileTable.fit(df, devices)
+        design = self._design(df, devices, measured=True)
+        self.models_: dict[str, UtilizationMLP] = {}
+        self.fits_: dict[str, FitResult] = {}
+        self.metrics_: dict[str, dict] = {}
+        for fam, cfg in self.config.families.items():
+            d = design[design["model_family"] == fam]
+            if d.empty:
+                log.warning("no training rows of family %s; it falls back to the elementwise model", fam)
+                continue
+            feats = list(feature_names(fam))
+            val = tuple(v for v in self.config.val_devices if v in set(d["device"]))
+            t0 = time.time()
+            res, logo = _load_partial(resume_dir, fam, feats, cfg)
+            if res is None:
+                args = (d[feats].to_numpy(float), d["roofline_ms"].to_numpy(float), d["latency_ms"].to_numpy(float),
+                        d["device"].to_numpy(), cfg)
+                if self.config.val_devices == ("logo",):
+                    res, logo = fit_mlp_logo(*args, progress=progress, desc=fam)
+                else:
+                    res, logo = fit_mlp(*args, val, progress=progress, desc=fam), {}
+                _save_partial(resume_dir, fam, feats, cfg, res, logo)
+            else:
+                log.info("%s: resumed from %s", fam, resume_dir)
+            self.models_[fam], self.fits_[fam] = res.model, res
+            pred, _ = predict_mlp(res.model, d[feats].to_numpy(float), d["roofline_ms"].to_numpy(float))
+            per_dev = {dev: round(mape(pred[(d["device"] == dev).to_numpy()],
+                                       d["latency_ms"].to_numpy()[(d["device"] == dev).to_numpy()]), 2)
+                       for dev in sorted(set(d["device"]))}
+            self.metrics_[fam] = {"rows": int(len(d)), "best_epoch": res.best_epoch, "val_devices": list(res.val_groups),
+                                  "leave_one_gpu_out_mape": logo,
+                                  "fit_s": round(time.time() - t0, 1), "train_mape_per_device": per_dev,
+                                  "overhead_ms": round(float(res.model.overhead_ms.detach()), 5)}
+            log.info("%s: %d rows, best epoch %d, MAPE per GPU %s", fam, len(d), res.best_epoch, per_dev)
+        self.train_devices_ = tuple(sorted(devices))
+        return self
+
+    def _design(self, df: pd.DataFrame, devices: Mapping[str, Device], measured: bool) -> pd.DataFrame:
+        parts = []
+        for dev, d in df.groupby("device", sort=True):
+            dec = decompose(d, devices[dev], self.table_, use_measured_tiles=measured)
+            parts.append(pd.concat([d, dec.drop(columns=[c for c in dec.columns if c in d.columns])], axis=1))
+        return pd.concat(parts).loc[df.index]
+
+    # ------------------------------------------------------------------------------------ predict
+    def predict(self, df: pd.DataFrame, device: Device | str) -> pd.DataFrame:
+        """Predict every kernel row of ``df`` (columns ``family, B, M, N, K, rows, cols, flops, bytes, dtype``)
+        on one device. Identical shapes are decomposed and predicted once (one MLP call per family).
+
+        Returns a frame indexed like ``df``: tile_m, tile_n, elems_per_block, threads_per_block, tiles,
+        waves, bound, roofline_ms, utilization, overhead_ms, latency_ms, model_family.
+        """
+        self._check_fitted()
+        device = load_device(device)
+        keys = ["family", "B", "M", "N", "K", "rows", "cols", "flops", "bytes", "dtype"]
+        work = df[keys].copy()
+        for c in ("B", "M", "N", "K", "rows", "cols"):
+            work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
+        uniq = work.drop_duplicates().reset_index(drop=True)
+        dec = decompose(uniq.replace({-1.0: np.nan}), device, self.table_)
+        out = dec[["model_family", "tile_m", "tile_n", "elems_per_block", "threads_per_block", "tiles", "waves",
+                   "bound", "roofline_ms"]].copy()
+        out["utilization"] = np.nan
+        out["overhead_ms"] = np.nan
+        out["latency_ms"] = np.nan
+        for fam, rows in dec.groupby("model_family"):
+            model = self.models_.get(fam) or self.models_["elementwise"]
+            feats = list(feature_names(fam))
+            lat, u = predict_mlp(model, rows[feats].to_numpy(float), rows["roofline_ms"].to_numpy(float))
+            out.loc[rows.index, "latency_ms"] = lat
+            out.loc[rows.index, "utilization"] = u
+            out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
+        merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
+        return merged.loc[df.index, out.columns]
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "models_"):
+            raise CheckpointError("this Predictor is not fitted; call fit() or Predictor.load()")
+
+    # ------------------------------------------------------------------------------------ save / load
+    def save(self, path: str | os.PathLike, *, manifest_extra: dict | None = None) -> Path:
+        """Write the checkpoint directory atomically (a temporary directory renamed into place)."""
+        self._check_fitted()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+        tmp.chmod(0o755)
+        try:
+            weights = {f"{fam}.{k}": v.detach().clone() for fam, m in self.models_.items() for k, v in m.state_dict().items()}
+            torch.save(weights, tmp / "weights.pt")
+            torch.save({k: torch.as_tensor(v) for k, v in self.table_.state().items()}, tmp / "tile_table.pt")
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "families": {fam: {"features": list(feature_names(fam)), "hidden": list(self.config.families[fam].hidden),
+                                   "config": asdict(self.config.families[fam])} for fam in self.models_},
+                "train_devices": list(self.train_devices_),
+                "val_devices": list(self.config.val_devices),
+                "seed": self.config.seed,
+                "metrics": self.metrics_,
+                "torch_version": torch.__version__,
+                **(manifest_extra or {}),
+            }
+            manifest["weights_sha256"] = _sha256(tmp / "weights.pt")
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            if path.exists():
+                old = path.with_name(f".{path.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "Predictor":
+        """Load a checkpoint directory (default: the shipped one), checking it against this code."""
+        path = Path(path) if path is not None else SHIPPED
+        missing = [f for f in FILES if not (path / f).is_file()]
+        if missing:
+            raise CheckpointError(f"predictor checkpoint {str(path)!r} lacks {', '.join(missing)}; regenerate it "
+                                  f"with `neusight-train` or point to a directory written by it")
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+            weights = torch.load(path / "weights.pt", weights_only=True, map_location="cpu")
+            table = torch.load(path / "tile_table.pt", weights_only=True, map_location="cpu")
+        except Exception as e:  # corrupt JSON / pickle / zip
+            raise CheckpointError(f"predictor checkpoint {str(path)!r} is corrupt ({type(e).__name__}: {e}); "
+                                  f"regenerate it with `neusight-train`") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}/manifest.json: format_version={manifest.get('format_version')!r}, this "
+                                  f"code reads {FORMAT_VERSION}; regenerate the checkpoint with `neusight-train`")
+        if manifest.get("weights_sha256") not in (None, _sha256(path / "weights.pt")):
+            raise CheckpointError(f"{path}/weights.pt does not match the hash in its manifest; the file was changed "
+                                  f"or truncated: regenerate it with `neusight-train`")
+        pred = cls()
+        pred.models_ = {}
+        for fam, spec in manifest.get("families", {}).items():
+            if fam not in MODEL_FAMILIES:
+                raise CheckpointError(f"{path}: family {fam!r} is not one this code predicts ({', '.join(MODEL_FAMILIES)})")
+            expected = list(feature_names(fam))
+            if spec.get("features") != expected:
+                raise CheckpointError(f"{path}: family {fam!r} was trained on features {spec.get('features')} "
+                                      f"({len(spec.get('features') or [])}), this code computes {expected} "
+                                      f"({len(expected)}); retrain with `neusight-train`")
+            model = UtilizationMLP(len(expected), tuple(spec["hidden"]), float(spec.get("config", {}).get("dropout", 0.0)))
+            state = {k.split(".", 1)[1]: v for k, v in weights.items() if k.split(".", 1)[0] == fam}
+            try:
+                model.load_state_dict(state)
+            except RuntimeError as e:
+                raise CheckpointError(f"{path}: weights of family {fam!r} do not fit its model ({str(e).splitlines()[0]})") from None
+            model.eval()
+            pred.models_[fam] = model
+        if "elementwise" not in pred.models_:
+            raise CheckpointError(f"{path}: no elementwise model, which every other family falls back to")
+        pred.table_ = TileTable.from_state({k: v.numpy() for k, v in table.items()})
+        pred.manifest_ = manifest
+        pred.train_devices_ = tuple(manifest.get("train_devices", ()))
+        pred.metrics_ = manifest.get("metrics", {})
+        return pred
+
+
+def _partial_key(fam: str, feats: list[str], cfg: MLPConfig) -> str:
+    return hashlib.sha256(json.dumps([fam, feats, asdict(cfg)], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _save_partial(resume_dir: str | os.PathLike | None, fam: str, feats: list[str], cfg: MLPConfig, res: FitResult,
+                  logo: dict[str, float]) -> None:
+    if resume_dir is None:
+        return
+    d = Path(resume_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{fam}.pt.tmp"
+    torch.save({"state": res.model.state_dict(), "best_epoch": torch.tensor(res.best_epoch),
+                "logo_devices": sorted(logo), "logo_mape": torch.tensor([logo[k] for k in sorted(logo)])}, tmp)
+    os.replace(tmp, d / f"{fam}-{_partial_key(fam, feats, cfg)}.pt")
+
+
+def _load_partial(resume_dir: str | os.PathLike | None, fam: str, feats: list[str],
+                  cfg: MLPConfig) -> tuple[FitResult | None, dict[str, float]]:
+    if resume_dir is None:
+        return None, {}
+    f = Path(resume_dir) / f"{fam}-{_partial_key(fam, feats, cfg)}.pt"
+    if not f.is_file():
+        return None, {}
+    try:
+        blob = torch.load(f, weights_only=True)
+        model = UtilizationMLP(len(feats), cfg.hidden, cfg.dropout, cfg.init_overhead_ms)
+        model.load_state_dict(blob["state"])
+        logo = dict(zip(blob["logo_devices"], (float(v) for v in blob["logo_mape"])))
+    except Exception:  # a half-written or stale partial: train this family again
+        return None, {}
+    model.eval()
+    return FitResult(model, [], int(blob["best_epoch"]), tuple(logo)), logo
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,137 @@
+"""Fitting the per-family utilization MLPs on a decomposed trace frame (fit/predict contract)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from neusight.predictor.mlp import MLPConfig, UtilizationMLP
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    model: UtilizationMLP
+    history: list[dict] = field(default_factory=list)
+    best_epoch: int = 0
+    val_groups: tuple[str, ...] = ()
+
+
+def _loss(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Relative error as a symmetric log ratio (|log pred - log y|, smoothed near 0)."""
+    return torch.nn.functional.smooth_l1_loss(torch.log(pred), torch.log(y), beta=0.05)
+
+
+def mape(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - y) / y) * 100)
+
+
+def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
+            val_groups: tuple[str, ...] = (), progress: bool = False, desc: str = "", refit_all: bool = True) -> FitResult:
+    """Fit one family's MLP. Rows of ``val_groups`` (whole GPUs) are held out for early stopping; with
+    ``refit_all`` the model is then refitted on all rows for the chosen number of epochs."""
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    val = np.isin(groups, list(val_groups))
+    tr = ~val
+    if not tr.any():
+        raise ValueError("no training rows left after holding out the validation GPUs")
+    X = torch.as_tensor(x, dtype=torch.float32)
+    R = torch.as_tensor(np.asarray(roofline_ms, dtype=np.float32))
+    Y = torch.as_tensor(np.asarray(y_ms, dtype=np.float32))
+    model = UtilizationMLP(x.shape[1], cfg.hidden, cfg.dropout, cfg.init_overhead_ms)
+    model.mean.copy_(X[tr].mean(0))
+    model.std.copy_(X[tr].std(0).clamp_min(1e-3))
+    model.lo.copy_(X[tr].min(0).values)
+    model.hi.copy_(X[tr].max(0).values)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs)
+    idx_tr = torch.as_tensor(np.flatnonzero(tr))
+    idx_val = torch.as_tensor(np.flatnonzero(val))
+    best, best_state, best_epoch, bad = float("inf"), None, 0, 0
+    history: list[dict] = []
+    epochs = range(cfg.epochs)
+    if progress:
+        from tqdm import tqdm
+
+        epochs = tqdm(epochs, desc=desc or "fit", leave=False)
+    for epoch in epochs:
+        model.train()
+        perm = idx_tr[torch.randperm(len(idx_tr), generator=gen)]
+        total = 0.0
+        for i in range(0, len(perm), cfg.batch_size):
+            b = perm[i:i + cfg.batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model(X[b], R[b]), Y[b])
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(b)
+        sched.step()
+        model.eval()
+        with torch.no_grad():
+            check = idx_val if len(idx_val) else idx_tr
+            pred = model(X[check], R[check]).numpy()
+            score = mape(pred, Y[check].numpy())
+        history.append({"epoch": epoch, "train_loss": total / len(perm), "val_mape": score})
+        if progress:
+            epochs.set_postfix(loss=f"{total / len(perm):.4f}", val_mape=f"{score:.1f}")
+        if score < best - 1e-4:
+            best, best_state, best_epoch, bad = score, copy.deepcopy(model.state_dict()), epoch, 0
+        else:
+            bad += 1
+            if bad >= cfg.patience:
+                break
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    model.eval()
+    if refit_all and len(idx_val):
+        # Early stopping chose the epoch count on held-out GPUs; refit on every GPU for that many epochs,
+        # so the validation GPUs' measurements are not lost to the final model.
+        full = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best_epoch + 1, patience=cfg.epochs + 1), (),
+                       progress=progress, desc=desc, refit_all=False)
+        return FitResult(full.model, history + full.history, best_epoch, tuple(val_groups))
+    return FitResult(model, history, best_epoch, tuple(val_groups))
+
+
+def predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(latency_ms, utilization) for rows of features."""
+    with torch.no_grad():
+        X = torch.as_tensor(x, dtype=torch.float32)
+        u = model.utilization(X)
+        lat = torch.as_tensor(np.asarray(roofline_ms, dtype=np.float32)) / u + model.overhead_ms.detach()
+    return lat.numpy().astype(float), u.numpy().astype(float)
+
+
+def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
+                 progress: bool = False, desc: str = "") -> tuple[FitResult, dict[str, float]]:
+    """Leave-one-GPU-out early stopping, then a refit on every GPU.
+
+    For each GPU (scikit-learn's ``LeaveOneGroupOut``), train on the others and record the held-out MAPE
+    after every epoch; the epoch count that minimises the mean of these curves is used to refit on all
+    rows. Returns the final fit and each GPU's held-out MAPE at that epoch (an honest unseen-GPU score).
+    """
+    from sklearn.model_selection import LeaveOneGroupOut
+
+    uniq = np.unique(groups)
+    if len(uniq) < 2:
+        res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc)
+        return res, {}
+    curves: dict[str, list[float]] = {}
+    for _, held in LeaveOneGroupOut().split(x, y_ms, groups):
+        g = str(groups[held[0]])
+        res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (g,), progress=progress, desc=f"{desc} [-{g}]",
+                      refit_all=False)
+        c = [h["val_mape"] for h in res.history]
+        curves[g] = c + [c[-1]] * (cfg.epochs - len(c))
+    mean = np.mean(np.array(list(curves.values())), axis=0)
+    best = int(np.argmin(mean))
+    final = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best + 1, patience=cfg.epochs + 1), (),
+                    progress=progress, desc=desc)
+    final.best_epoch = best
+    final.val_groups = tuple(curves)
+    return final, {g: round(float(c[best]), 2) for g, c in curves.items()}

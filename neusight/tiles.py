@@ -1,0 +1,124 @@
+"""Tiles, waves and the per-wave roofline (NeuSight's decomposition), as pure vectorised functions.
+
+For a kernel on a device:
+
+1. tile: GEMM-like kernels (linear, bmm, conv as implicit GEMM) compute the (M x K) output in tiles of
+   ``tile_m x tile_n`` (from the :class:`~neusight.tile_table.TileTable`); row-wise kernels process
+   ``elems_per_block`` elements per thread block of ``threads_per_block`` threads (launch geometry).
+2. tiles = B x ceil(M / tile_m) x ceil(K / tile_n)     (GEMM)      |  ceil(elements / elems_per_block)
+3. concurrent tiles = SMs x resident blocks per SM:  GEMM 1 (one CTA of a large tile fills an SM's
+   registers, as NeuSight assumes); row-wise min(max_threads_per_sm / threads_per_block, max_blocks_per_sm)
+4. waves = ceil(tiles / concurrent tiles)
+5. per-wave roofline = max(wave FLOPs / peak FLOP/s, wave bytes / bandwidth); a tile runs on one SM, so
+   the compute leg is tile FLOPs / per-SM peak; roofline = waves x per-wave roofline.
+
+Wave bytes: the kernel's minimum bytes split evenly over its waves (GEMM operand panels are shared by a
+wave's tiles through L2, see ``gemm_tiles``) or blocks (row-wise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from neusight.devices import Device
+from neusight.kernels.base import Family
+from neusight.kernels.formulas import itemsize
+
+GEMM_FAMILIES = (Family.LINEAR.value, Family.BMM.value, Family.CONV.value)
+
+# NB: on GPUs whose spec sheet counts FP32 lanes shared with INT32 (GA10x, Ada), SGEMM keeps the shared
+# lanes busy with integer address arithmetic; we count only the dedicated half as SGEMM's peak. This is
+# an architectural statement from the whitepapers, not a fitted number.
+DUAL_ISSUE_GEMM_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """The device numbers the tile model needs, in base units."""
+
+    sm_count: int
+    gemm_flops: float      # FLOP/s for GEMM-like kernels of this dtype
+    vector_flops: float    # FLOP/s for everything else
+    bandwidth: float       # bytes/s
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+
+
+def device_rates(device: Device, dtype: str = "float32", *, tf32: bool = False) -> DeviceRates:
+    """Peak rates for ``dtype``: FP32 GEMMs on the FP32 (AMD: matrix) units, TF32 off as in the data."""
+    if dtype in ("float16", "bfloat16"):
+        gemm = device.peak_flops(dtype, tensor_cores=True)
+        vector = 2 * device.peak_fp32_flops
+    elif tf32 and dtype == "float32" and device.tf32_tensor_tflops:
+        gemm, vector = device.tf32_tensor_tflops * 1e12, device.peak_fp32_flops
+    else:
+        gemm = device.fp32_matrix_tflops * 1e12
+        if device.fp32_dual_issue:
+            gemm *= DUAL_ISSUE_GEMM_FRACTION
+        vector = device.peak_fp32_flops
+    return DeviceRates(device.sm_count, gemm, vector, device.mem_bandwidth_bytes_per_s,
+                       device.max_threads_per_sm, device.max_blocks_per_sm)
+
+
+def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, tile_m: np.ndarray, tile_n: np.ndarray,
+               size: np.ndarray, rates: DeviceRates) -> pd.DataFrame:
+    """Tiles, waves and roofline of GEMM-like kernels: (B x) (M x N) @ (N x K), N the reduction.
+
+    tiles = B·ceil(M / tile_m)·ceil(K / tile_n); waves = ceil(tiles / SMs) (one tile per SM at a time).
+    Compute leg per wave = tile FLOPs (2·tile_m·tile_n·N, the padded tile is computed in full) / per-SM
+    peak, since a tile runs on one SM. Memory leg per wave = the kernel's minimum bytes / waves /
+    bandwidth: operand panels are shared by the tiles of a wave through L2 (cuBLAS rasterises for it);
+    what reuse is lost is left to the utilization model.
+    """
+    tiles = b * np.ceil(m / tile_m) * np.ceil(k / tile_n)
+    concurrent = float(rates.sm_count)
+    waves = np.ceil(tiles / concurrent)
+    s = np.minimum(concurrent, tiles)                       # tiles in a (full) wave
+    wave_bytes = size * b * (m * n + n * k + m * k) / waves
+    tile_flops = 2.0 * tile_m * tile_n * n
+    t_compute = tile_flops / (rates.gemm_flops / rates.sm_count)
+    t_memory = wave_bytes / rates.bandwidth
+    ridge = rates.gemm_flops / rates.bandwidth
+    return _finish(tiles, concurrent, waves, tile_flops, wave_bytes / s, t_compute, t_memory,
+                   (s * tile_flops / wave_bytes) / ridge)
+
+
+def rowwise_tiles(numel: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, elems_per_block: np.ndarray,
+                  threads_per_block: np.ndarray, rates: DeviceRates) -> pd.DataFrame:
+    """Tiles (thread blocks), waves and roofline of element / row-wise kernels from launch geometry."""
+    blocks = np.maximum(1.0, np.ceil(numel / np.maximum(elems_per_block, 1.0)))
+    resident = np.clip(np.floor(rates.max_threads_per_sm / np.maximum(threads_per_block, 32.0)), 1, rates.max_blocks_per_sm)
+    concurrent = rates.sm_count * resident
+    waves = np.ceil(blocks / concurrent)
+    tile_flops = flops / blocks
+    tile_bytes = nbytes / blocks
+    s = np.minimum(concurrent, blocks)                      # blocks in a (full) wave
+    t_compute = tile_flops / (rates.vector_flops / rates.sm_count / resident)
+    t_memory = s * tile_bytes / rates.bandwidth
+    ridge = rates.vector_flops / rates.bandwidth
+    return _finish(blocks, concurrent, waves, tile_flops, tile_bytes, t_compute, t_memory,
+                   (tile_flops / np.maximum(tile_bytes, 1e-30)) / ridge)
+
+
+def _finish(tiles, concurrent, waves, tile_flops, tile_bytes, t_compute, t_memory, intensity_ratio) -> pd.DataFrame:
+    """Assemble the tile frame; ``t_compute`` / ``t_memory`` are seconds per wave."""
+    wave_s = np.maximum(t_compute, t_memory)
+    return pd.DataFrame({
+        "tiles": np.asarray(tiles, dtype=float),
+        "concurrent": np.broadcast_to(np.asarray(concurrent, dtype=float), np.shape(tiles)).copy(),
+        "waves": np.asarray(waves, dtype=float),
+        "tile_flops": np.asarray(tile_flops, dtype=float),
+        "tile_bytes": np.asarray(tile_bytes, dtype=float),
+        "wave_ms": wave_s * 1e3,
+        "roofline_ms": waves * wave_s * 1e3,
+        "bound": np.where(t_compute >= t_memory, "compute", "memory"),
+        "intensity_ratio": np.asarray(intensity_ratio, dtype=float),
+    })
+
+
+def sizes_of(dtypes: pd.Series) -> np.ndarray:
+    """Bytes per element of a column of dtype names."""
+    return dtypes.map(itemsize).to_numpy(dtype=float)
