@@ -97,7 +97,7 @@ conv whose output would be empty."""
 COLUMNS = (
     "family", "op", "device", "device_name", "source",
     "B", "M", "N", "K", "conv_batch", "conv_cin", "conv_hw", "conv_cout", "conv_ksize", "conv_stride", "conv_pad",
-    "rows", "cols", "flops", "bytes", "dtype", "latency_ms",
+    "rows", "cols", "flops", "algo_flops", "bytes", "dtype", "latency_ms",
     "kernel_name", "tile_m", "tile_n", "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z",
     "num_blocks", "threads_per_block", "warps_per_sm", "blocks_per_sm", "n_kernels",
 )
@@ -446,7 +446,7 @@ def _conv_row(dtype: str, batch: float, cin: float, cout: float, ks: float, hw: 
               pad: float) -> tuple[float, ...]:
     kern = formulas.conv2d_implicit_gemm(int(batch), int(cin), int(hw), int(hw), int(cout), int(ks), int(ks),
                                          stride=(int(stride),) * 2, padding=(int(pad),) * 2, dtype=dtype)
-    return (*kern.dims, kern.flops, kern.bytes)
+    return (*kern.dims, kern.flops, kern.bytes, kern.min_flops)
 
 
 def _rowwise_row(op: str, dtype: str, b: float, h: float) -> tuple[float, ...]:
@@ -463,7 +463,7 @@ def _rowwise_row(op: str, dtype: str, b: float, h: float) -> tuple[float, ...]:
 
 def _kernel_columns(std: pd.DataFrame) -> pd.DataFrame:
     """Dims, flops and bytes of every row, from the formulas, by family."""
-    out = pd.DataFrame(np.nan, index=std.index, columns=["B", "M", "N", "K", "rows", "cols", "flops", "bytes",
+    out = pd.DataFrame(np.nan, index=std.index, columns=["B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes",
                                                          "conv_batch", "conv_cin", "conv_hw", "conv_cout",
                                                          "conv_ksize", "conv_stride", "conv_pad"])
     fam = std["family"]
@@ -473,7 +473,7 @@ def _kernel_columns(std: pd.DataFrame) -> pd.DataFrame:
             std[gemm], ["op", "dtype", *_GEMM_SHAPE], _gemm_row)
     conv = fam == Family.CONV.value
     if conv.any():
-        out.loc[conv, ["B", "M", "N", "K", "flops", "bytes"]] = _per_unique(
+        out.loc[conv, ["B", "M", "N", "K", "flops", "bytes", "algo_flops"]] = _per_unique(
             std[conv], ["dtype", *_CONV_SHAPE], _conv_row)
         out.loc[conv, ["conv_batch", "conv_cin", "conv_cout", "conv_ksize", "conv_hw", "conv_stride", "conv_pad"]] = (
             std.loc[conv, list(_CONV_SHAPE)].to_numpy())
@@ -481,6 +481,7 @@ def _kernel_columns(std: pd.DataFrame) -> pd.DataFrame:
     if row.any():
         out.loc[row, ["rows", "cols", "flops", "bytes"]] = _per_unique(
             std[row], ["op", "dtype", *_ROW_SHAPE], _rowwise_row)
+    out["algo_flops"] = out["algo_flops"].fillna(out["flops"])
     return out
 
 

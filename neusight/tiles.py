@@ -64,14 +64,15 @@ def device_rates(device: Device, dtype: str = "float32", *, tf32: bool = False) 
 
 
 def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, tile_m: np.ndarray, tile_n: np.ndarray,
-               size: np.ndarray, rates: DeviceRates) -> pd.DataFrame:
+               size: np.ndarray, rates: DeviceRates, algo_speedup: np.ndarray | float = 1.0) -> pd.DataFrame:
     """Tiles, waves and roofline of GEMM-like kernels: (B x) (M x N) @ (N x K), N the reduction.
 
     tiles = B·ceil(M / tile_m)·ceil(K / tile_n); waves = ceil(tiles / SMs) (one tile per SM at a time).
     Compute leg per wave = tile FLOPs (2·tile_m·tile_n·N, the padded tile is computed in full) / per-SM
     peak, since a tile runs on one SM. Memory leg per wave = the kernel's minimum bytes / waves /
     bandwidth: operand panels are shared by the tiles of a wave through L2 (cuBLAS rasterises for it);
-    what reuse is lost is left to the utilization model.
+    what reuse is lost is left to the utilization model. ``algo_speedup`` = FLOPs / fewest FLOPs of a fast
+    algorithm (Winograd) divides the compute leg, so the bound holds whichever algorithm the library picks.
     """
     tiles = b * np.ceil(m / tile_m) * np.ceil(k / tile_n)
     concurrent = float(rates.sm_count)
@@ -79,9 +80,9 @@ def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, tile_
     s = np.minimum(concurrent, tiles)                       # tiles in a (full) wave
     wave_bytes = size * b * (m * n + n * k + m * k) / waves
     tile_flops = 2.0 * tile_m * tile_n * n
-    t_compute = tile_flops / (rates.gemm_flops / rates.sm_count)
+    t_compute = tile_flops / algo_speedup / (rates.gemm_flops / rates.sm_count)
     t_memory = wave_bytes / rates.bandwidth
-    ridge = rates.gemm_flops / rates.bandwidth
+    ridge = rates.gemm_flops * algo_speedup / rates.bandwidth
     return _finish(tiles, concurrent, waves, tile_flops, wave_bytes / s, t_compute, t_memory,
                    (s * tile_flops / wave_bytes) / ridge)
 

@@ -11,7 +11,8 @@ import pandas as pd
 from neusight.graph.records import OpRecord, TensorMeta
 from neusight.kernels.base import Family
 
-KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", "dims", "dtype", "flops", "bytes", "modeled"]
+KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", "dims", "dtype", "flops", "algo_flops",
+                  "bytes", "modeled"]
 
 
 @dataclass
@@ -50,10 +51,12 @@ class Graph:
                 rows["dims"].append(k.dims)
                 rows["dtype"].append(k.dtype)
                 rows["flops"].append(k.flops)
+                rows["algo_flops"].append(k.min_flops)
                 rows["bytes"].append(k.bytes)
                 rows["modeled"].append(r.modeled)
         df = pd.DataFrame(rows)
         df["flops"] = df["flops"].astype("float64")
+        df["algo_flops"] = df["algo_flops"].astype("float64")
         df["bytes"] = df["bytes"].astype("float64")
         return df
 

@@ -54,6 +54,9 @@ class Kernel:
         Minimum DRAM traffic: every input read once, every output written once.
     dtype : str
         Compute dtype, e.g. ``"float32"``.
+    algo_flops : float, optional
+        The fewest FLOPs a fast algorithm the libraries pick needs (Winograd for 3x3 stride-1
+        convolutions); the roofline's compute leg uses it. None = ``flops``.
     """
 
     family: Family
@@ -62,6 +65,11 @@ class Kernel:
     flops: float
     bytes: float
     dtype: str = "float32"
+    algo_flops: float | None = None
+
+    @property
+    def min_flops(self) -> float:
+        return self.flops if self.algo_flops is None else self.algo_flops
 
     def __post_init__(self) -> None:
         if self.flops < 0 or self.bytes < 0:

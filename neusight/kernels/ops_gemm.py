@@ -81,7 +81,7 @@ def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups
                                        dilation=dilation[1:], groups=groups, dtype=x.dtype, name=name)
     d_out = (x.shape[2] + 2 * padding[0] - dilation[0] * (w.shape[2] - 1) - 1) // stride[0] + 1
     g, m, n, k = k2.dims
-    return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype)
+    return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype, k2.flops * d_out)
 
 
 @register(aten.convolution, aten._convolution, aten.cudnn_convolution)
@@ -112,10 +112,13 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     g, m, n, k = fwd.dims
     size = formulas.itemsize(x.dtype)
     ks = []
+    # NB: cuDNN has Winograd variants for the data and the weight gradient of 3x3 stride-1 layers too.
     if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K
-        ks.append(Kernel(Family.CONV, "conv_dgrad", (g, m, k, n), fwd.flops, float(size * (dy.numel + w.numel + x.numel)), x.dtype))
+        ks.append(Kernel(Family.CONV, "conv_dgrad", (g, m, k, n), fwd.flops, float(size * (dy.numel + w.numel + x.numel)),
+                         x.dtype, fwd.algo_flops))
     if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
-        ks.append(Kernel(Family.CONV, "conv_wgrad", (g, n, m, k), fwd.flops, float(size * (dy.numel + x.numel + w.numel)), x.dtype))
+        ks.append(Kernel(Family.CONV, "conv_wgrad", (g, n, m, k), fwd.flops, float(size * (dy.numel + x.numel + w.numel)),
+                         x.dtype, fwd.algo_flops))
     if len(mask) > 2 and mask[2]:
         cols = math.prod(dy.shape[2:]) or 1
         ks.append(Kernel(Family.REDUCTION, "conv_bgrad", (dy.numel // cols, cols), float(dy.numel),

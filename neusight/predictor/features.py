@@ -20,7 +20,8 @@ from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tile
 # differs by architecture generation and by power headroom (70 W cards throttle), so two device
 # descriptors enter, clamped to the training range like every feature; row-wise kernels do better without.
 GEMM_FEATURES = ("log2_tile_m", "log2_tile_n", "log2_reduction", "log2_batch", "log2_waves", "wave_fill", "tile_fill",
-                 "log2_intensity_ratio", "log2_bytes_over_l2", "compute_capability", "log2_watts_per_tflop")
+                 "log2_intensity_ratio", "log2_bytes_over_l2", "compute_capability", "log2_watts_per_tflop",
+                 "log2_algo_speedup")
 ROW_FEATURES = ("log2_elems_per_block", "log2_threads", "log2_waves", "wave_fill", "log2_intensity_ratio",
                 "log2_bytes_over_l2", "log2_cols", "log2_bytes")
 
@@ -62,13 +63,17 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable, measured:
         tm = np.where(has, d["tile_n"].to_numpy(float), tm)   # cuBLAS view: tile_n runs along our M
         tn = np.where(has, d["tile_m"].to_numpy(float), tn)
     rates = device_rates(device, str(d["dtype"].iloc[0]))
-    t = gemm_tiles(b, m, n, k, tm, tn, sizes_of(d["dtype"]), rates)
+    flops = d["flops"].to_numpy(float)
+    algo = d["algo_flops"].to_numpy(float) if "algo_flops" in d else flops
+    speedup = np.where(np.isfinite(algo) & (algo > 0), flops / np.where(algo > 0, algo, 1.0), 1.0)
+    t = gemm_tiles(b, m, n, k, tm, tn, sizes_of(d["dtype"]), rates, speedup)
     t.index = d.index
     t["tile_m"], t["tile_n"] = tm, tn
     t["elems_per_block"], t["threads_per_block"] = np.nan, np.nan
     t["log2_tile_m"], t["log2_tile_n"] = np.log2(tm), np.log2(tn)
     t["log2_reduction"] = np.log2(np.maximum(n, 1))
     t["log2_batch"] = np.log2(np.maximum(b, 1))
+    t["log2_algo_speedup"] = np.log2(speedup)
     t["log2_waves"] = np.log2(t["waves"])
     t["wave_fill"] = t["tiles"] / (t["waves"] * t["concurrent"])
     t["tile_fill"] = (b * m * k) / (t["tiles"] * tm * tn)

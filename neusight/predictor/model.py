@@ -118,8 +118,9 @@ class Predictor:
         """
         self._check_fitted()
         device = load_device(device)
-        keys = ["family", "B", "M", "N", "K", "rows", "cols", "flops", "bytes", "dtype"]
-        work = df[keys].copy()
+        keys = ["family", "B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes", "dtype"]
+        work = df.reindex(columns=keys).copy()
+        work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
         uniq = work.drop_duplicates().reset_index(drop=True)
