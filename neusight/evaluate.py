@@ -100,3 +100,37 @@ def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None
 def evaluate_labels(runs: list[LabelRun], predictor=None) -> pd.DataFrame:
     cache: dict = {}
     return pd.DataFrame([predict_label(r, predictor, cache) for r in runs])
+
+
+def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
+    """The end-to-end scale: geometric mean of measured / predicted over ``runs`` (uncalibrated), plus the
+    leave-one-GPU-out check (scale fitted without a GPU, mean abs % error on it, before and after)."""
+    import numpy as np
+
+    from neusight.api import predict_graph
+    from neusight.graph.tracer import trace
+
+    cache: dict = {}
+    rows = []
+    for r in runs:
+        key = (r.config, r.mode, r.seq_len, r.batch_size, r.head)
+        if key not in cache:
+            cache[key] = trace(r.config, r.batch_size, r.seq_len, r.mode, head=r.head, optimizer=None)
+        p = predict_graph(cache[key], r.device, predictor, calibrated=False)
+        pred = p.phases.get("forward", 0.0) + p.phases.get("backward", 0.0)
+        rows.append((r.device, np.log(r.measured_ms / pred)))
+    if not rows:
+        raise DataError("no label runs to fit the end-to-end scale on; check the labels path and the training GPUs")
+    devs = np.array([str(d) for d, _ in rows])
+    logs = np.array([v for _, v in rows])
+    scale = float(np.exp(logs.mean()))
+    logo = {}
+    for d in sorted(set(devs)):
+        if len(set(devs)) < 2:
+            break
+        s = np.exp(logs[devs != d].mean())
+        held = logs[devs == d]
+        logo[str(d)] = {"scale": round(float(s), 4),
+                   "mean_abs_err_before": round(float(np.mean(np.abs(np.exp(-held) - 1)) * 100), 2),
+                   "mean_abs_err_after": round(float(np.mean(np.abs(np.exp(-held) * s - 1)) * 100), 2)}
+    return {"scale": round(scale, 4), "runs": len(rows), "devices": sorted(set(devs.tolist())), "leave_one_gpu_out": logo}

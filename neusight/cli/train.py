@@ -31,8 +31,16 @@ class DataConfig:
 
 
 @dataclass
+class CalibrateConfig:
+    enabled: bool = True
+    # NeuSight dataset folder (labels/, models/): plain end-to-end runs of the training GPUs only
+    dataset: str = str(REPO.parent / "shared/datasets/neusight-asplos25")
+
+
+@dataclass
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     predictor: Any = MISSING                 # config group predictor/: hyper-parameters per family
     val_devices: list[str] = field(default_factory=lambda: ["logo"])   # or GPU keys held out for early stopping
     seed: int = 0
@@ -74,12 +82,21 @@ def _app(cfg: TrainConfig) -> float:
     digest = data_hash(traces)
     resume_dir = Path(cfg.out).with_name(f".{Path(cfg.out).name}.partial-{digest[:12]}") if cfg.resume else None
     pred = Predictor(pcfg).fit(df, progress=cfg.progress, resume_dir=resume_dir)
+    calibration = None
+    if cfg.calibrate.enabled:
+        from neusight.evaluate import find_labels, fit_e2e_scale
+
+        runs = [r for r in find_labels(cfg.calibrate.dataset) if r.device in set(df["device"])]
+        calibration = fit_e2e_scale(runs, pred)
+        pred.e2e_scale_ = calibration["scale"]
+        log.info("end-to-end scale %.4f from %d label runs of %s; leave-one-GPU-out: %s", calibration["scale"],
+                 calibration["runs"], calibration["devices"], calibration["leave_one_gpu_out"])
     command = "neusight-train " + " ".join(sys.argv[1:])
     pred.save(cfg.out, manifest_extra={
         "command": command.strip(), "data": {"traces": traces, "devices": list(cfg.data.devices), "rows": int(len(df)),
                                              "sha256": digest},
         "trained_on": "kernel sweeps of " + ", ".join(sorted(df["device"].unique())),
-        "created_s": round(time.time() - t0, 1)})
+        "e2e_calibration": calibration, "created_s": round(time.time() - t0, 1)})
     if resume_dir is not None:
         import shutil
 

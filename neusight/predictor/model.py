@@ -164,6 +164,7 @@ class Predictor:
                 "val_devices": list(self.config.val_devices),
                 "seed": self.config.seed,
                 "metrics": self.metrics_,
+                "e2e_scale": float(getattr(self, "e2e_scale_", 1.0)),
                 "torch_version": torch.__version__,
                 **(manifest_extra or {}),
             }
@@ -226,6 +227,10 @@ class Predictor:
         pred.manifest_ = manifest
         pred.train_devices_ = tuple(manifest.get("train_devices", ()))
         pred.metrics_ = manifest.get("metrics", {})
+        pred.e2e_scale_ = float(manifest.get("e2e_scale", 1.0))
+        if not 0.2 < pred.e2e_scale_ < 5:
+            raise CheckpointError(f"{path}/manifest.json: e2e_scale={pred.e2e_scale_} is not a plausible factor (0.2-5); "
+                                  f"regenerate the checkpoint with `neusight-train`")
         return pred
 
 
