@@ -36,6 +36,7 @@ class Graph:
     buffers: list[TensorMeta] = field(default_factory=list)
     optimizer_state: list[TensorMeta] = field(default_factory=list)
     image_size: int | None = None
+    held: list[TensorMeta] = field(default_factory=list)   # what the model output (and loss) keep alive
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

@@ -181,9 +181,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     try:
         with grad_ctx, tracker, _CudaPaths(), rec:
             out = module(*args, **kwargs)
+            held = _held_tensors(out)
             if training:
                 rec.phase = "loss"
                 loss = built.loss(out, args, kwargs)
+                held.append(TensorMeta.of(loss))
                 rec.phase = "backward"
                 loss.backward()
     except (TraceError, InputError, ModelError):
@@ -209,8 +211,32 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                 r.kernels = []
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), notes=tuple(built.notes), ops=rec.ops,
-                 params=params, grads=grads, buffers=buffers, optimizer_state=state,
+                 params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=image_size if built.kind == "vision" else None)
+
+
+def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[TensorMeta]:
+    """Tensors the model output keeps alive until the end of the step (logits, a KV cache...): walks
+    containers and plain objects' attributes (a transformers ``DynamicCache`` keeps its keys and values
+    in per-layer objects)."""
+    seen = set() if seen is None else seen
+    if id(out) in seen or depth > 6:
+        return []
+    seen.add(id(out))
+    if isinstance(out, torch.Tensor):
+        return [TensorMeta.of(out)] if out.device.type == "meta" else []
+    found: list[TensorMeta] = []
+    if isinstance(out, dict):
+        items = list(out.values())
+    elif isinstance(out, (list, tuple)):
+        items = list(out)
+    elif hasattr(out, "__dict__") and not isinstance(out, torch.nn.Module):
+        items = list(vars(out).values())
+    else:
+        return []
+    for item in items:
+        found += _held_tensors(item, depth + 1, seen)
+    return found
 
 
 def _make_optimizer(module: torch.nn.Module, name: str) -> torch.optim.Optimizer:

@@ -1,0 +1,552 @@
+"""GPU memory forecast of a traced run: live storage bytes op by op, the peak, what it is made of, whether it
+fits on a device, and the largest batch that does.
+
+Method (:func:`estimate_memory`)
+--------------------------------
+1. Walk the recorded aten ops in program order and cut them into *storages* with lifetimes. An output whose
+   storage is one of the op's inputs is a view or an in-place result (same storage, counted once); any other
+   output is a fresh allocation. A storage id (the address of the meta StorageImpl) can be reused by a later
+   allocation once its storage is freed, so a fresh output always starts a new lifetime.
+2. A storage is live from the op that produces it to its last use as an input or output of a later op, with
+   the exceptions the training loop imposes (see ``_lifetimes``): parameters, buffers and optimizer state live
+   throughout; gradients from the backward op that produces them to the end of the step; the model inputs and
+   the model outputs the loss reads (logits) are held by the caller for the whole step.
+3. Live bytes per op = sum of the storages live while it runs (its inputs and outputs both held). The caching
+   allocator rounds every block to 512 B; the peak op's blocks are then packed into segments (the reserved
+   memory an OOM is decided on), and the framework's fixed costs (CUDA context, cuBLAS/cuDNN workspaces) added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.overrides import TorchFunctionMode
+
+from neusight.errors import InputError
+from neusight.graph.graph import Graph
+from neusight.kernels.base import Family
+
+__all__ = ["CATEGORIES", "CpuMeasurement", "MemoryReport", "estimate_memory", "find_max_batch", "fixed_costs",
+           "measure_cpu", "saved_activations"]
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch's CUDA caching allocator, c10/cuda/CUDACachingAllocator.cpp (kMinBlockSize, kSmallSize, kSmallBuffer,
+# kLargeBuffer, kMinLargeAlloc, kRoundLarge; the same values from PyTorch 1.x to 2.x).
+MIN_BLOCK_BYTES = 512              # every block is rounded up to a multiple of 512 B
+SMALL_ALLOC_BYTES = 1 * MiB        # blocks up to 1 MiB come from the small pool ...
+SMALL_SEGMENT_BYTES = 2 * MiB      # ... which cudaMallocs 2 MiB segments and packs blocks into them
+LARGE_SEGMENT_BYTES = 20 * MiB     # 1-10 MiB blocks are carved out of 20 MiB segments
+MIN_LARGE_ALLOC_BYTES = 10 * MiB   # from here a block gets its own segment ...
+ROUND_LARGE_BYTES = 2 * MiB        # ... rounded up to 2 MiB
+# NB: segments are modelled as perfectly packed (no fragmentation): the reserved memory a real run reaches is at
+# least this, more when freed blocks of one size cannot serve a later request of another.
+
+# ---------------------------------------------------------------------------------------------------------
+# Framework fixed costs on the device, outside the tensors of the model.
+# CUDA context (driver state + the kernels loaded into it), by architecture, MiB. With lazy module loading
+# (CUDA >= 11.7, PyTorch's default since 1.13) it is ~300-450 MiB:
+#   287 MB after the first CUDA tensor with CUDA_MODULE_LOADING=LAZY vs 667 MB eager (pytorch/pytorch#86509);
+#   "around 400MB if CUDA >= 11.7 ... lazy module loading" (ptrblck, pytorch/pytorch#109888);
+#   426 MiB on an RTX 6000 Ada, PyTorch 2.10 + CUDA 13.0 (unslothai/unsloth-zoo#1053).
+# NB: Hopper/Blackwell have no public number at hand; we take the top of the range for them.
+CUDA_CONTEXT_MIB = {"maxwell": 300, "pascal": 300, "volta": 300, "turing": 300, "ampere": 400, "ada": 430,
+                    "hopper": 500, "blackwell": 500, "cdna1": 400, "cdna2": 400, "cdna3": 500}
+CUDA_CONTEXT_DEFAULT_MIB = 450
+# cuBLAS workspace per (handle, stream), allocated through the caching allocator and kept for the process:
+# aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG default
+# ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB = 8.125 MiB, 32 MiB on sm_90 (Hopper); ROCm (hipBLAS) 32 MiB,
+# 128 MiB on gfx94x/95x (CDNA3). parseCUDABlasLtWorkspaceSize: cuBLASLt 1 MiB (hipBLASLt 76 MiB), own pool.
+CUBLAS_WORKSPACE_BYTES = {"default": (4096 * 2 + 16 * 8) * 1024, "hopper": 32 * MiB, "cdna1": 32 * MiB,
+                          "cdna2": 32 * MiB, "cdna3": 128 * MiB}
+CUBLASLT_WORKSPACE_BYTES = {"default": 1 * MiB, "cdna1": 76 * MiB, "cdna2": 76 * MiB, "cdna3": 76 * MiB}
+# Training runs backward on autograd's per-device worker thread, which takes its own cuBLAS handle (handles
+# are per thread, torch/csrc/autograd/engine.cpp): two workspaces instead of one.
+BLAS_HANDLES = {"inference": 1, "training": 2}
+# cuDNN convolution workspace: transient, sized by the algorithm cuDNN picks. NB: an allowance (assumption),
+# not a measurement: algorithms that need more are skipped by PyTorch when memory is short.
+CUDNN_WORKSPACE_BYTES = 64 * MiB
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "workspace")
+Allocator = Literal["cuda", "exact"]
+
+
+@dataclass
+class MemoryReport:
+    """Forecast memory of one traced run; bytes everywhere.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        What the run needs on the device: ``tensor_peak_bytes`` + allocator segment slack + framework costs.
+    tensor_peak_bytes : int
+        Allocated tensor bytes at the peak: weights + gradients + optimizer + activations + workspace.
+    fits : bool or None
+        ``peak_bytes <= device_memory_bytes``; None without a device.
+    device_memory_bytes : int or None
+    breakdown : dict
+        weights, gradients, optimizer, activations (saved for backward, model inputs and outputs), workspace
+        (transient), allocator (reserved but unallocated segment tails), framework (CUDA context, cuBLAS/cuDNN).
+    where : dict
+        ``op_index``, ``aten_op``, ``module``, ``phase`` of the peak.
+    allocator, model, mode, batch_size, device : str, int
+        How the forecast was made and of what (``device`` is the device's name, None without one).
+    timeline : DataFrame
+        One row per op: op_index, phase, module, aten_op, live_bytes (while the op runs), and the bytes of
+        each category in ``CATEGORIES``.
+    """
+
+    peak_bytes: int
+    tensor_peak_bytes: int
+    fits: bool | None
+    device_memory_bytes: int | None
+    breakdown: dict[str, int]
+    where: dict[str, Any]
+    timeline: pd.DataFrame = field(repr=False)
+    allocator: str = "cuda"
+    model: str = ""
+    mode: str = ""
+    batch_size: int = 0
+    device: str | None = None   # the device's name
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (without the timeline)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timeline"}
+        out["breakdown"] = dict(self.breakdown)
+        out["where"] = dict(self.where)
+        return out
+
+
+@dataclass
+class _Storage:
+    """One allocation: its bytes, category and [start, end] op interval (inclusive)."""
+
+    nbytes: int
+    start: int
+    end: int
+    kind: str              # weights | gradients | optimizer | input | made in <phase>
+    module: str = ""       # module path of the op that made it
+    backward_use: bool = False
+    held: bool = False     # kept alive to the end of the step by the caller
+
+
+def _block(nbytes: np.ndarray) -> np.ndarray:
+    """Caching-allocator block size: rounded up to a multiple of 512 B (0 stays 0: no block)."""
+    return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+def _segment_slack(blocks: np.ndarray) -> int:
+    """Reserved-but-unallocated bytes for a set of live blocks, packed into the allocator's segments: blocks of
+    10 MiB and more each in their own segment rounded up to 2 MiB; 1-10 MiB blocks together in 20 MiB
+    segments; blocks up to 1 MiB together in 2 MiB segments."""
+    def ceil(x: np.ndarray | int, m: int) -> np.ndarray | int:
+        return -(-x // m) * m
+
+    own = blocks[blocks >= MIN_LARGE_ALLOC_BYTES]
+    mid = int(blocks[(blocks > SMALL_ALLOC_BYTES) & (blocks < MIN_LARGE_ALLOC_BYTES)].sum())
+    small = int(blocks[blocks <= SMALL_ALLOC_BYTES].sum())
+    return (int((ceil(own, ROUND_LARGE_BYTES) - own).sum()) + ceil(mid, LARGE_SEGMENT_BYTES) - mid
+            + ceil(small, SMALL_SEGMENT_BYTES) - small)
+
+
+def _walk(graph: Graph) -> list[_Storage]:
+    """Cut the op sequence into storages with first and last use (step 1-2 of the module docstring)."""
+    n = len(graph.ops)
+    fixed = {t.storage: kind for kind, metas in (("weights", graph.params), ("weights", graph.buffers))
+             for t in metas}
+    state_ids = {t.storage for t in graph.optimizer_state}
+    current: dict[int, _Storage] = {}
+    storages: list[_Storage] = []
+    in_optimizer = False
+
+    def persistent(sid: int, nbytes: int, kind: str) -> _Storage:
+        s = _Storage(nbytes, 0, n - 1, kind, held=True)
+        storages.append(s)
+        current[sid] = s
+        return s
+
+    for rec in graph.ops:
+        i, phase = rec.index, rec.phase
+        if phase == "optimizer" and not in_optimizer:
+            # The state is created by the tracer's un-recorded warm-up step, after backward: an earlier storage
+            # at the same address was a different one, freed before.
+            in_optimizer = True
+            for t in graph.optimizer_state:
+                persistent(t.storage, t.nbytes, "optimizer")
+        inputs = rec.call.tensor_args()
+        in_ids = {t.storage for t in inputs}
+        for t in inputs:
+            if t.nbytes == 0:   # empty tensors hold no memory (and may share an address with anything)
+                continue
+            s = current.get(t.storage)
+            if s is not None and s.nbytes != t.nbytes and s.kind not in ("weights", "optimizer"):
+                # NB: a different size at a known address is a new storage made where the trace does not
+                # record (e.g. torch.tensor(...)), at the address of one freed before: not a use of the old one
+                s = None
+            if s is None:
+                kind = fixed.get(t.storage)
+                if kind is not None:
+                    s = persistent(t.storage, t.nbytes, kind)
+                elif t.storage in state_ids:
+                    s = persistent(t.storage, t.nbytes, "optimizer")
+                else:   # made before the trace (model inputs) or in an un-recorded region
+                    s = _Storage(t.nbytes, 0 if phase == "forward" else i, i,
+                                 "input" if phase == "forward" else f"made in {phase}", held=phase == "forward")
+                    storages.append(s)
+                    current[t.storage] = s
+            s.end = max(s.end, i)
+            s.nbytes = max(s.nbytes, t.nbytes)
+            if phase == "backward" and s.kind in ("input", "made in forward", "made in loss"):
+                s.backward_use = True
+            if phase == "loss" and s.kind == "made in forward":
+                s.held = True   # a model output the loss reads (logits): the caller holds it all step
+        fresh: set[int] = set()
+        for t in rec.call.outputs:
+            if t.nbytes == 0:
+                continue
+            if t.storage in in_ids or t.storage in fresh:
+                s = current[t.storage]
+                s.end, s.nbytes = max(s.end, i), max(s.nbytes, t.nbytes)
+                continue
+            fresh.add(t.storage)
+            s = _Storage(t.nbytes, i, i, f"made in {phase}", rec.module)
+            storages.append(s)
+            current[t.storage] = s
+    for t in graph.grads:   # the latest storage at a grad's address is the grad (it is alive at the end)
+        s = current.get(t.storage)
+        if s is not None and s.kind not in ("weights", "optimizer"):
+            s.kind = "gradients"
+    for t in graph.held:   # what the model output keeps alive (logits, a KV cache: DynamicLayer keys/values)
+        s = current.get(t.storage)
+        if s is not None:
+            s.held = True
+    return storages
+
+
+def _category(s: _Storage, mode: str) -> str:
+    if s.kind in ("weights", "gradients", "optimizer"):
+        return s.kind
+    if s.kind == "input" or (s.kind in ("made in forward", "made in loss")
+                             and (mode == "inference" or s.backward_use or s.held)):
+        return "activations"
+    return "workspace"
+
+
+def _lifetimes(storages: list[_Storage], n: int) -> None:
+    """Apply the training-loop lifetimes: what the caller holds and the gradients live to the end of the step.
+
+    Gradients: live from the backward op that produces them to the end of the step, not throughout, because
+    ``optimizer.zero_grad()`` sets them to None by default (``set_to_none=True`` since PyTorch 2.0), which frees
+    them between steps; so during the forward pass of a steady-state loop no gradient exists.
+    """
+    for s in storages:
+        if s.held or s.kind == "gradients":
+            s.end = n - 1
+
+
+def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = "cuda") -> MemoryReport:
+    """Forecast the device memory of a traced run: peak, breakdown, where, timeline.
+
+    Parameters
+    ----------
+    graph : Graph
+        From :func:`neusight.trace`.
+    device : str or Device, optional
+        Adds ``fits`` and the architecture-dependent fixed costs (else the defaults of the constants above).
+    allocator : {"cuda", "exact"}
+        ``"cuda"``: blocks rounded as PyTorch's CUDA caching allocator does, segment slack and framework costs
+        added. ``"exact"``: requested tensor bytes only, no rounding, no fixed costs (what a CPU run reports).
+
+    Returns
+    -------
+    MemoryReport
+
+    Examples
+    --------
+    >>> import neusight
+    >>> from neusight.memory import estimate_memory
+    >>> g = neusight.trace("resnet18", batch_size=2, mode="training", optimizer="sgd")
+    >>> r = estimate_memory(g, "l4")
+    >>> r.fits, r.where["phase"]
+    (True, 'backward')
+    """
+    if allocator not in ("cuda", "exact"):
+        raise InputError(f"allocator={allocator!r} is not known; use 'cuda' (GPU caching allocator) or 'exact'")
+    if not graph.ops:
+        raise InputError(f"the graph of {graph.model} has no ops; trace a model that runs at least one op")
+    if device is not None and not hasattr(device, "memory_bytes"):
+        from neusight.devices import load_device
+
+        device = load_device(device)
+    n = len(graph.ops)
+    storages = _walk(graph)
+    _lifetimes(storages, n)
+    sizes = np.array([s.nbytes for s in storages], dtype=np.int64)
+    blocks = _block(sizes) if allocator == "cuda" else sizes
+    start = np.array([s.start for s in storages], dtype=np.int64)
+    end = np.array([s.end for s in storages], dtype=np.int64)
+    cats = np.array([CATEGORIES.index(_category(s, graph.mode)) for s in storages], dtype=np.int64)
+    per_cat = np.zeros((len(CATEGORIES), n + 1), dtype=np.int64)   # difference arrays, then running sums
+    np.add.at(per_cat, (cats, start), blocks)
+    np.add.at(per_cat, (cats, end + 1), -blocks)
+    per_cat = per_cat.cumsum(axis=1)[:, :n]
+    live = per_cat.sum(axis=0)
+    peak_i = int(np.argmax(live))
+    rec = graph.ops[peak_i]
+    breakdown = {c: int(per_cat[k, peak_i]) for k, c in enumerate(CATEGORIES)}
+    tensor_peak = int(live[peak_i])
+    if allocator == "cuda":
+        at_peak = blocks[(start <= peak_i) & (end >= peak_i)]
+        breakdown["allocator"] = _segment_slack(at_peak)
+        breakdown["framework"] = sum(fixed_costs(device, graph).values())
+    else:
+        breakdown["allocator"] = breakdown["framework"] = 0
+    peak = tensor_peak + breakdown["allocator"] + breakdown["framework"]
+    timeline = pd.DataFrame({"op_index": np.arange(n), "phase": [r.phase for r in graph.ops],
+                             "module": [r.module for r in graph.ops], "aten_op": [r.call.op for r in graph.ops],
+                             "live_bytes": live, **{c: per_cat[k] for k, c in enumerate(CATEGORIES)}})
+    mem = device.memory_bytes if device is not None else None
+    report = MemoryReport(peak_bytes=peak, tensor_peak_bytes=tensor_peak, fits=None if mem is None else peak <= mem,
+                          device_memory_bytes=mem, breakdown=breakdown,
+                          where={"op_index": peak_i, "aten_op": rec.call.op, "module": rec.module, "phase": rec.phase},
+                          timeline=timeline, allocator=allocator, model=graph.model, mode=graph.mode,
+                          batch_size=graph.batch_size, device=None if device is None else device.name)
+    log.debug("memory of %s (%s, batch %d): peak %.2f GiB at op %d %s in %r", graph.model, graph.mode,
+              graph.batch_size, report.peak_gib, peak_i, rec.call.op, rec.module)
+    return report
+
+
+def saved_activations(graph: Graph) -> pd.Series:
+    """Bytes of the forward-pass storages that backward reads again ("saved for backward"), per module path of
+    the op that made them (requested bytes, no allocator rounding), in program order.
+
+    Examples
+    --------
+    >>> import neusight
+    >>> g = neusight.trace("gpt2", batch_size=1, seq_len=64, mode="training", optimizer=None)
+    >>> saved = saved_activations(g)
+    >>> int(saved.filter(like="transformer.h.3.").sum()) == int(saved.filter(like="transformer.h.4.").sum())
+    True
+    """
+    totals: dict[str, int] = {}
+    for s in _walk(graph):
+        if s.backward_use and s.kind in ("made in forward", "made in loss"):
+            totals[s.module] = totals.get(s.module, 0) + s.nbytes
+    return pd.Series(totals, dtype="int64", name="saved_bytes")
+
+
+def fixed_costs(device: Any, graph: Graph) -> dict[str, int]:
+    """Framework bytes on the device that no tensor of the model accounts for (see the constants above).
+
+    ``device`` may be None: then the defaults apply.
+    """
+    arch = getattr(device, "architecture", None)
+    handles = BLAS_HANDLES.get(graph.mode, 1)
+    has_conv = any(k.family is Family.CONV for r in graph.ops for k in r.kernels)
+    return {"cuda_context": CUDA_CONTEXT_MIB.get(arch, CUDA_CONTEXT_DEFAULT_MIB) * MiB,
+            "cublas_workspace": handles * (CUBLAS_WORKSPACE_BYTES.get(arch, CUBLAS_WORKSPACE_BYTES["default"])
+                                           + CUBLASLT_WORKSPACE_BYTES.get(arch, CUBLASLT_WORKSPACE_BYTES["default"])),
+            "cudnn_workspace": CUDNN_WORKSPACE_BYTES if has_conv else 0}
+
+
+def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode: str = "inference",
+                   max_batch: int = 1 << 16, **trace_kwargs: Any) -> int:
+    """Largest batch size whose forecast :attr:`MemoryReport.peak_bytes` fits on ``device``.
+
+    Doubles the batch from 1 until a trace does not fit, then bisects between the last fit and the first
+    miss (traces are cheap on meta). Assumes memory grows with the batch.
+
+    Parameters
+    ----------
+    model, seq_len, mode, **trace_kwargs
+        As for :func:`neusight.trace`.
+    device : str or Device
+    max_batch : int
+        Upper end of the search; returned if it still fits.
+
+    Returns
+    -------
+    int
+        0 if batch 1 does not fit.
+    """
+    from neusight.devices import load_device
+    from neusight.graph.tracer import trace
+
+    device = load_device(device)
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
+    cache: dict[int, bool] = {}
+
+    def fits(b: int) -> bool:
+        if b not in cache:
+            g = trace(model, batch_size=b, seq_len=seq_len, mode=mode, **trace_kwargs)
+            r = estimate_memory(g, device)
+            cache[b] = bool(r.fits)
+            log.info("batch %d: %.2f of %.2f GiB -> %s", b, r.peak_gib, device.memory_gib,
+                     "fits" if r.fits else "does not fit")
+        return cache[b]
+
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo < max_batch:                   # doubling: lo fits, try 2 lo
+        hi = min(2 * lo, max_batch)
+        if not fits(hi):
+            break
+        lo = hi
+    else:
+        return lo
+    while hi - lo > 1:                      # bisection: lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ground truth on the CPU
+
+
+@dataclass(frozen=True)
+class CpuMeasurement:
+    """Peak of allocated tensor bytes of one real run on the CPU, as PyTorch's CPU allocator reports it."""
+
+    peak_bytes: int       # resident_bytes + the highest running total of bytes allocated during the run
+    resident_bytes: int   # parameters, buffers, optimizer state and inputs, allocated before the run
+
+
+class _MetaToCpu(TorchFunctionMode):
+    """Turn ``device="meta"`` of factory calls into the CPU, so the model's own input and loss code runs."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device")) == "meta":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
+                optimizer: str | None = "adamw", onednn: bool = False, seed: int = 0,
+                **build_kwargs: Any) -> CpuMeasurement:
+    """Run ``model`` for real on the CPU and measure the peak of allocated tensor bytes.
+
+    The module is the one :func:`neusight.trace` traces (same builder, random weights), run the way the tracer
+    runs it: the CUDA code paths of the tracer (fused ``native_dropout``) so both sides execute the same aten
+    ops; training does one un-measured warm-up step (creates the optimizer state), ``zero_grad(set_to_none=True)``,
+    then the measured step (forward, loss, backward, optimizer step) with the outputs held until it ends.
+
+    Allocations are read from ``torch.profiler.profile(profile_memory=True)``: the CPU allocator reports every
+    allocation and free made while profiling (requested bytes, no rounding), so the running sum of those events
+    plus the bytes resident before the step is the live tensor memory.
+
+    Parameters
+    ----------
+    model, batch_size, seq_len, mode, optimizer, **build_kwargs
+        As for :func:`neusight.trace`.
+    onednn : bool
+        Let convolutions run through oneDNN. Off by default: oneDNN reorders every conv weight into a blocked
+        layout through the tensor allocator, a transient copy the CUDA run does not make (on a small ResNet-18
+        that copy alone is 9 MiB, 20 % of its peak); the native kernels allocate only small im2col buffers.
+
+    Returns
+    -------
+    CpuMeasurement
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from neusight.graph.models import build_model
+    from neusight.graph.tracer import _CudaPaths, _make_optimizer
+
+    training = mode == "training"
+    built = build_model(model, **build_kwargs)
+    if built.needs_seq_len and not seq_len:
+        raise InputError(f"{built.name} needs seq_len (a positive integer) for a real run")
+    torch.manual_seed(seed)
+    tied = _tied_names(module := built.module)
+    module = module.to_empty(device="cpu")
+    for first, *others in tied:   # to_empty allocates every name anew: tie shared parameters again
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(first))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+        for b in module.buffers():
+            b.fill_(1 if b.is_floating_point() else 0)
+    module.train(training)
+    with _MetaToCpu():
+        args, kwargs = built.make_inputs(batch_size, seq_len)
+    opt = _make_optimizer(module, optimizer) if training and optimizer else None
+
+    def step() -> tuple:
+        with _MetaToCpu(), _CudaPaths():
+            if not training:
+                with torch.no_grad():
+                    return (module(*args, **kwargs),)
+            out = module(*args, **kwargs)
+            loss = built.loss(out, args, kwargs)
+            loss.backward()
+            if opt is not None:
+                opt.step()
+            return out, loss
+
+    if training:
+        with _onednn(onednn):
+            held = step()
+        del held
+        module.zero_grad(set_to_none=True)
+    resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in
+                [*module.parameters(), *module.buffers(), *_tensors((args, kwargs)),
+                 *(_tensors(list(opt.state.values())) if opt is not None else [])]}
+    with _onednn(onednn), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        held = step()
+    del held
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type().name == "CPU")
+    running = np.cumsum([b for _, b in events]) if events else np.zeros(1, dtype=np.int64)
+    base = int(sum(resident.values()))
+    return CpuMeasurement(peak_bytes=base + int(max(running.max(), 0)), resident_bytes=base)
+
+
+@contextlib.contextmanager
+def _onednn(enabled: bool) -> Iterator[None]:
+    """Switch oneDNN (mkldnn) kernels on or off for the block (without mkldnn.flags' TF32 warning)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = enabled
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
+def _tied_names(module: Any) -> list[list[str]]:
+    """Groups of parameter names that share one Parameter (tied embeddings), groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _tensors(obj: Any) -> list:
+    """Every tensor in nested lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
