@@ -117,7 +117,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     pred = load_predictor(predictor)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     k = g.kernels.reset_index(drop=True)
-    frame = pd.concat([k[["family", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
+    frame = pd.concat([k[["family", "kernel", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
     res = pred.predict(frame, device)
     kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
     # NB: kernels were measured one at a time, paying the launch overhead on top of their work. In a model

@@ -67,24 +67,45 @@ def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, tile_
                size: np.ndarray, rates: DeviceRates, algo_speedup: np.ndarray | float = 1.0) -> pd.DataFrame:
     """Tiles, waves and roofline of GEMM-like kernels: (B x) (M x N) @ (N x K), N the reduction.
 
-    tiles = B·ceil(M / tile_m)·ceil(K / tile_n); waves = ceil(tiles / SMs) (one tile per SM at a time).
+    tiles = B·ceil(M / tile_m)·ceil(K / tile_n)·split (split-K, see ``split_k``); waves = ceil(tiles / SMs)
+    (one tile per SM at a time).
     Compute leg per wave = tile FLOPs (2·tile_m·tile_n·N, the padded tile is computed in full) / per-SM
     peak, since a tile runs on one SM. Memory leg per wave = the kernel's minimum bytes / waves /
     bandwidth: operand panels are shared by the tiles of a wave through L2 (cuBLAS rasterises for it);
     what reuse is lost is left to the utilization model. ``algo_speedup`` = FLOPs / fewest FLOPs of a fast
     algorithm (Winograd) divides the compute leg, so the bound holds whichever algorithm the library picks.
     """
-    tiles = b * np.ceil(m / tile_m) * np.ceil(k / tile_n)
+    out_tiles = b * np.ceil(m / tile_m) * np.ceil(k / tile_n)
     concurrent = float(rates.sm_count)
+    split = split_k(out_tiles, n, concurrent)
+    tiles = out_tiles * split
     waves = np.ceil(tiles / concurrent)
     s = np.minimum(concurrent, tiles)                       # tiles in a (full) wave
-    wave_bytes = size * b * (m * n + n * k + m * k) / waves
-    tile_flops = 2.0 * tile_m * tile_n * n
+    # operands once, plus the partial sums a split-K GEMM writes and its reduction reads back
+    total_bytes = size * b * (m * n + n * k + m * k + np.where(split > 1, 2 * split * m * k, 0))
+    wave_bytes = total_bytes / waves
+    tile_flops = 2.0 * tile_m * tile_n * np.ceil(n / split)
     t_compute = tile_flops / algo_speedup / (rates.gemm_flops / rates.sm_count)
     t_memory = wave_bytes / rates.bandwidth
     ridge = rates.gemm_flops * algo_speedup / rates.bandwidth
     return _finish(tiles, concurrent, waves, tile_flops, wave_bytes / s, t_compute, t_memory,
                    (s * tile_flops / wave_bytes) / ridge)
+
+
+# Split-K: when the output has too few tiles to fill the GPU and the reduction is long, cuBLAS / cuDNN split
+# the reduction across CTAs and add the partial sums in a second kernel (the shared linear sweeps show it as
+# grid z up to ~50 with a splitKreduce kernel; cuDNN's weight gradients of early conv layers are the extreme
+# case: a tiny output, a reduction over batch x pixels). We split until about SPLIT_K_TARGET_WAVES waves,
+# keeping at least SPLIT_K_MIN_SLICE of the reduction per slice.
+SPLIT_K_TARGET_WAVES = 2
+SPLIT_K_MIN_SLICE = 256
+
+
+def split_k(out_tiles: np.ndarray, n: np.ndarray, sm_count: float) -> np.ndarray:
+    """Split-K factor (>= 1) for GEMMs with ``out_tiles`` output tiles and reduction length ``n``."""
+    want = np.floor(SPLIT_K_TARGET_WAVES * sm_count / np.maximum(out_tiles, 1))
+    cap = np.floor(n / SPLIT_K_MIN_SLICE)
+    return np.maximum(1.0, np.minimum(want, cap))
 
 
 def rowwise_tiles(numel: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, elems_per_block: np.ndarray,

@@ -19,7 +19,8 @@ import torch
 
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
-from neusight.predictor.features import MODEL_FAMILIES, decompose, feature_names
+from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, MODEL_FAMILIES, decompose,
+                                         feature_names)
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP
 from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp
 from neusight.tile_table import TileTable
@@ -71,6 +72,10 @@ class Predictor:
         self.metrics_: dict[str, dict] = {}
         for fam, cfg in self.config.families.items():
             d = design[design["model_family"] == fam]
+            if fam in BORROWS_ELEMENTWISE and not d.empty:
+                ew = design[design["model_family"] == "elementwise"]
+                borrowed = ew.sample(frac=BORROW_FRACTION, random_state=self.config.seed).assign(native=0.0)
+                d = pd.concat([d, borrowed])
             if d.empty:
                 log.warning("no training rows of family %s; it falls back to the elementwise model", fam)
                 continue
@@ -90,10 +95,12 @@ class Predictor:
                 log.info("%s: resumed from %s", fam, resume_dir)
             self.models_[fam], self.fits_[fam] = res.model, res
             pred, _ = predict_mlp(res.model, d[feats].to_numpy(float), d["roofline_ms"].to_numpy(float))
-            per_dev = {dev: round(mape(pred[(d["device"] == dev).to_numpy()],
-                                       d["latency_ms"].to_numpy()[(d["device"] == dev).to_numpy()]), 2)
+            native = (d["native"] != 0).to_numpy() if "native" in d else np.ones(len(d), bool)
+            per_dev = {dev: round(mape(pred[(d["device"] == dev).to_numpy() & native],
+                                       d["latency_ms"].to_numpy()[(d["device"] == dev).to_numpy() & native]), 2)
                        for dev in sorted(set(d["device"]))}
-            self.metrics_[fam] = {"rows": int(len(d)), "best_epoch": res.best_epoch, "val_devices": list(res.val_groups),
+            self.metrics_[fam] = {"rows": int(native.sum()), "borrowed_rows": int((~native).sum()),
+                                  "best_epoch": res.best_epoch, "val_devices": list(res.val_groups),
                                   "leave_one_gpu_out_mape": logo,
                                   "fit_s": round(time.time() - t0, 1), "train_mape_per_device": per_dev,
                                   "overhead_ms": round(float(res.model.overhead_ms.detach()), 5)}
@@ -118,9 +125,10 @@ class Predictor:
         """
         self._check_fitted()
         device = load_device(device)
-        keys = ["family", "B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes", "dtype"]
+        keys = ["family", "kernel", "B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes", "dtype"]
         work = df.reindex(columns=keys).copy()
         work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
+        work["kernel"] = work["kernel"].fillna("conv_fwd").where(work["family"] == "conv", "")
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
         uniq = work.drop_duplicates().reset_index(drop=True)
