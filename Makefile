@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/neusight-trace model=gpt2-large batch_size=4 seq_len=1024 mode=training
+	$(BIN)/neusight-predict model=gpt2-large device=h100-sxm5-80gb batch_size=4 seq_len=1024 mode=training
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

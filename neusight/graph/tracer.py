@@ -17,7 +17,6 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.module_tracker import ModuleTracker
 
 from neusight.errors import InputError, ModelError, TraceError
@@ -66,16 +65,38 @@ class _Recorder(TorchDispatchMode):
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it is probably data-"
                              f"dependent (nonzero, .item(), boolean indexing). Make the shape static or trace a "
                              f"module without it.") from None
-        flat_out, _ = tree_flatten(out)
-        outs = tuple(TensorMeta.of(t) for t in flat_out if isinstance(t, torch.Tensor))
-        flat_in, _ = tree_flatten((args, kwargs))
-        if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in flat_in + list(flat_out)):
+        flat_out: list[torch.Tensor] = []
+        _tensors(out, flat_out)
+        flat_in: list[torch.Tensor] = []
+        _tensors(args, flat_in)
+        _tensors(tuple(kwargs.values()), flat_in)
+        if not any(t.device.type == "meta" for t in flat_in) and not any(t.device.type == "meta" for t in flat_out):
             return out  # host-side scalar bookkeeping (e.g. optimizer step counters on the CPU)
-        call = OpCall(str(func), packet, tree_map_only(torch.Tensor, TensorMeta.of, args),
-                      tree_map_only(torch.Tensor, TensorMeta.of, kwargs), outs)
+        outs = tuple(TensorMeta.of(t) for t in flat_out)
+        call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled))
         return out
+
+
+def _tensors(obj: Any, found: list) -> None:
+    """Append every tensor in a (nested) tuple / list of op arguments or results; faster than pytree."""
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _tensors(o, found)
+
+
+def _metas(obj: Any) -> Any:
+    """Op arguments with every tensor replaced by its TensorMeta (tuples and lists kept as such)."""
+    if isinstance(obj, torch.Tensor):
+        return TensorMeta.of(obj)
+    if isinstance(obj, tuple):
+        return tuple(_metas(o) for o in obj)
+    if isinstance(obj, list):
+        return [_metas(o) for o in obj]
+    return obj
 
 
 class _CudaPaths(TorchFunctionMode):
@@ -195,8 +216,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                          f"Check the input shapes (batch_size={batch_size}, seq_len={seq_len})") from None
     state: list[TensorMeta] = []
     if opt is not None:
-        with _CudaPaths():
-            opt.step()   # un-recorded warm-up: lazily creates the optimizer state, as the first real step does
+        _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
         with tracker, _CudaPaths(), rec:
             rec.phase = "optimizer"
             opt.step()
@@ -237,6 +257,22 @@ def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[Ten
     for item in items:
         found += _held_tensors(item, depth + 1, seen)
     return found
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the per-parameter state the first ``step()`` would create, so the recorded step is a
+    steady-state one (AdamW: step count, exp_avg, exp_avg_sq; SGD with momentum: momentum_buffer)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+                opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                "exp_avg_sq": torch.zeros_like(p)}
+                if group.get("amsgrad"):
+                    opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+            elif isinstance(opt, torch.optim.SGD) and group.get("momentum", 0):
+                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
 
 
 def _make_optimizer(module: torch.nn.Module, name: str) -> torch.optim.Optimizer:
