@@ -101,6 +101,23 @@ class Prediction:
             atomic_write_text(path, text)
         return text
 
+    def plot(self, outdir: str | Path, *, formats: tuple[str, ...] = ("png", "svg"), prefix: str = "") -> list[Path]:
+        """Render the four pictures into ``outdir``: roofline, time-based roofline, memory timeline (when
+        the memory forecast is there) and per-layer breakdown. Returns the files written."""
+        from neusight import plots
+
+        outdir = Path(outdir)
+        outdir.mkdir(parents=True, exist_ok=True)
+        k = self.kernels
+        overhead_us = float(k["overhead_ms"].median() * 1e3) if "overhead_ms" in k and len(k) else 5.0
+        files = plots.roofline_chart(k, self.device, outdir / f"{prefix}roofline", formats=formats)
+        files += plots.time_roofline(k, self.device, outdir / f"{prefix}time_roofline", launch_overhead_us=overhead_us,
+                                     formats=formats)
+        if self.memory is not None:
+            files += plots.memory_timeline(self.memory, outdir / f"{prefix}memory_timeline", formats=formats)
+        files += plots.layer_breakdown(k, outdir / f"{prefix}layers", formats=formats)
+        return files
+
     def to_csv(self, path: str | Path) -> None:
         k = self.kernels.copy()
         k["dims"] = k["dims"].map(lambda d: "x".join(str(x) for x in d))

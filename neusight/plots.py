@@ -219,7 +219,7 @@ def time_roofline(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, *
         ax.set_title(label, fontsize=9)
     axes[0].yaxis.set_major_formatter(_eng("s"))
     axes[0].set_ylabel("Kernel time")
-    axes[0].annotate(f"launch overhead {launch_overhead_us:g} µs", (axes[0].get_xlim()[0], floor), xytext=(4, 4),
+    axes[0].annotate(f"launch overhead {launch_overhead_us:.3g} µs", (axes[0].get_xlim()[0], floor), xytext=(4, 4),
                      textcoords="offset points", fontsize=8, color="dimgray")
     ymin = min(float(t.min()), floor) / 2
     axes[0].set_ylim(ymin, float(t.max()) * 3)
