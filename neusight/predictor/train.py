@@ -99,7 +99,20 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
 
 
 def predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(latency_ms, utilization) for rows of features."""
+    """(latency_ms, utilization) for rows of features.
+
+    NB: one thread: these are tiny matrices (tens to thousands of rows) where thread start-up costs more
+    than the work, badly so when other processes share the cores.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _predict_mlp(model, x, roofline_ms)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with torch.no_grad():
         X = torch.as_tensor(x, dtype=torch.float32)
         u = model.utilization(X)

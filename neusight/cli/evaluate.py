@@ -1,0 +1,209 @@
+"""``neusight-evaluate``: predict the measured end-to-end runs and report the errors.
+
+Default: every plain (no -fusion/-dp/-tp/-pp) label run of an NVIDIA GPU in ``../shared/datasets/neusight-asplos25``
+with the shipped predictor, plus the ResNet rows of ``../shared/datasets/public-benchmarks`` in scope (FP32,
+V100/T4). Writes into Hydra's run directory: ``results.csv`` (one row per label run), ``per_gpu.csv``,
+``cnn_results.csv`` / ``cnn_skipped.csv``, ``evaluation.md`` (the tables) and ``predicted_vs_measured.png``.
+
+Examples::
+
+    neusight-evaluate                                    # everything, shipped predictor
+    neusight-evaluate out_md=docs/evaluation.md          # and the report into docs/ (relative to the cwd)
+    neusight-evaluate labels.gpus=[l4] cnn.enabled=false labels.max_runs=2
+    neusight-evaluate --multirun hydra/launcher=joblib checkpoint=data/predictor,/path/to/other
+    neusight-evaluate --multirun hydra/launcher=joblib 'labels.gpus=[l4],[t4],[v100-pcie-32gb]'
+    neusight-evaluate --multirun hydra/launcher=slurm checkpoint=a,b   # conf/hydra/launcher/slurm.yaml, needs .[slurm]
+
+``checkpoint=<dir>`` may also be written ``predictor=<dir>`` (see :mod:`neusight.cli.predict` for why it is
+rewritten). The task function returns the mean absolute % error over the label runs, for sweepers; after a
+multirun :class:`SweepSummaryCallback` writes ``sweep_summary.md`` comparing the jobs per GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.predict import _rewrite_predictor_override, job_labels
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+DATASETS = REPO.parent / "shared" / "datasets"
+
+
+@dataclass
+class LabelsConfig:
+    dataset: str = str(DATASETS / "neusight-asplos25")   # the folder holding labels/ and models/
+    gpus: Optional[list[str]] = None       # device keys or label folder names; null = every NVIDIA GPU
+    models: Optional[list[str]] = None     # label model names (gpt2_large, bert_large, ...); null = all
+    modes: Optional[list[str]] = None      # inference / training; null = both
+    max_runs: Optional[int] = None         # the first n runs after filtering (smoke tests)
+
+
+@dataclass
+class CnnConfig:
+    enabled: bool = True
+    dir: str = str(DATASETS / "public-benchmarks")      # cnn_dle.csv and cnn_lambda.csv
+    min_batch: int = 32                    # DLE inference rows below this batch are launch-bound: skipped
+
+
+@dataclass
+class EvaluateConfig:
+    labels: LabelsConfig = field(default_factory=LabelsConfig)
+    cnn: CnnConfig = field(default_factory=CnnConfig)
+    checkpoint: Optional[str] = None       # predictor checkpoint directory; null = the shipped predictor
+    out_md: Optional[str] = None           # also write the report here (relative to the working directory)
+    target_trained_pct: float = 5.0        # acceptance: mean abs % error per GPU on the predictor's training GPUs
+    target_unseen_pct: float = 8.0         # ... and on GPUs it never saw (L4; NeuSight reports 12.4 %)
+    plot: bool = True
+
+
+ConfigStore.instance().store(name="evaluate_schema", node=EvaluateConfig)
+
+
+def _predictor_line(checkpoint: str | None, trained_on: tuple[str, ...]) -> str:
+    where = checkpoint or "the shipped predictor (data/predictor)"
+    manifest = Path(checkpoint or REPO / "data" / "predictor") / "manifest.json"
+    extra = ""
+    if manifest.is_file():
+        m = json.loads(manifest.read_text())
+        sha = str(m.get("weights_sha256") or "")[:12]
+        extra = f", weights sha256 {sha}" if sha else ""
+        if m.get("command"):
+            extra += f", made by `{m['command']}`"
+        if m.get("e2e_scale") is not None:
+            # NB: fitted on the end-to-end labels of the training GPUs, so their rows below are in-sample for
+            # this one number; the unseen GPUs' rows are not.
+            extra += (f"; plus one end-to-end scale ({float(m['e2e_scale']):.4g}) fitted on the training GPUs' labels "
+                      "(their rows below are in-sample for it)")
+    return f"Predictor: {where}{extra}; trained on kernel sweeps of {', '.join(trained_on) or '(not stated)'}."
+
+
+def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str = "neusight-evaluate",
+                   out_md: str | None = None) -> dict[str, Any]:
+    """Everything the app does, without Hydra: predict, write the files into ``out_dir`` (and the report to
+    ``out_md`` if given), return a summary."""
+    import pandas as pd
+
+    from neusight import e2e_eval as ev
+    from neusight.api import load_predictor
+    from neusight.evaluate import evaluate_labels, find_labels
+    from neusight.util import atomic_write_text
+
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    pred = load_predictor(cfg.checkpoint)
+    trained_on = tuple(pred.train_devices_)
+    runs = ev.select_labels(find_labels(cfg.labels.dataset), gpus=cfg.labels.gpus, models=cfg.labels.models,
+                            modes=cfg.labels.modes, max_runs=cfg.labels.max_runs)
+    labels = ev.label_frame(evaluate_labels(runs, pred))
+    t_labels = time.perf_counter() - t0
+    atomic_write_text(out / "results.csv", labels.to_csv(index=False))
+    targets = (cfg.target_trained_pct, cfg.target_unseen_pct)
+    per_gpu = ev.per_gpu_summary(labels, trained_on, targets)
+    atomic_write_text(out / "per_gpu.csv", per_gpu.to_csv(index=False))
+
+    cnn = skipped = None
+    if cfg.cnn.enabled:
+        sel, skipped = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch)
+        cnn = ev.predict_cnn(sel, pred)
+        atomic_write_text(out / "cnn_results.csv", cnn.to_csv(index=False))
+        atomic_write_text(out / "cnn_skipped.csv", skipped.to_csv(index=False))
+    t_all = time.perf_counter() - t0
+
+    header = (f"# End-to-end evaluation\n\nGenerated by `{command}` (neusight/cli/evaluate.py, neusight/e2e_eval.py); "
+              "do not edit by hand, rerun it.\n\n"
+              f"{_predictor_line(cfg.checkpoint, trained_on)} GPUs outside that list are forecast from their spec "
+              f"files alone.\n\nLabels: {len(labels)} plain (eager, 1-GPU) runs of "
+              f"`{_short_path(cfg.labels.dataset)}/labels`, predicted with their protocol (neusight/evaluate.py: "
+              "inference = eval + no_grad forward; training = forward + backward of a cross-entropy, no loss or "
+              f"optimizer time). Wall time: labels {t_labels:.1f} s, everything {t_all:.1f} s on "
+              f"{os.cpu_count()} cores.")
+    footer = ("The predicted-vs-measured log-log plot (NeuSight and roofline side by side) is written to the run "
+              "directory as `predicted_vs_measured.png`.")
+    md = ev.render_markdown(labels, trained_on, cnn=cnn, cnn_skipped=skipped, header=header, footer=footer,
+                            targets=targets)
+    atomic_write_text(out / "evaluation.md", md)
+    if out_md:
+        atomic_write_text(out_md, md)
+    if cfg.plot:
+        ev.scatter_plot(labels, out / "predicted_vs_measured.png", cnn=cnn, trained_on=trained_on,
+                        title=f"{len(labels)} NeuSight label runs" + (f" + {len(cnn)} ResNet benchmark rows" if cnn is not None else ""))
+    summary = {"runs": len(labels), "mean_abs_error_pct": float(labels["error_pct"].abs().mean()),
+               "roofline_mean_abs_error_pct": float(labels["roofline_error_pct"].abs().mean()),
+               "labels_wall_s": t_labels, "total_wall_s": t_all,
+               "cnn_mean_abs_error_pct": None if cnn is None else float(cnn["error_pct"].abs().mean())}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    with pd.option_context("display.width", 200, "display.float_format", "{:,.1f}".format):
+        print(per_gpu.to_string(index=False))
+        if cnn is not None:
+            print(ev.cnn_summary(cnn).to_string(index=False))
+    print(f"{len(labels)} label runs: mean |error| {summary['mean_abs_error_pct']:.1f} % (roofline "
+          f"{summary['roofline_mean_abs_error_pct']:.1f} %); labels in {t_labels:.1f} s, all in {t_all:.1f} s; "
+          f"files in {out}" + (f"; report {out_md}" if out_md else ""))
+    return summary
+
+
+def _short_path(p: str) -> str:
+    try:
+        return os.path.relpath(p, REPO)
+    except ValueError:  # pragma: no cover - other drive on Windows
+        return p
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="evaluate")
+@catch_user_errors
+def _app(cfg: EvaluateConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    quiet_third_party_logs()
+    hc = HydraConfig.get()
+    out_md = os.path.join(hc.runtime.cwd, cfg.out_md) if cfg.out_md else None   # joins nothing if absolute
+    command = " ".join(["neusight-evaluate", *hc.overrides.task])
+    return run_evaluation(cfg, hc.runtime.output_dir, command, out_md)["mean_abs_error_pct"]
+
+
+class SweepSummaryCallback(Callback):
+    """After a multirun: one table of every job's per-GPU mean |error| (``sweep_summary.md`` / ``.csv``)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        import pandas as pd
+        import yaml
+
+        from neusight.e2e_eval import markdown_table
+        from neusight.util import atomic_write_text
+
+        sweep = Path(config.hydra.sweep.dir)
+        files = sorted(sweep.glob("*/per_gpu.csv"), key=lambda f: (len(f.parent.name), f.parent.name))
+        if len(files) < 2:
+            return
+        overrides = []
+        for f in files:
+            ov = f.parent / ".hydra" / "overrides.yaml"
+            overrides.append((yaml.safe_load(ov.read_text()) or []) if ov.is_file() else [])
+        labels = [lab or f.parent.name for lab, f in zip(job_labels(overrides), files)]
+        df = pd.concat([pd.read_csv(f).assign(job=lab) for f, lab in zip(files, labels)], ignore_index=True)
+        t = df.pivot_table(index=["gpu", "mode"], columns="job", values="mean_abs_error_pct", aggfunc="first")
+        t = t[[lab for lab in dict.fromkeys(labels) if lab in t.columns]]
+        atomic_write_text(sweep / "sweep_summary.csv", t.to_csv())
+        atomic_write_text(sweep / "sweep_summary.md", "Mean absolute % error per GPU and mode, one column per job.\n\n"
+                          + markdown_table(t))
+        print(f"\nper-GPU mean |error| % by job ({sweep / 'sweep_summary.md'}):")
+        print(t.round(1).to_string())
+
+
+def main() -> Any:
+    sys.argv = [sys.argv[0], *_rewrite_predictor_override(sys.argv[1:])]
+    return exit_2_on_config_errors(_app)()

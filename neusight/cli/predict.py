@@ -1,0 +1,379 @@
+"""``neusight-predict model=gpt3-2.7b device=h100-sxm5-80gb batch_size=2 seq_len=2048 mode=training``: forecast
+one inference pass or training step and print where the time goes.
+
+- ``device=[a100-80gb-pcie,h100-sxm5-80gb]`` (a list) traces once, predicts on every GPU and prints them side
+  by side (total, phases, speed-up vs the first). ``--multirun device=a100-80gb-pcie,h100-sxm5-80gb`` runs one
+  job per GPU (any launcher) and :class:`CompareCallback` prints the same table over the jobs at the end.
+- ``json=forecast.json csv=kernels.csv`` write the forecast and the kernel table (relative paths go into
+  Hydra's run directory; written atomically).
+- ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
+  shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
+  would read ``predictor=<dir>`` as a choice in that group; :func:`main` rewrites it to ``checkpoint=<dir>``
+  before Hydra parses the command line.
+
+The task function returns the total latency (ms) for sweepers (of the first GPU when ``device`` is a list).
+"""
+
+from __future__ import annotations
+
+import json as _json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from neusight.api import Prediction
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+SUMMARY_FILE = "prediction_summary.json"   # written by every job of a multirun, read by CompareCallback
+
+
+@dataclass
+class PredictConfig:
+    model: str = MISSING                 # preset, HF config JSON path
+    device: Any = MISSING                # key, alias, spec YAML path, or a list of them (side-by-side table)
+    batch_size: int = 1
+    seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
+    mode: str = "inference"              # inference | training
+    head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
+    optimizer: Optional[str] = "adamw"   # adamw | sgd | null (training only; null leaves the step out)
+    attn_implementation: str = "eager"   # eager | sdpa
+    image_size: int = 224                # vision models
+    dtype: str = "float32"
+    checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
+    memory: bool = True                  # also forecast the memory peak
+    top: int = 10                        # rows of the kernel and layer tables
+    json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
+    csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
+    layers_csv: Optional[str] = None     # write the per-layer report (time, share, bound, saved memory) as CSV
+    plot: Optional[str] = None           # directory for the pictures (roofline, time roofline, memory, layers)
+    find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory
+
+
+ConfigStore.instance().store(name="predict_schema", node=PredictConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# grouping and formatting (pure functions of a Prediction)
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def layer_key(module: str, phase: str) -> str:
+    """Collapse the index of repeated blocks so the same layer of every block adds up:
+    ``transformer.h.12.mlp.c_fc`` -> ``transformer.h.*.mlp.c_fc``; ops outside any module go by phase."""
+    if not module:
+        return {"loss": "(loss)", "optimizer": "(optimizer step)"}.get(phase, "(model, outside modules)")
+    return _INDEX.sub(".*", module)
+
+
+def top_layers(p: Prediction, top: int = 10) -> pd.DataFrame:
+    """Per collapsed module path: total ms over all phases, share, instances, memory-bound share."""
+    k = p.kernels
+    keys = [layer_key(m, ph) for m, ph in zip(k["module"].astype(str), k["phase"].astype(str))]
+    g = k.assign(layer=keys, mem_ms=k["latency_ms"].where(k["bound"] == "memory", 0.0),
+                 instances=k["module"].astype(str))
+    out = g.groupby("layer").agg(ms=("latency_ms", "sum"), instances=("instances", "nunique"),
+                                 kernels=("latency_ms", "size"), mem_ms=("mem_ms", "sum"))
+    out["share_pct"] = 100 * out["ms"] / max(p.latency_ms, 1e-12)
+    out["memory_bound_pct"] = 100 * out["mem_ms"] / out["ms"].clip(lower=1e-12)
+    out = out.drop(columns="mem_ms").sort_values("ms", ascending=False).head(top)
+    return out[["ms", "share_pct", "instances", "kernels", "memory_bound_pct"]]
+
+
+def top_kernels(p: Prediction, top: int = 10) -> pd.DataFrame:
+    """Distinct kernels (phase, kernel, dims: B x M x N x K for GEMMs, rows x cols otherwise) by total time: calls, ms per call, total, share, bound, utilization."""
+    k = p.kernels.assign(dims=p.kernels["dims"].map(lambda d: "x".join(str(int(x)) for x in d)),
+                         kernel=p.kernels["kernel"].astype(str) if "kernel" in p.kernels else
+                         p.kernels["aten_op"].astype(str).str.removeprefix("aten.").str.removesuffix(".default"))
+    out = k.groupby(["phase", "family", "kernel", "dims"], sort=False).agg(
+        calls=("latency_ms", "size"), ms=("latency_ms", "sum"), bound=("bound", "first"),
+        utilization=("utilization", "mean"))
+    out["ms_per_call"] = out["ms"] / out["calls"]
+    out["share_pct"] = 100 * out["ms"] / max(p.latency_ms, 1e-12)
+    out = out.sort_values("ms", ascending=False).head(top).reset_index()
+    return out[["phase", "family", "kernel", "dims", "calls", "ms_per_call", "ms", "share_pct", "bound", "utilization"]]
+
+
+def bound_shares(p: Prediction) -> dict[str, float]:
+    """Share (%) of the predicted time spent in compute-bound and memory-bound kernels."""
+    k = p.kernels
+    total = max(float(k["latency_ms"].sum()), 1e-12)
+    return {b: 100 * float(k.loc[k["bound"] == b, "latency_ms"].sum()) / total for b in ("compute", "memory")}
+
+
+def trained_on(p: Prediction) -> str:
+    devs = tuple(p.predictor_devices)
+    if not devs:
+        return "the predictor does not say which GPUs it was trained on"
+    if p.device.key in devs:
+        return f"in the predictor's training set ({', '.join(devs)})"
+    return f"not in the predictor's training set ({', '.join(devs)}): forecast from its spec sheet alone"
+
+
+def _run_line(p: Prediction) -> str:
+    what = p.mode + (f" ({' + '.join(p.phases)})" if p.mode == "training" else "")
+    shape = f"batch {p.batch_size}" + (f", seq {p.seq_len}" if p.seq_len else "")
+    return f"{p.model}: {what}, {shape}"
+
+
+def _memory_line(p: Prediction) -> str | None:
+    m = p.memory
+    if m is None or getattr(m, "peak_bytes", None) is None:
+        return None
+    cap = p.device.memory_gib
+    fits = getattr(m, "fits", None)
+    verdict = "" if fits is None else (": fits" if fits else ": does NOT fit")
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in (getattr(m, "breakdown", None) or {}).items() if v)
+    return f"memory: peak {m.peak_bytes / GIB:.1f} GiB of {cap:g} GiB{verdict}" + (f" ({parts} GiB)" if parts else "")
+
+
+def format_summary(p: Prediction, top: int = 10) -> str:
+    """The readable summary the CLI prints for one GPU."""
+    import pandas as pd
+
+    lines = [_run_line(p), f"device: {p.device.name} ({p.device.key}), {trained_on(p)}",
+             f"total: {p.latency_ms:,.2f} ms"]
+    lines.append("phases: " + " | ".join(f"{ph} {ms:,.2f} ms ({100 * ms / max(p.latency_ms, 1e-12):.1f} %)"
+                                         for ph, ms in p.phases.items()))
+    b = bound_shares(p)
+    lines.append(f"bound: compute-bound kernels {b['compute']:.1f} % of the time, memory-bound {b['memory']:.1f} %")
+    mem = _memory_line(p)
+    if mem:
+        lines.append(mem)
+    for note in p.notes:
+        lines.append(f"note: {note}")
+    fmt = {"ms": "{:,.3f}".format, "ms_per_call": "{:,.4f}".format, "share_pct": "{:.1f}".format,
+           "memory_bound_pct": "{:.0f}".format, "utilization": "{:.2f}".format}
+    with pd.option_context("display.width", 200, "display.max_colwidth", 60):
+        lines.append(f"\ntop {top} kernels (calls of the same kernel and dims summed):")
+        lines.append(top_kernels(p, top).to_string(index=False, formatters=fmt))
+        lines.append(f"\ntop {top} layers (module paths, repeated blocks summed as *; all phases):")
+        lines.append(top_layers(p, top).to_string(formatters=fmt))
+    return "\n".join(lines)
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Side by side: one column per forecast (``label``), rows total / phases / speed-up vs the first / memory.
+
+    ``rows`` are dicts with ``label``, ``latency_ms``, ``phases`` and optionally ``memory_peak_gib``,
+    ``fits``, ``trained_on`` (the shape of :func:`summary_record`).
+    """
+    import pandas as pd
+
+    phases: list[str] = []
+    for r in rows:
+        phases += [ph for ph in r["phases"] if ph not in phases]
+    base = rows[0]["latency_ms"]
+    cols = {}
+    for r in rows:
+        col = {"total ms": f"{r['latency_ms']:,.2f}"}
+        for ph in phases:
+            col[f"{ph} ms"] = f"{r['phases'][ph]:,.2f}" if ph in r["phases"] else "-"
+        col[f"speed-up vs {rows[0]['label']}"] = f"{base / r['latency_ms']:.2f}x"
+        if r.get("memory_peak_gib") is not None:
+            col["memory peak GiB"] = f"{r['memory_peak_gib']:.1f}" + ("" if r.get("fits") in (None, True) else " (no fit)")
+        if r.get("trained_on") is not None:
+            col["predictor trained on it"] = "yes" if r["trained_on"] else "no"
+        cols[r["label"]] = col
+    return pd.DataFrame(cols)
+
+
+def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
+    """What the comparison table needs of one forecast (JSON-safe)."""
+    m = p.memory
+    peak = getattr(m, "peak_bytes", None) if m is not None else None
+    return {"label": label or p.device.key, "device": p.device.key, "latency_ms": p.latency_ms,
+            "phases": dict(p.phases), "memory_peak_gib": None if peak is None else peak / GIB,
+            "fits": getattr(m, "fits", None) if m is not None else None,
+            "trained_on": p.device.key in tuple(p.predictor_devices)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the app
+
+
+def _devices(cfg_device: Any) -> list[str]:
+    from neusight.errors import InputError
+
+    devices = list(cfg_device) if OmegaConf.is_list(cfg_device) or isinstance(cfg_device, list) else [cfg_device]
+    if not devices or any(d is None or str(d).strip() == "" for d in devices):
+        raise InputError(f"device={cfg_device!r} names no GPU; use a key such as device=h100-sxm5-80gb "
+                         "(neusight.list_devices() lists them) or a spec YAML path")
+    return [str(d) for d in devices]
+
+
+def _out_path(path: str) -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return path if os.path.isabs(path) else os.path.join(HydraConfig.get().runtime.output_dir, path)
+
+
+def forecast(cfg: PredictConfig) -> list[Prediction]:
+    """Trace once, predict on every GPU of ``cfg.device`` (memory too when ``cfg.memory``)."""
+    from neusight.api import load_predictor, predict_graph
+    from neusight.devices import load_device
+    from neusight.graph.tracer import trace
+
+    # fail on a bad GPU or checkpoint before the (slower) trace
+    devices = [load_device(d) for d in _devices(cfg.device)]
+    predictor = load_predictor(cfg.checkpoint)
+    g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
+              optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
+              dtype=cfg.dtype)
+    preds = []
+    for dev in devices:
+        p = predict_graph(g, dev, predictor)
+        if cfg.memory:
+            try:
+                from neusight.memory import estimate_memory
+            except ImportError:  # pragma: no cover - memory forecast not available
+                pass
+            else:
+                p.memory = estimate_memory(g, dev)
+        preds.append(p)
+    return preds
+
+
+def _write_outputs(cfg: PredictConfig, preds: list[Prediction]) -> None:
+    import pandas as pd
+
+    from neusight.util import atomic_write_text
+
+    if cfg.json:
+        path = _out_path(cfg.json)
+        if len(preds) == 1:
+            preds[0].to_json(path)
+        else:
+            atomic_write_text(path, _json.dumps([p.to_dict() for p in preds], indent=2, default=float))
+        print(f"forecast: {path}")
+    if cfg.csv:
+        path = _out_path(cfg.csv)
+        if len(preds) == 1:
+            preds[0].to_csv(path)
+        else:
+            frames = []
+            for p in preds:
+                k = p.kernels.copy()
+                k["dims"] = k["dims"].map(lambda d: "x".join(str(x) for x in d))
+                k.insert(0, "device", p.device.key)
+                frames.append(k)
+            atomic_write_text(path, pd.concat(frames, ignore_index=True).to_csv(index=False))
+        print(f"kernel table: {path}")
+
+
+def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
+    """Per-layer CSV, pictures and the max-batch search, when asked for."""
+    from neusight.util import atomic_write_text
+
+    multi = len(preds) > 1
+    for p in preds:
+        suffix = f"_{p.device.key}" if multi else ""
+        if cfg.layers_csv:
+            from neusight.memory import saved_activations
+            from neusight.plots import layer_table
+
+            saved = saved_activations(p.graph) if p.graph.mode == "training" else None
+            path = _out_path(cfg.layers_csv.replace(".csv", f"{suffix}.csv") if multi else cfg.layers_csv)
+            atomic_write_text(path, layer_table(p.kernels, saved_bytes=saved).to_csv())
+            print(f"per-layer report: {path}")
+        if cfg.plot:
+            files = p.plot(_out_path(cfg.plot), prefix=f"{p.device.key}_")
+            print(f"pictures: {', '.join(str(f) for f in files if str(f).endswith('.png'))}")
+        if cfg.find_max_batch:
+            from neusight.memory import find_max_batch
+
+            best = find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
+                                  optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
+                                  image_size=cfg.image_size, dtype=cfg.dtype)
+            print(f"largest batch that fits on {p.device.name}: {best}" + ("" if best else " (batch 1 does not fit)"))
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="predict")
+@catch_user_errors
+def _app(cfg: PredictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from neusight.util import atomic_write_text
+
+    quiet_third_party_logs()
+    preds = forecast(cfg)
+    for i, p in enumerate(preds):
+        if i:
+            print()
+        print(format_summary(p, cfg.top))
+    if len(preds) > 1:
+        print("\nside by side:")
+        print(comparison_table([summary_record(p) for p in preds]).to_string())
+    _write_outputs(cfg, preds)
+    _extras(cfg, preds)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        records = [{**summary_record(p), "overrides": list(hc.overrides.task), "in_job": len(preds)} for p in preds]
+        atomic_write_text(os.path.join(hc.runtime.output_dir, SUMMARY_FILE), _json.dumps(records, default=float))
+    return float(preds[0].latency_ms)
+
+
+class CompareCallback(Callback):
+    """After a multirun, print the side-by-side table of every job's forecast (and write comparison.csv)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        files = sorted(sweep.glob(f"*/{SUMMARY_FILE}"), key=lambda f: (len(f.parent.name), f.parent.name))
+        rows = _label_jobs([r for f in files for r in _json.loads(f.read_text())])
+        if len(rows) < 2:
+            return
+        from neusight.util import atomic_write_text
+
+        table = comparison_table(rows)
+        atomic_write_text(sweep / "comparison.csv", table.to_csv())
+        print(f"\nside by side ({len(rows)} jobs; {sweep / 'comparison.csv'}):")
+        print(table.to_string())
+
+
+def job_labels(overrides: list[list[str]]) -> list[str]:
+    """One short label per multirun job: the ``key=value`` overrides that differ between the jobs (just the
+    value when only ``device`` differs)."""
+    parsed = [dict(o.split("=", 1) for o in ov if "=" in o) for ov in overrides]
+    keys = sorted({k for d in parsed for k in d})
+    varying = [k for k in keys if len({d.get(k) for d in parsed}) > 1]
+    return [",".join(d.get(k, "-") if varying == ["device"] else f"{k}={d.get(k, '-')}" for k in varying)
+            for d in parsed]
+
+
+def _label_jobs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for r, label in zip(rows, job_labels([r.get("overrides", []) for r in rows])):
+        parts = [label] if label else []
+        if r.get("in_job", 1) > 1 or not parts:
+            parts.append(r["device"])
+        r["label"] = ",".join(parts)
+    return rows
+
+
+_GROUP_ALIAS = re.compile(r"^predictor=")
+
+
+def _rewrite_predictor_override(argv: list[str]) -> list[str]:
+    """``predictor=<dir>`` -> ``checkpoint=<dir>`` (see the module docstring for why)."""
+    return [_GROUP_ALIAS.sub("checkpoint=", a) for a in argv]
+
+
+def main() -> Any:
+    sys.argv = [sys.argv[0], *_rewrite_predictor_override(sys.argv[1:])]
+    return exit_2_on_config_errors(_app)()

@@ -1,0 +1,420 @@
+"""Tables, CNN benchmark comparison and plots of the end-to-end evaluation (``neusight-evaluate``).
+
+Two kinds of ground truth, both read in place from ``../shared/datasets``:
+
+1. NeuSight labels (``neusight-asplos25/labels``): one measured step per file; protocol (heads, what was timed)
+   in :mod:`neusight.evaluate`, which predicts them. Here: selection, the per-GPU summary, and the tables in
+   the layout of NeuSight's (rows model x seq x batch, columns GPUs, cells signed % error).
+2. Public CNN benchmarks (``public-benchmarks/cnn_dle.csv``, ``cnn_lambda.csv``): ResNet in true FP32 on
+   V100 and T4. Inference = forward (+ cross-entropy + top-k, negligible) at batch >= 32; training = the
+   full step with SGD. TF32 / AMP / FP16 rows are out of scope (precision is not modelled): listed as
+   skipped, never fitted to.
+
+Error everywhere: ``(predicted - measured) / measured x 100`` (signed; "abs" = its absolute value).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from neusight.errors import DataError, InputError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CNN_GPUS", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
+           "markdown_table", "per_gpu_summary", "predict_cnn", "render_markdown", "scatter_plot", "select_labels",
+           "write_doc_section"]
+
+# GPU names of the public benchmark CSVs -> device keys. NB: the DeepLearningExamples tables were measured
+# on DGX-1 (V100 SXM2). Lambda's "V100-16GB" is Lambda Cloud's V100 instance (SXM2); "V100-32GB" (era v0, a
+# Lambda server) is taken as SXM2 too: an assumption (a PCIe V100 clocks ~10 % lower).
+CNN_GPUS = {"V100-SXM2-16GB": "v100-sxm2-16gb", "V100-SXM2-32GB": "v100-sxm2-32gb", "T4-16GB": "t4",
+            "T4": "t4", "V100-16GB": "v100-sxm2-16gb", "V100-32GB": "v100-sxm2-32gb"}
+CNN_PRECISION = "fp32"          # the only precision in scope
+CNN_IMAGE_SIZE = 224
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NeuSight labels
+
+
+def select_labels(runs: Sequence[Any], *, gpus: Sequence[str] | None = None, models: Sequence[str] | None = None,
+                  modes: Sequence[str] | None = None, max_runs: int | None = None) -> list[Any]:
+    """Filter :class:`neusight.evaluate.LabelRun` objects.
+
+    ``gpus``: device keys, aliases or label folder names (``Tesla_T4``); ``models``: label model names
+    (``gpt2_large``); ``modes``: ``inference`` / ``training``; ``max_runs``: the first n after filtering.
+    """
+    from neusight.devices import load_device
+
+    out = list(runs)
+    if gpus:
+        keys = {load_device(str(g).replace("_", " ")).key for g in gpus}
+        out = [r for r in out if r.device in keys]
+    if models:
+        known = {r.model for r in runs}
+        unknown = sorted(set(models) - known)
+        if unknown:
+            raise InputError(f"labels.models={list(models)}: {unknown} not among the label models {sorted(known)}")
+        out = [r for r in out if r.model in set(models)]
+    if modes:
+        bad = sorted(set(modes) - {"inference", "training"})
+        if bad:
+            raise InputError(f"labels.modes={list(modes)}: {bad} is not a mode; use inference and/or training")
+        out = [r for r in out if r.mode in set(modes)]
+    if max_runs is not None:
+        if max_runs < 1:
+            raise InputError(f"labels.max_runs={max_runs} selects nothing; use a positive number or null for all")
+        out = out[:max_runs]
+    if not out:
+        raise InputError("the label filters (labels.gpus / models / modes) leave no run to evaluate")
+    return out
+
+
+def label_frame(results: pd.DataFrame) -> pd.DataFrame:
+    """The results CSV of :func:`neusight.evaluate.evaluate_labels`, one row per run, columns in reading order."""
+    df = results.rename(columns={"device": "gpu", "gpu_dir": "gpu_name", "seq_len": "seq", "batch_size": "batch",
+                                 "roofline_ms": "roofline_predicted_ms"})
+    cols = ["gpu", "model", "mode", "seq", "batch", "measured_ms", "predicted_ms", "error_pct",
+            "roofline_predicted_ms", "roofline_error_pct", "measured_fw_ms", "measured_bw_ms", "predicted_fw_ms",
+            "predicted_bw_ms", "gpu_name", "config", "path"]
+    return df[[c for c in cols if c in df.columns]]
+
+
+def gpu_order(gpus: Sequence[str], trained_on: Sequence[str] = ()) -> list[str]:
+    """Training GPUs first, then the unseen ones; each group from the slowest to the fastest FP32 peak."""
+    from neusight.devices import load_device
+
+    def key(g: str) -> tuple[bool, float, str]:
+        return g not in trained_on, load_device(g).fp32_tflops, g
+
+    return sorted(dict.fromkeys(gpus), key=key)
+
+
+def error_table(df: pd.DataFrame, mode: str, column: str = "error_pct", gpus: Sequence[str] | None = None) -> pd.DataFrame:
+    """NeuSight's layout: rows (model, seq, batch), columns GPUs, cells the signed % error of ``column``."""
+    sub = df[df["mode"] == mode]
+    if sub.empty:
+        return pd.DataFrame()
+    t = sub.pivot_table(index=["model", "seq", "batch"], columns="gpu", values=column, aggfunc="first")
+    cols = [g for g in (gpus or t.columns) if g in t.columns]
+    return t[cols].sort_index()
+
+
+def per_gpu_summary(df: pd.DataFrame, trained_on: Sequence[str] = (),
+                    targets: tuple[float, float] | None = None) -> pd.DataFrame:
+    """Per GPU and mode: runs, mean and worst absolute % error of NeuSight and of the roofline baseline, and
+    with ``targets`` = (mean % on training GPUs, mean % on unseen GPUs) whether the mean meets its target and
+    beats the roofline's."""
+    rows = []
+    for (gpu, mode), g in df.groupby(["gpu", "mode"]):
+        e, r = g["error_pct"].abs(), g["roofline_error_pct"].abs()
+        row = {"gpu": gpu, "mode": mode, "in_training_set": gpu in trained_on, "runs": len(g),
+               "mean_abs_error_pct": e.mean(), "worst_abs_error_pct": e.max(),
+               "roofline_mean_abs_error_pct": r.mean(), "roofline_worst_abs_error_pct": r.max()}
+        if targets is not None:
+            row["target_pct"] = float(targets[0] if gpu in trained_on else targets[1])
+            row["meets_target"] = bool(e.mean() <= row["target_pct"])
+            row["beats_roofline"] = bool(e.mean() < r.mean())
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    order = {g: i for i, g in enumerate(gpu_order(out["gpu"].unique(), trained_on))}
+    return out.sort_values(["mode", "gpu"], key=lambda s: s.map(order) if s.name == "gpu" else s).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public CNN benchmarks
+
+
+def _container_rank(c: Any) -> tuple[int, str]:
+    """``pytorch-21.03`` > ``pytorch-20.12`` > ... > unstated."""
+    c = str(c)
+    return (1, c) if re.match(r"pytorch-\d", c) else (0, c)
+
+
+def _skip(df: pd.DataFrame, reason: str) -> pd.DataFrame:
+    return df.assign(reason=reason)
+
+
+def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
+                        models: Sequence[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
+
+    In scope: FP32; GPUs in :data:`CNN_GPUS`; models with a preset (``models``, default every ``resnet*``
+    preset); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per (GPU,
+    model, batch): the ``in_head`` row when there is one, else the newest container, never a SUSPECT row;
+    DLE training (step = batch / throughput); Lambda training (``step_ms``).
+
+    Returns
+    -------
+    selected : DataFrame
+        ``source_name, gpu_name, gpu, model, mode, precision, batch, measured_ms, measure, in_head, version,
+        source``.
+    skipped : DataFrame
+        ``source_name, gpu_name, model, mode, precision, batch, reason``.
+    """
+    from neusight.graph.models import list_models
+
+    folder = Path(folder)
+    files = {"DeepLearningExamples": folder / "cnn_dle.csv", "Lambda": folder / "cnn_lambda.csv"}
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        raise DataError(f"{', '.join(missing)} not found; pass the public-benchmarks folder "
+                        "(../shared/datasets/public-benchmarks) as cnn.dir")
+    presets = set(models) if models else {m for m in list_models() if m.startswith("resnet")}
+    keep_cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch"]
+
+    dle = pd.read_csv(files["DeepLearningExamples"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
+    dle["source_name"] = "DeepLearningExamples"
+    dle["version"] = dle["container"].astype(str)
+    dle["in_head"] = dle["in_head"].astype(bool)
+    lam = pd.read_csv(files["Lambda"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
+    lam["source_name"] = "Lambda"
+    lam["version"] = "era " + lam["era"].astype(str) + ", " + lam["data_backend"].astype(str)
+    lam["in_head"] = True
+    lam["note"] = lam["note"].fillna("")
+
+    skipped, kept = [], []
+    for df in (dle, lam):
+        bad_prec = df["precision"] != CNN_PRECISION
+        skipped.append(_skip(df[bad_prec], "precision not modelled (TF32/AMP/FP16): out of scope"))
+        df = df[~bad_prec]
+        no_gpu = ~df["gpu_name"].isin(CNN_GPUS)
+        skipped.append(_skip(df[no_gpu], "GPU outside the acceptance scope (V100, T4)"))
+        df = df[~no_gpu]
+        no_model = ~df["model"].isin(presets)
+        skipped.append(_skip(df[no_model], "model without a preset"))
+        df = df[~no_model]
+        suspect = df["note"].astype(str).str.contains("SUSPECT")
+        skipped.append(_skip(df[suspect], "SUSPECT in the source note"))
+        df = df[~suspect]
+        small = (df["mode"] == "inference") & (df["batch"] < min_batch)
+        skipped.append(_skip(df[small], f"inference batch < {min_batch} (launch-bound)"))
+        kept.append(df[~small])
+
+    dle, lam = kept
+    # one DLE row per (GPU, model, mode, batch): the README's current (in_head) row, else the newest container
+    ranks = [_container_rank(c) for c in dle["container"]]
+    dle = dle.assign(_stated=[r[0] for r in ranks], _container=[r[1] for r in ranks])
+    dle = dle.sort_values(["in_head", "_stated", "_container"], ascending=False, kind="stable")
+    dup = dle.duplicated(["gpu_name", "model", "mode", "batch"], keep="first")
+    skipped.append(_skip(dle[dup], "superseded by a newer or in_head row of the same GPU, model and batch"))
+    dle = dle[~dup].drop(columns=["_stated", "_container"])
+    # inference: the table's average latency per batch (p50 in the 2019 tables without an average);
+    # training: throughput only, step = batch / (images/s)
+    inf = dle["mode"] == "inference"
+    lat = dle["latency_avg_ms"].fillna(dle["latency_p50_ms"])
+    dle["measured_ms"] = np.where(inf, lat, dle["batch"] / dle["throughput_img_s"] * 1000)
+    dle["measure"] = np.where(inf, "latency_avg_ms", "batch / throughput_img_s")
+    lam["measured_ms"] = lam["step_ms"]
+    lam["measure"] = "step_ms"
+
+    cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch", "measured_ms", "measure", "in_head",
+            "version", "source"]
+    sel = pd.concat([dle[cols], lam[cols]], ignore_index=True)
+    sel.insert(2, "gpu", sel["gpu_name"].map(CNN_GPUS))
+    sel = sel.sort_values(["source_name", "mode", "gpu", "model", "batch"]).reset_index(drop=True)
+    skip = pd.concat([s[[*keep_cols, "reason"]] for s in skipped if not s.empty], ignore_index=True)
+    return sel, skip
+
+
+def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd") -> pd.DataFrame:
+    """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=224,
+    mode=m, optimizer="sgd")`` returns, with each (model, batch, mode) traced once and shared by the GPUs."""
+    from neusight.api import predict_graph
+    from neusight.graph.tracer import trace
+
+    graphs: dict[tuple, Any] = {}
+    out = []
+    for r in rows.itertuples(index=False):
+        key = (r.model, int(r.batch), r.mode)
+        if key not in graphs:
+            graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=CNN_IMAGE_SIZE,
+                                optimizer=optimizer if r.mode == "training" else None)
+        p = predict_graph(graphs[key], r.gpu, predictor)
+        roof = float(p.kernels["roofline_ms"].sum())
+        out.append({"predicted_ms": p.latency_ms, "roofline_predicted_ms": roof})
+    res = rows.reset_index(drop=True).join(pd.DataFrame(out))
+    res["error_pct"] = (res["predicted_ms"] - res["measured_ms"]) / res["measured_ms"] * 100
+    res["roofline_error_pct"] = (res["roofline_predicted_ms"] - res["measured_ms"]) / res["measured_ms"] * 100
+    return res
+
+
+def cnn_summary(res: pd.DataFrame) -> pd.DataFrame:
+    """Per source (and mode): rows, mean and worst absolute % error of NeuSight and of the roofline baseline."""
+    rows = []
+    for keys, g in [*res.groupby(["source_name", "mode"]), *(((s, "all"), g) for s, g in res.groupby("source_name"))]:
+        rows.append({"source": keys[0], "mode": keys[1], "rows": len(g),
+                     "gpus": ", ".join(sorted(g["gpu"].unique())),
+                     "mean_abs_error_pct": g["error_pct"].abs().mean(), "worst_abs_error_pct": g["error_pct"].abs().max(),
+                     "roofline_mean_abs_error_pct": g["roofline_error_pct"].abs().mean()})
+    return pd.DataFrame(rows).sort_values(["source", "mode"]).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# markdown
+
+
+def _cell(v: Any, signed: bool) -> str:
+    if isinstance(v, (float, np.floating)):
+        if np.isnan(v):
+            return ""
+        return f"{v:+.1f}" if signed else f"{v:,.1f}"
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    return str(v)
+
+
+def markdown_table(df: pd.DataFrame, *, index: bool = True, signed: bool | Sequence[str] = False) -> str:
+    """A GitHub markdown table, floats with one decimal; ``signed`` (True or some column names) puts a sign on
+    the floats of those columns."""
+    if df.empty:
+        return "(none)\n"
+    d = df.reset_index() if index else df
+    header = [str(c).replace("|", "/") for c in d.columns]
+    sign = [signed is True or (not isinstance(signed, bool) and c in signed) for c in d.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for row in d.itertuples(index=False):
+        lines.append("| " + " | ".join(_cell(v, sg).replace("|", "/") for v, sg in zip(row, sign)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _summary_md(summary: pd.DataFrame) -> str:
+    if summary.empty:
+        return "(none)\n"
+    t = summary.rename(columns={"in_training_set": "predictor trained on it", "mean_abs_error_pct": "mean abs err %",
+                                "worst_abs_error_pct": "worst abs err %",
+                                "roofline_mean_abs_error_pct": "roofline mean abs err %",
+                                "roofline_worst_abs_error_pct": "roofline worst abs err %",
+                                "target_pct": "target mean %", "meets_target": "meets target",
+                                "beats_roofline": "beats roofline"})
+    return markdown_table(t, index=False)
+
+
+def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.DataFrame | None = None,
+                    cnn_skipped: pd.DataFrame | None = None, header: str = "", footer: str = "",
+                    targets: tuple[float, float] | None = None) -> str:
+    """The evaluation report: per-GPU summary, NeuSight-layout error tables (NeuSight and roofline), ResNet."""
+    gpus = gpu_order(labels["gpu"].unique(), trained_on) if not labels.empty else []
+    parts = [header.rstrip() + "\n\n" if header else ""]
+    parts.append("## NeuSight labels: per GPU\n\nMean and worst absolute % error per GPU, inference and training "
+                 "separately, next to the roofline baseline (the same kernels at 100 % utilization, no launch "
+                 "floor).\n\n")
+    if targets is not None:
+        parts[-1] += (f"Targets (issue 4): mean <= {targets[0]:g} % on the predictor's training GPUs, <= {targets[1]:g} % "
+                      "on unseen GPUs, and below the roofline's.\n\n")
+    parts.append(_summary_md(per_gpu_summary(labels, trained_on, targets)))
+    for column, title in (("error_pct", "NeuSight (this predictor)"), ("roofline_error_pct", "Roofline baseline")):
+        for mode in ("inference", "training"):
+            t = error_table(labels, mode, column, gpus)
+            if t.empty:
+                continue
+            parts.append(f"\n### {title}: {mode}, signed % error\n\nRows: model, sequence length, batch; columns: "
+                         "GPUs (training GPUs of the predictor first); cell: (predicted - measured) / measured "
+                         "x 100.\n\n")
+            parts.append(markdown_table(t, signed=True))
+    if cnn is not None and not cnn.empty:
+        parts.append("\n## ResNet: public CNN benchmarks (FP32)\n\nMean absolute % error per source. DLE inference: "
+                     "forward + loss + top-k, average latency per batch; training: the full SGD step "
+                     "(DLE: batch / throughput on DGX-1; Lambda: `step_ms`).\n\n")
+        parts.append(markdown_table(cnn_summary(cnn).rename(columns={
+            "mean_abs_error_pct": "mean abs err %", "worst_abs_error_pct": "worst abs err %",
+            "roofline_mean_abs_error_pct": "roofline mean abs err %"}), index=False))
+        rows = cnn[["source_name", "gpu", "model", "mode", "batch", "measured_ms", "predicted_ms", "error_pct",
+                    "roofline_error_pct", "version"]].rename(columns={"source_name": "source", "error_pct": "err %",
+                                                                       "roofline_error_pct": "roofline err %"})
+        parts.append("\nEvery row in scope (signed % error):\n\n"
+                     + markdown_table(rows, index=False, signed=("err %", "roofline err %")))
+        if cnn_skipped is not None and not cnn_skipped.empty:
+            counts = cnn_skipped.groupby(["source_name", "reason"]).size().rename("rows").reset_index()
+            parts.append("\nRows not evaluated, by reason (never fitted to):\n\n" + markdown_table(counts, index=False))
+    if footer:
+        parts.append("\n" + footer.rstrip() + "\n")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plot
+
+
+def scatter_plot(labels: pd.DataFrame, path: str | os.PathLike, *, cnn: pd.DataFrame | None = None,
+                 trained_on: Sequence[str] = (), title: str = "") -> Path:
+    """Predicted vs measured, log-log: NeuSight (left) and the roofline baseline (right), one colour per GPU,
+    circles = inference, triangles = training, diamonds = public CNN benchmarks; the band is +-20 %."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    frames = [labels.assign(kind="label")]
+    if cnn is not None and not cnn.empty:
+        frames.append(cnn.assign(kind="cnn"))
+    df = pd.concat(frames, ignore_index=True)
+    gpus = gpu_order(df["gpu"].unique(), trained_on)
+    colors = {g: c for g, c in zip(gpus, [f"C{i}" for i in range(10)] * 3)}
+    fig = Figure(figsize=(13, 6.2), layout="constrained")
+    axes = fig.subplots(1, 2, sharex=True, sharey=True)
+    lo = 0.5 * min(df["measured_ms"].min(), df["predicted_ms"].min(), df["roofline_predicted_ms"].min())
+    hi = 2.0 * max(df["measured_ms"].max(), df["predicted_ms"].max(), df["roofline_predicted_ms"].max())
+    xs = np.geomspace(lo, hi, 50)
+    for ax, column, err, name in ((axes[0], "predicted_ms", "error_pct", "NeuSight"),
+                                  (axes[1], "roofline_predicted_ms", "roofline_error_pct", "roofline baseline")):
+        ax.fill_between(xs, xs * 0.8, xs * 1.2, color="0.9", zorder=0)
+        ax.plot(xs, xs, color="0.4", lw=1, zorder=1)
+        for (gpu, mode, kind), g in df.groupby(["gpu", "mode", "kind"]):
+            marker = "D" if kind == "cnn" else ("o" if mode == "inference" else "^")
+            ax.scatter(g["measured_ms"], g[column], s=46, marker=marker, color=colors[gpu], edgecolor="black",
+                       linewidth=0.5, alpha=0.9, zorder=3)
+        means = [f"{kind_name} {g[err].abs().mean():.1f} %" for kind_name, g in
+                 (("labels", df[df["kind"] == "label"]), ("ResNet", df[df["kind"] == "cnn"])) if len(g)]
+        ax.set_title(f"{name}: mean |error| " + ", ".join(means), fontsize=12)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("measured latency (ms)", fontsize=11)
+        ax.grid(True, which="both", lw=0.3, color="0.8")
+        ax.set_aspect("equal")
+    axes[0].set_ylabel("predicted latency (ms)", fontsize=11)
+    handles = [Line2D([], [], marker="s", ls="", color=colors[g], markersize=9,
+                      label=g + ("" if g in trained_on else " (unseen)")) for g in gpus]
+    handles += [Line2D([], [], marker=m, ls="", color="0.5", markeredgecolor="black", markersize=8, label=lab)
+                for m, lab in (("o", "label: inference"), ("^", "label: training"), ("D", "ResNet benchmark"))]
+    handles.append(Line2D([], [], color="0.4", label="y = x (band: +-20 %)"))
+    fig.legend(handles=handles, loc="outside right center", fontsize=10, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=13)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=130)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generated docs with several sections (docs/speed.md: one per benchmark script)
+
+
+def write_doc_section(path: str | os.PathLike, name: str, body: str, *, title: str = "") -> None:
+    """Replace the section between ``<!-- name:begin -->`` and ``<!-- name:end -->`` of ``path`` (appended if
+    absent; the file starts with ``title`` if new), atomically, leaving the other sections as they are."""
+    from neusight.util import atomic_write_text
+
+    path = Path(path)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    text = path.read_text() if path.is_file() else (title.rstrip() + "\n\n" if title else "")
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + block + "\n"
+    atomic_write_text(path, text)

@@ -1,0 +1,128 @@
+"""The command lines as a user runs them (subprocesses): bad input -> one ``error:`` line on stderr and exit 2;
+good input -> the summary, the side-by-side table and the files asked for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent
+
+
+def _start(tool: str, *args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / tool), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+BAD = {
+    # (tool, arguments) -> a fragment the one-line message must contain
+    "predict-unknown-gpu": (("neusight-predict", "model=gpt2", "device=h999"), "unknown device 'h999'"),
+    "predict-unknown-model": (("neusight-predict", "model=gpt9", "device=t4"), "gpt9"),
+    "predict-batch-0": (("neusight-predict", "model=gpt2", "device=t4", "batch_size=0"), "batch_size=0"),
+    "predict-negative-seq": (("neusight-predict", "model=gpt2", "device=t4", "seq_len=-4"), "seq_len=-4"),
+    "predict-missing-yaml": (("neusight-predict", "model=gpt2", "device=/nonexistent/gpu.yaml"), "/nonexistent/gpu.yaml"),
+    "predict-malformed-yaml": (("neusight-predict", "model=gpt2", "device={bad_yaml}"), "bad_gpu.yaml"),
+    "predict-unknown-gpu-in-list": (("neusight-predict", "model=gpt2", "device=[t4,h999]"), "h999"),
+    "predict-missing-checkpoint": (("neusight-predict", "model=gpt2", "device=t4", "predictor=/nonexistent/ckpt"),
+                                   "/nonexistent/ckpt"),
+    "trace-unknown-model": (("neusight-trace", "model=gpt9"), "gpt9"),
+    "trace-batch-0": (("neusight-trace", "model=gpt2", "batch_size=0"), "batch_size=0"),
+    "trace-negative-seq": (("neusight-trace", "model=gpt2", "seq_len=-4"), "seq_len=-4"),
+    "evaluate-unknown-gpu": (("neusight-evaluate", "labels.gpus=[h999]", "cnn.enabled=false"), "h999"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """All bad-input commands started at once (each pays the torch import), then collected."""
+    tmp = tmp_path_factory.mktemp("bad")
+    bad_yaml = tmp / "bad_gpu.yaml"
+    bad_yaml.write_text("name: Made-up GPU\nvendor: nvidia\nsm_count: -3\n")   # no aliases, negative SMs
+    procs = {}
+    for case, (cmd, _) in BAD.items():
+        args = [a.format(bad_yaml=bad_yaml) for a in cmd[1:]]
+        procs[case] = _start(cmd[0], *args, f"hydra.run.dir={tmp / case}", cwd=tmp)
+    out = {}
+    for case, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        out[case] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_exits_2_with_one_line(bad_runs, case):
+    r = bad_runs[case]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert BAD[case][1] in lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compare")
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=[a100-80gb-pcie,h100-sxm5-80gb]",
+                        "batch_size=1", "seq_len=64", "mode=training", "json=forecast.json", f"csv={tmp / 'k.csv'}",
+                        f"predictor={REPO / 'data' / 'predictor'}", "top=3", f"hydra.run.dir={tmp / 'run'}"],
+                       cwd=tmp, capture_output=True, text=True, timeout=300)
+    return r, tmp
+
+
+def test_predict_prints_summary_and_side_by_side(compare_run):
+    r, _ = compare_run
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for fragment in ("total:", "phases: forward", "backward", "optimizer", "bound: compute-bound kernels",
+                     "top 3 kernels", "top 3 layers", "transformer.h.*", "side by side", "speed-up vs a100-80gb-pcie",
+                     "not in the predictor's training set"):
+        assert fragment in out, fragment
+    assert "memory: peak" in out
+
+
+def test_predict_writes_json_into_run_dir_and_csv_where_asked(compare_run):
+    _, tmp = compare_run
+    data = json.loads((tmp / "run" / "forecast.json").read_text())   # relative path: Hydra's run directory
+    assert [d["device"] for d in data] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
+    assert all(d["latency_ms"] > 0 and set(d["phases"]) >= {"forward", "backward", "optimizer"} for d in data)
+    k = pd.read_csv(tmp / "k.csv")                                       # absolute path: as given
+    assert set(k["device"]) == {"a100-80gb-pcie", "h100-sxm5-80gb"}
+    assert (k["latency_ms"] > 0).all()
+    # the per-device kernel rows sum to the totals of the JSON
+    for d in data:
+        assert k.loc[k["device"] == d["device"], "latency_ms"].sum() == pytest.approx(d["latency_ms"], rel=1e-9)
+
+
+def test_predict_multirun_compares_jobs(tmp_path):
+    r = subprocess.run([str(BIN / "neusight-predict"), "--multirun", "model=gpt2", "device=t4,l4", "batch_size=1",
+                        "seq_len=32", "memory=false", "top=1", f"hydra.sweep.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    table = pd.read_csv(tmp_path / "comparison.csv", index_col=0)
+    assert list(table.columns) == ["t4", "l4"]
+    assert table.loc["speed-up vs t4", "t4"] == "1.00x"
+
+
+def test_predict_pictures_layers_and_max_batch(tmp_path):
+    """plot=, layers_csv= and find_max_batch=true write the pictures and the per-layer CSV and print the batch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("neusight-predict")
+    r = subprocess.run([str(exe), "model=resnet18", "device=t4", "batch_size=2", "mode=training", "optimizer=sgd",
+                        "image_size=64", f"plot={tmp_path / 'pics'}", f"layers_csv={tmp_path / 'layers.csv'}",
+                        "find_max_batch=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    pngs = sorted(p.name for p in (tmp_path / "pics").glob("*.png"))
+    assert pngs == ["t4_layers.png", "t4_memory_timeline.png", "t4_roofline.png", "t4_time_roofline.png"]
+    assert (tmp_path / "layers.csv").read_text().startswith("layer,") or "time_ms" in (tmp_path / "layers.csv").read_text()
+    assert "largest batch that fits on NVIDIA T4" in r.stdout

@@ -1,0 +1,202 @@
+"""End-to-end forecasts: the Hydra configs compose, the evaluation app runs on a subset and writes its files,
+the CNN benchmark selection keeps to its scope, and the model-level laws of DESIGN.md hold for the shipped
+predictor. Small models and shapes only (GPT-2 small, seq 128)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import neusight
+from neusight.cli.common import CONF_DIR
+from neusight.e2e_eval import (error_table, load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn,
+                               write_doc_section)
+from tests.conftest import DATASET, SHARED, need_shared
+
+# the schemas register themselves in the ConfigStore on import
+import neusight.cli.evaluate  # noqa: F401  isort: skip
+import neusight.cli.predict  # noqa: F401  isort: skip
+
+LAUNCHERS = ["basic", "joblib"] + (["slurm"] if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") else [])
+EXPERIMENTS = {"predict": ["predict_gpus"], "evaluate": ["evaluate_per_gpu"]}
+
+
+def _compose(app: str, overrides: list[str]):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name=app, overrides=overrides, return_hydra_config=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs
+
+
+@pytest.mark.parametrize("app", ["predict", "evaluate"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_configs_compose_and_instantiate(app, launcher):
+    cfg = _compose(app, [f"hydra/launcher={launcher}"])
+    assert cfg.hydra.launcher._target_
+    for cb in cfg.hydra.callbacks.values():          # every callback the app registers builds
+        assert instantiate(cb) is not None
+    if launcher == "joblib":                         # the launcher itself builds from its config
+        params = {k: v for k, v in OmegaConf.to_container(cfg.hydra.launcher).items() if k != "_target_"}
+        from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+
+        assert JoblibLauncher(**params) is not None
+
+
+@pytest.mark.parametrize("app", ["predict", "evaluate"])
+def test_experiment_presets_compose(app):
+    for exp in EXPERIMENTS[app]:
+        cfg = _compose(app, [f"+experiment={exp}"])
+        assert cfg.hydra.sweeper.params, exp
+
+
+def test_schema_rejects_unknown_keys():
+    with pytest.raises(Exception, match="batchsize"):
+        _compose("predict", ["batchsize=2"])
+    cfg = _compose("evaluate", ["labels.max_runs=2", "checkpoint=/x"])
+    assert cfg.labels.max_runs == 2 and cfg.checkpoint == "/x" and cfg.out_md is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the evaluation app on 2 runs
+
+
+def test_evaluate_app_on_two_runs(tmp_path):
+    need_shared(DATASET)
+    md = tmp_path / "docs" / "evaluation.md"
+    r = subprocess.run([str(Path(sys.executable).parent / "neusight-evaluate"), "labels.max_runs=2", "labels.gpus=[l4]",
+                        "cnn.enabled=false", f"out_md={md}", f"hydra.run.dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    res = pd.read_csv(run / "results.csv")
+    assert len(res) == 2 and set(res["gpu"]) == {"l4"}
+    for col in ("gpu", "model", "mode", "seq", "batch", "measured_ms", "predicted_ms", "error_pct",
+                "roofline_predicted_ms", "roofline_error_pct"):
+        assert col in res.columns, col
+    # error % is (predicted - measured) / measured x 100, signed
+    np.testing.assert_allclose(res["error_pct"], (res["predicted_ms"] / res["measured_ms"] - 1) * 100)
+    assert (run / "predicted_vs_measured.png").stat().st_size > 10_000
+    assert md.read_text() == (run / "evaluation.md").read_text()
+    assert "| l4 |" in md.read_text() and "Roofline baseline" in md.read_text()
+    assert json.loads((run / "summary.json").read_text())["runs"] == 2
+
+
+def test_tables_have_neusight_layout():
+    df = pd.DataFrame({"gpu": ["t4", "l4", "t4", "t4"], "model": ["m", "m", "m", "m"], "mode": ["inference"] * 3 + ["training"],
+                       "seq": [128] * 4, "batch": [1, 1, 2, 1], "error_pct": [10.0, -5.0, 3.0, 4.0],
+                       "roofline_error_pct": [-20.0, -30.0, -25.0, -10.0]})
+    t = error_table(df, "inference", gpus=["t4", "l4"])
+    assert list(t.columns) == ["t4", "l4"] and t.loc[("m", 128, 1), "l4"] == -5.0
+    assert np.isnan(t.loc[("m", 128, 2), "l4"])
+    assert "| m | 128 | 1 | +10.0 | -5.0 |" in markdown_table(t, signed=True)
+    s = per_gpu_summary(df, trained_on=("t4",)).set_index(["gpu", "mode"])
+    # t4 inference: |10| and |3| -> mean 6.5, worst 10; roofline |-20|, |-25| -> mean 22.5
+    assert s.loc[("t4", "inference"), "mean_abs_error_pct"] == 6.5
+    assert s.loc[("t4", "inference"), "worst_abs_error_pct"] == 10.0
+    assert s.loc[("t4", "inference"), "roofline_mean_abs_error_pct"] == 22.5
+    assert not s.loc[("l4", "inference"), "in_training_set"]
+
+
+def test_doc_sections_replace_only_their_own(tmp_path):
+    doc = tmp_path / "speed.md"
+    write_doc_section(doc, "a", "first A", title="# Speed")
+    write_doc_section(doc, "b", "only B")
+    write_doc_section(doc, "a", "second A")
+    text = doc.read_text()
+    assert text.startswith("# Speed") and "second A" in text and "only B" in text and "first A" not in text
+    assert text.index("second A") < text.index("only B")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ResNet benchmark rows
+
+
+@pytest.fixture(scope="module")
+def cnn_rows():
+    return load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"))
+
+
+def test_cnn_selection_keeps_to_scope(cnn_rows):
+    sel, skipped = cnn_rows
+    assert (sel["precision"] == "fp32").all()
+    assert set(sel["gpu"]) <= {"t4", "v100-sxm2-16gb", "v100-sxm2-32gb"}
+    assert not sel["model"].str.startswith(("resnext", "se-", "efficientnet")).any()
+    assert (sel.loc[sel["mode"] == "inference", "batch"] >= 32).all()
+    assert {"DeepLearningExamples", "Lambda"} <= set(sel["source_name"])
+    assert not sel.duplicated(["source_name", "gpu", "model", "mode", "batch"]).any()
+    assert (sel["measured_ms"] > 0).all()
+    reasons = " ".join(skipped["reason"].unique())
+    assert "TF32" in reasons and "SUSPECT" in reasons
+    assert set(skipped.loc[skipped["reason"].str.contains("precision"), "precision"]) >= {"tf32", "amp"}
+
+
+def test_cnn_prediction_of_one_row(cnn_rows):
+    sel, _ = cnn_rows
+    row = sel[(sel["gpu"] == "t4") & (sel["mode"] == "inference") & (sel["batch"] == 32)]
+    res = predict_cnn(row)
+    p = neusight.predict("resnet50", "t4", batch_size=32, image_size=224, mode="inference", memory=False)
+    assert res["predicted_ms"].iloc[0] == p.latency_ms
+    assert res["roofline_predicted_ms"].iloc[0] <= res["predicted_ms"].iloc[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model-level laws (DESIGN.md) on the shipped predictor: GPT-2 small, seq 128
+
+DEVICES = ["t4", "v100-pcie-32gb", "a100-80gb-pcie", "h100-sxm5-80gb", "l4"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_latency():
+    """(mode, batch) -> {device: ms}; one trace per (mode, batch), predicted on every device."""
+    out = {}
+    for mode in ("inference", "training"):
+        for batch in (1, 2, 4):
+            g = neusight.trace("gpt2", batch_size=batch, seq_len=128, mode=mode)
+            out[mode, batch] = {d: neusight.predict_graph(g, d).latency_ms for d in DEVICES}
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_step_is_slower_than_inference(gpt2_latency, device):
+    for batch in (1, 2, 4):
+        assert gpt2_latency["training", batch][device] > gpt2_latency["inference", batch][device]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_doubling_the_batch_costs_between_1x_and_2_2x(gpt2_latency, device, mode):
+    for batch in (1, 2):
+        ratio = gpt2_latency[mode, 2 * batch][device] / gpt2_latency[mode, batch][device]
+        assert 1.0 < ratio <= 2.2, (batch, ratio)
+
+
+_FRESH = """
+import json, neusight
+p = neusight.predict("gpt2", "l4", batch_size=2, seq_len=128, mode="training", memory=False)
+print(json.dumps({"total": p.latency_ms.hex(), "kernels": [float(x).hex() for x in p.kernels["latency_ms"]]}))
+"""
+
+
+def test_deterministic_in_process_and_in_a_fresh_process():
+    def once():
+        p = neusight.predict("gpt2", "l4", batch_size=2, seq_len=128, mode="training", memory=False)
+        return {"total": p.latency_ms.hex(), "kernels": [float(x).hex() for x in p.kernels["latency_ms"]]}
+
+    a, b = once(), once()
+    assert a == b
+    r = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == a
