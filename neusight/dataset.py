@@ -336,6 +336,11 @@ def kernel_frame(raw: pd.DataFrame, *, source: str = "<DataFrame>", measured: bo
         raw["Kernel Name"] = raw["Kernel Name"].fillna("")
     cache: dict[str, Device | None] = {}
     part, counts = _standardize(raw, Path(source), cache)
+    if not measured and counts.get("unknown_device"):
+        known = {n for n in part["device_name"].unique()}
+        bad = sorted({str(n) for n in raw["Device"].dropna().unique()} - {str(n) for n in known})
+        raise DataError(f"{source}: Device {', '.join(repr(b) for b in bad)} is not a GPU neusight knows; use a key or "
+                        f"torch.cuda.get_device_name() string from neusight.list_devices(), or add a spec YAML")
     if not measured and counts:
         raise DataError(f"{source}: {sum(counts.values())} of {len(raw)} rows cannot be predicted ({dict(counts)}); "
                         f"known OPNames are {sorted(_OPS)}, Device must be a GPU name neusight knows, dims > 0")

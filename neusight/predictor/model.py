@@ -128,7 +128,8 @@ class Predictor:
         keys = ["family", "kernel", "B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes", "dtype"]
         work = df.reindex(columns=keys).copy()
         work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
-        work["kernel"] = work["kernel"].fillna("conv_fwd").where(work["family"] == "conv", "")
+        work["kernel"] = work["kernel"].astype(object).where(work["kernel"].notna(), "conv_fwd")
+        work["kernel"] = work["kernel"].where(work["family"] == "conv", "")
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
         uniq = work.drop_duplicates().reset_index(drop=True)
@@ -139,14 +140,31 @@ class Predictor:
         out["overhead_ms"] = np.nan
         out["latency_ms"] = np.nan
         for fam, rows in dec.groupby("model_family"):
-            model = self.models_.get(fam) or self.models_["elementwise"]
+            model, fam = self._model_for(fam)
             feats = list(feature_names(fam))
+            if fam != rows["model_family"].iloc[0]:   # a fallback model: decompose as its family
+                rows = decompose(uniq.loc[rows.index].replace({-1.0: np.nan}).assign(family=fam), device, self.table_)
+                cols = ["tile_m", "tile_n", "elems_per_block", "threads_per_block", "tiles", "waves", "bound",
+                        "roofline_ms"]
+                out.loc[rows.index, cols] = rows[cols]
             lat, u = predict_mlp(model, rows[feats].to_numpy(float), rows["roofline_ms"].to_numpy(float))
             out.loc[rows.index, "latency_ms"] = lat
             out.loc[rows.index, "utilization"] = u
             out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
         merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
         return merged.loc[df.index, out.columns]
+
+    def _model_for(self, fam: str) -> tuple[UtilizationMLP, str]:
+        """The MLP for a family and the family whose features it takes: its own; a GEMM family without a
+        model falls back to linear (then bmm), every other family to elementwise."""
+        if fam in self.models_:
+            return self.models_[fam], fam
+        order = ("linear", "bmm", "conv") if fam in ("linear", "bmm", "conv") else ("elementwise",)
+        for alt in order:
+            if alt in self.models_:
+                return self.models_[alt], alt
+        raise CheckpointError(f"this predictor has no model for family {fam!r} nor a fallback "
+                              f"({', '.join(order)}); refit it on traces that include one")
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "models_"):
@@ -242,8 +260,18 @@ class Predictor:
         return pred
 
 
+def _code_fingerprint() -> str:
+    """Hash of the modules that turn traces into training rows and fit them: a partial fit made by other
+    code is never resumed."""
+    here = Path(__file__).resolve().parent
+    files = [here / "features.py", here / "mlp.py", here / "train.py", here.parent / "tiles.py",
+             here.parent / "tile_table.py", here.parent / "kernels" / "formulas.py", here.parent / "dataset.py"]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
 def _partial_key(fam: str, feats: list[str], cfg: MLPConfig) -> str:
-    return hashlib.sha256(json.dumps([fam, feats, asdict(cfg)], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    blob = json.dumps([fam, feats, asdict(cfg), _code_fingerprint()], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _save_partial(resume_dir: str | os.PathLike | None, fam: str, feats: list[str], cfg: MLPConfig, res: FitResult,

@@ -113,11 +113,31 @@ def predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -
 
 
 def _predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    with torch.no_grad():
-        X = torch.as_tensor(x, dtype=torch.float32)
-        u = model.utilization(X)
-        lat = torch.as_tensor(np.asarray(roofline_ms, dtype=np.float32)) / u + model.overhead_ms.detach()
-    return lat.numpy().astype(float), u.numpy().astype(float)
+    u = utilization_rowwise(model, np.asarray(x, dtype=np.float64))
+    overhead = float(model.overhead_ms.detach())
+    return np.asarray(roofline_ms, dtype=np.float64) / u + overhead, u
+
+
+def utilization_rowwise(model: UtilizationMLP, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """The MLP's utilization in float64 with every row computed on its own: each dot product is a
+    broadcast multiply and a sum along one axis, so a row's result depends on nothing but that row (a BLAS
+    matrix product blocks rows together and can change the last bits with the batch). This is what makes
+    a prediction the same bit for bit whatever else is predicted with it, in any order."""
+    from scipy.special import erf
+
+    state = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    lo, hi, mean, std = state["lo"], state["hi"], state["mean"], state["std"]
+    layers = [(state[f"net.{i}.weight"].T.copy(), state[f"net.{i}.bias"])
+              for i, m in enumerate(model.net) if isinstance(m, torch.nn.Linear)]
+    out = np.empty(len(x))
+    for s in range(0, len(x), chunk):
+        h = (np.minimum(np.maximum(x[s:s + chunk], lo), hi) - mean) / std
+        for j, (w, b) in enumerate(layers):
+            h = (h[:, :, None] * w[None, :, :]).sum(axis=1) + b
+            if j < len(layers) - 1:
+                h = 0.5 * h * (1.0 + erf(h / np.sqrt(2.0)))   # exact GELU, as nn.GELU()
+        out[s:s + chunk] = 1.0 / (1.0 + np.exp(-h[:, 0]))
+    return np.maximum(out, 1e-4)
 
 
 def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,

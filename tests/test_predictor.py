@@ -1,0 +1,421 @@
+"""The predictor: the laws of DESIGN.md on the SHIPPED checkpoint, bad inputs, and fit / save / load.
+
+Laws ("Laws the code keeps"), as hypothesis property tests over GEMM shapes (linear, bmm) and row-wise
+shapes (elementwise, softmax, layer norm) on GPUs inside and outside the training set:
+
+- a prediction is finite, positive and never below the roofline bound of its kernel;
+- adding work (doubling a dim: more FLOPs, bytes and, from some size on, waves) never lowers latency;
+- the same input gives the same output bit for bit, in any row order and in any process.
+
+No number here is a measured accuracy: those live in docs/kernels.md, produced by neusight-evaluate-kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+from neusight.api import predict_kernel_table
+from neusight.dataset import kernel_frame, load_kernel_traces
+from neusight.errors import CheckpointError, DataError, DeviceError, NeuSightError
+from neusight.predictor.mlp import MLPConfig
+from neusight.predictor.model import SHIPPED, Predictor, PredictorConfig
+
+from .conftest import DATASET, need_shared
+
+# two training GPUs, two NVIDIA GPUs never trained on (Ada, Hopper) and one AMD (CDNA2)
+DEVICES = ("t4", "a100-pcie-40gb", "h100-sxm5-80gb", "l4", "mi250")
+ROW_OPS = ("add", "addu", "mul", "div", "pow", "relu", "tanh", "gelu", "softmax", "ln")
+OUT_COLUMNS = ["tiles", "waves", "roofline_ms", "utilization", "overhead_ms", "latency_ms"]
+
+# Each example predicts a list of shapes on all five GPUs (one predict call per GPU), so few examples
+# cover many kernels. derandomize: the same examples on every run (a strict xfail must fail every time);
+# no shrinking: a shrunk counterexample is not worth tens of seconds of predict calls.
+LAWS = settings(max_examples=8, deadline=None, derandomize=True, database=None,
+                phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+
+dim = st.integers(1, 8192)
+gemm_shape = st.tuples(st.integers(1, 64), dim, dim, dim)                   # B, M, N (reduction), K
+row_shape = st.tuples(st.integers(1, 16384), st.integers(1, 16384))        # B (rows), H (cols)
+gemm_case = st.tuples(st.sampled_from(("linear", "bmm")), st.lists(gemm_shape, min_size=1, max_size=8))
+row_case = st.tuples(st.sampled_from(ROW_OPS), st.lists(row_shape, min_size=1, max_size=8))
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Predictor:
+    return Predictor.load()
+
+
+def _raw(op: str, shapes: list[tuple[int, ...]]) -> pd.DataFrame:
+    """Shapes of one op in the shared kernel-CSV schema, repeated on every GPU of DEVICES."""
+    cols = ("B", "M", "N", "K") if op in ("linear", "bmm") else ("B", "H")
+    one = pd.DataFrame(shapes, columns=list(cols)).assign(OPName=op)
+    return pd.concat([one.assign(Device=d) for d in DEVICES], ignore_index=True)
+
+
+def _predict(pred: Predictor, raw: pd.DataFrame) -> pd.DataFrame:
+    """kernel_frame -> Predictor.predict per GPU; the tidy frame's columns + the prediction columns."""
+    frame = kernel_frame(raw, measured=False)
+    parts = [pred.predict(d, dev) for dev, d in frame.groupby("device", sort=True)]
+    ids = frame[["family", "device", "B", "M", "N", "K", "rows", "cols"]]
+    return pd.concat([ids, pd.concat(parts).loc[frame.index]], axis=1)
+
+
+def _check_bounds(out: pd.DataFrame) -> None:
+    lat, roof = out["latency_ms"].to_numpy(float), out["roofline_ms"].to_numpy(float)
+    bad = ~(np.isfinite(lat) & (lat > 0) & np.isfinite(roof) & (roof > 0) & (lat >= roof))
+    assert not bad.any(), out.loc[bad, ["family", "device", "B", "M", "N", "K", "rows", "cols", "roofline_ms",
+                                        "latency_ms"]].to_string()
+    u = out["utilization"].to_numpy(float)
+    assert ((u > 0) & (u <= 1)).all()
+
+
+# --- laws: bound -------------------------------------------------------------------------------------
+
+@LAWS
+@given(gemm_case)
+def test_gemm_prediction_is_finite_positive_and_above_roofline(shipped, case):
+    op, shapes = case
+    _check_bounds(_predict(shipped, _raw(op, shapes)))
+
+
+@LAWS
+@given(row_case)
+def test_rowwise_prediction_is_finite_positive_and_above_roofline(shipped, case):
+    op, shapes = case
+    _check_bounds(_predict(shipped, _raw(op, shapes)))
+
+
+def test_extreme_shapes_stay_finite(shipped):
+    # far outside the sweeps (dims up to ~3,000 there): features are clamped to the training range,
+    # so the utilization saturates instead of extrapolating
+    out = _predict(shipped, _raw("bmm", [(1, 1, 1, 1), (512, 8192, 8192, 8192), (1, 65536, 65536, 1)]))
+    _check_bounds(out)
+    _check_bounds(_predict(shipped, _raw("softmax", [(1, 1), (1 << 20, 8192), (1, 1 << 24)])))
+
+
+# --- laws: adding work never makes a kernel faster ---------------------------------------------------------
+
+def _monotone_violations(pred: Predictor, op: str, shapes: list[tuple[int, ...]]) -> pd.DataFrame:
+    """Every (shape, GPU, doubled dim) whose doubled kernel is predicted faster than the original.
+    NB: a relative 1e-6 absorbs float32 rounding where the model is flat; it hides no real speed-up."""
+    dims = ("B", "M", "N", "K") if op in ("linear", "bmm") else ("B", "H")
+    base = _raw(op, shapes)
+    variants = [base.assign(variant="base")]
+    for d in dims:
+        v = base.copy()
+        v[d] = v[d] * 2
+        variants.append(v.assign(variant=d))
+    raw = pd.concat(variants, ignore_index=True)
+    out = _predict(pred, raw.drop(columns="variant"))
+    out["variant"], out["shape"] = raw["variant"].to_numpy(), np.tile(np.arange(len(base)), len(variants))
+    ref = out[out["variant"] == "base"].set_index("shape")["latency_ms"]
+    doubled = out[out["variant"] != "base"].copy()
+    doubled["base_ms"] = ref.loc[doubled["shape"]].to_numpy()
+    doubled["base_shape"] = base[list(dims)].astype(int).apply(tuple, axis=1).iloc[doubled["shape"]].to_numpy()
+    return doubled[doubled["latency_ms"] < doubled["base_ms"] * (1 - 1e-6)]
+
+
+def _describe(bad: pd.DataFrame, op: str) -> str:
+    worst = bad.assign(r=bad["latency_ms"] / bad["base_ms"]).sort_values("r").iloc[0]
+    dims = "B, M, N, K" if op in ("linear", "bmm") else "B, H"
+    return (f"{len(bad)} violation(s); worst: {op} ({dims}) = {worst['base_shape']} on {worst['device']}: "
+            f"doubling {worst['variant']} "
+            f"goes from {worst['base_ms']:.4f} ms to {worst['latency_ms']:.4f} ms")
+
+
+# Counterexamples on the shipped checkpoint (kept as explicit examples so the strict xfail fails on every
+# run): bmm (B, M, N, K) = (1, 1848, 5, 31) on l4, doubling B: 0.0825 -> 0.0321 ms; linear (1, 23, 498, 17) on
+# a100-pcie-40gb, doubling N: 0.0847 -> 0.0323 ms. In a random search, 1,555 of 6,000 (shape, GPU, dim)
+# doublings of linear lowered the prediction.
+@pytest.mark.xfail(strict=True, reason="shipped predictor is not monotone in GEMM dims: bmm (1, 1848, 5, 31) on "
+                   "l4 gets 2.6x faster when B doubles (0.0825 -> 0.0321 ms); linear (1, 23, 498, 17) on "
+                   "a100-pcie-40gb 2.6x faster when N doubles (0.0847 -> 0.0323 ms)")
+@LAWS
+@given(gemm_case)
+@example(("bmm", [(1, 1848, 5, 31)]))
+@example(("linear", [(1, 23, 498, 17)]))
+def test_gemm_latency_never_drops_when_a_dim_doubles(shipped, case):
+    op, shapes = case
+    bad = _monotone_violations(shipped, op, shapes)
+    assert bad.empty, _describe(bad, op)
+
+
+# Counterexamples on the shipped checkpoint: add (B, H) = (2, 157) on l4, doubling B: 0.0626 -> 0.0202 ms;
+# gelu (31, 8) on a100-pcie-40gb, doubling H: 0.2852 -> 0.1196 ms; softmax (1, 143) on mi250, doubling H:
+# 0.0377 -> 0.0173 ms. Small kernels: their prediction falls as the MLP's utilization rises faster than the work.
+@pytest.mark.xfail(strict=True, reason="shipped predictor is not monotone for small row-wise kernels: add (2, 157) "
+                   "on l4 gets 3.1x faster when B doubles (0.0626 -> 0.0202 ms); gelu (31, 8) on a100-pcie-40gb "
+                   "2.4x faster when H doubles (0.2852 -> 0.1196 ms)")
+@LAWS
+@given(row_case)
+@example(("add", [(2, 157)]))
+@example(("gelu", [(31, 8)]))
+def test_rowwise_latency_never_drops_when_a_dim_doubles(shipped, case):
+    op, shapes = case
+    bad = _monotone_violations(shipped, op, shapes)
+    assert bad.empty, _describe(bad, op)
+
+
+# --- laws: determinism -------------------------------------------------------------------------------------
+
+@settings(LAWS, max_examples=4)
+@given(gemm_case, row_case)
+def test_same_input_twice_gives_identical_output(shipped, gemm, rows):
+    raw = pd.concat([_raw(*gemm), _raw(*rows)], ignore_index=True)
+    raw = pd.concat([raw, raw.iloc[: len(raw) // 2]], ignore_index=True)  # duplicates are predicted once
+    frame = kernel_frame(raw, measured=False)
+    for dev, d in frame.groupby("device", sort=True):
+        pd.testing.assert_frame_equal(shipped.predict(d, dev), shipped.predict(d, dev), check_exact=True)
+
+
+# Counterexample (shipped checkpoint, t4): these six bmm shapes predicted in reverse order give other bits for
+# the first and the last (it once differed by 3.1e-05 and 2.4e-04 ms, when the float32 MLP ran on the batch of
+# unique shapes: matmul results depended on a row's position; the float64 row-wise forward fixed it).
+ORDER_CASE = ("bmm", [(61, 724, 1930, 5750), (4, 1466, 253, 805), (26, 1063, 136, 4783), (36, 1024, 3027, 496),
+                      (45, 761, 662, 5712), (35, 4488, 6347, 5965)])
+
+
+@LAWS
+@given(gemm_case, row_case, st.randoms(use_true_random=False))
+@example(ORDER_CASE, ("add", [(1, 1)]), random.Random(0))
+def test_row_order_does_not_change_predictions(shipped, gemm, rows, rnd):
+    raw = pd.concat([_raw(*gemm), _raw(*rows)], ignore_index=True)
+    frame = kernel_frame(raw, measured=False)
+    for dev, d in frame.groupby("device", sort=True):
+        order = list(d.index)
+        rnd.shuffle(order)
+        if order == list(d.index):
+            order = order[::-1]
+        pd.testing.assert_frame_equal(shipped.predict(d, dev), shipped.predict(d.loc[order], dev).loc[d.index],
+                                      check_exact=True)
+
+
+@LAWS
+@given(gemm_case, row_case)
+@example(ORDER_CASE, ("add", [(1, 1)]))
+def test_other_rows_do_not_change_a_prediction(shipped, gemm, rows):
+    raw = pd.concat([_raw(*gemm), _raw(*rows)], ignore_index=True)
+    frame = kernel_frame(raw, measured=False)
+    for dev, d in frame.groupby("device", sort=True):
+        together = shipped.predict(d, dev)
+        alone = pd.concat([shipped.predict(d.loc[[i]], dev) for i in d.index])
+        pd.testing.assert_frame_equal(together, alone, check_exact=True)
+
+
+def _digest(out: pd.DataFrame) -> str:
+    return hashlib.sha256(np.ascontiguousarray(out[OUT_COLUMNS].to_numpy(np.float64)).tobytes()).hexdigest()
+
+
+_DIGEST_SCRIPT = """
+import hashlib, sys, numpy as np, pandas as pd
+from neusight.dataset import kernel_frame
+from neusight.predictor.model import Predictor
+import io
+raw = pd.read_json(io.StringIO(sys.stdin.read()), orient="split")
+frame = kernel_frame(raw, measured=False)
+p = Predictor.load()
+out = pd.concat([p.predict(d, dev) for dev, d in frame.groupby("device", sort=True)]).loc[frame.index]
+cols = {cols!r}
+print(hashlib.sha256(np.ascontiguousarray(out[cols].to_numpy(np.float64)).tobytes()).hexdigest())
+"""
+
+
+def test_same_prediction_in_another_process(shipped):
+    raw = pd.concat([_raw("bmm", [(8, 512, 64, 512), (1, 3000, 3000, 3000)]),
+                     _raw("ln", [(4096, 1024), (3, 7)])], ignore_index=True)
+    frame = kernel_frame(raw, measured=False)
+    here = pd.concat([shipped.predict(d, dev) for dev, d in frame.groupby("device", sort=True)]).loc[frame.index]
+    script = _DIGEST_SCRIPT.replace("{cols!r}", repr(OUT_COLUMNS))
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    res = subprocess.run([sys.executable, "-c", script], input=raw.to_json(orient="split"), capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == _digest(here)
+
+
+# --- bad inputs ---------------------------------------------------------------------------------------
+
+def test_kernel_table_missing_column_is_named():
+    df = pd.DataFrame({"OPName": ["bmm"], "Device": ["t4"], "B": [1], "M": [64], "N": [64]})  # no K
+    with pytest.raises(DataError, match=r"missing required column\(s\) \['K'\]"):
+        predict_kernel_table(df)
+    with pytest.raises(DataError, match="Device"):
+        predict_kernel_table(pd.DataFrame({"OPName": ["softmax"], "B": [4], "H": [1024]}))
+
+
+def test_kernel_table_unknown_device_is_named():
+    df = pd.DataFrame({"OPName": ["bmm", "bmm"], "Device": ["t4", "NVIDIA Z9000"], "B": 1, "M": 64, "N": 64, "K": 64})
+    with pytest.raises((DataError, DeviceError), match="NVIDIA Z9000"):
+        predict_kernel_table(df)
+
+
+def test_kernel_table_predicts_known_rows():
+    df = pd.DataFrame({"OPName": ["bmm", "softmax"], "Device": ["Tesla T4", "NVIDIA L4"], "B": [8, 4],
+                       "M": [512, None], "N": [64, None], "K": [512, None], "H": [None, 1024]}, index=[10, 20])
+    out = predict_kernel_table(df)
+    assert list(out.index) == [10, 20] and np.isfinite(out).all() and (out > 0).all()
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    """A copy of the shipped checkpoint, to damage."""
+    return Path(shutil.copytree(SHIPPED, tmp_path / "predictor"))
+
+
+def _edit_manifest(path: Path, edit) -> None:
+    m = json.loads((path / "manifest.json").read_text())
+    edit(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_undamaged_copy_loads(ckpt):
+    assert set(Predictor.load(ckpt).models_) == set(Predictor.load().models_)
+
+
+def test_checkpoint_directory_missing(tmp_path):
+    with pytest.raises(CheckpointError, match="lacks"):
+        Predictor.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("name", ["weights.pt", "tile_table.pt", "manifest.json"])
+def test_checkpoint_file_missing(ckpt, name):
+    (ckpt / name).unlink()
+    with pytest.raises(CheckpointError, match=name):
+        Predictor.load(ckpt)
+
+
+@pytest.mark.parametrize("name", ["weights.pt", "tile_table.pt", "manifest.json"])
+def test_checkpoint_file_corrupt(ckpt, name):
+    (ckpt / name).write_bytes(b"\x00garbage\xff" * 100)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Predictor.load(ckpt)
+
+
+def test_checkpoint_weights_changed_after_saving(ckpt):
+    w = torch.load(ckpt / "weights.pt", weights_only=True)
+    torch.save({k: v + 1 for k, v in w.items()}, ckpt / "weights.pt")
+    with pytest.raises(CheckpointError, match="does not match the hash"):
+        Predictor.load(ckpt)
+
+
+def test_checkpoint_wrong_feature_count(ckpt):
+    _edit_manifest(ckpt, lambda m: m["families"]["linear"].update(features=m["families"]["linear"]["features"][:-1]))
+    with pytest.raises(CheckpointError, match=r"family 'linear' was trained on features .*\(\d+\)"):
+        Predictor.load(ckpt)
+
+
+def test_checkpoint_unknown_family(ckpt):
+    _edit_manifest(ckpt, lambda m: m["families"].update(matmul=m["families"].pop("bmm")))
+    with pytest.raises(CheckpointError, match="'matmul'"):
+        Predictor.load(ckpt)
+
+
+def test_checkpoint_weights_of_wrong_shape(ckpt):
+    w = torch.load(ckpt / "weights.pt", weights_only=True)
+    key = next(k for k in sorted(w) if k.startswith("softmax.") and k.endswith(".weight"))
+    w[key] = torch.zeros(w[key].shape[0] + 3, w[key].shape[1])
+    torch.save(w, ckpt / "weights.pt")
+    digest = hashlib.sha256((ckpt / "weights.pt").read_bytes()).hexdigest()
+    _edit_manifest(ckpt, lambda m: m.update(weights_sha256=digest))   # past the hash check, to the shape check
+    with pytest.raises(CheckpointError, match="weights of family 'softmax' do not fit"):
+        Predictor.load(ckpt)
+
+
+# --- fit, save, load ----------------------------------------------------------------------------------
+
+TINY = MLPConfig(hidden=(8,), epochs=3, patience=2, batch_size=128)
+
+
+@pytest.fixture(scope="module")
+def small_df() -> pd.DataFrame:
+    """A few hundred rows of linear and add on two training GPUs (deterministic sample)."""
+    kernels = need_shared(DATASET / "kernels" / "nvidia")
+    files = [kernels / op / f"{gpu}.csv" for op in ("linear", "add") for gpu in ("Tesla_T4", "Tesla_P4")]
+    df = load_kernel_traces(files)
+    return df.groupby(["family", "device"]).sample(n=100, random_state=0).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def small_fit(small_df) -> Predictor:
+    cfg = PredictorConfig(families={"linear": TINY, "elementwise": TINY}, val_devices=("logo",))
+    return Predictor(cfg).fit(small_df)
+
+
+def test_small_fit_predicts_within_the_laws(small_fit, small_df):
+    assert set(small_fit.models_) == {"linear", "elementwise"}
+    assert small_fit.train_devices_ == ("p4", "t4")
+    assert set(small_fit.metrics_["linear"]["leave_one_gpu_out_mape"]) == {"p4", "t4"}
+    for dev, d in small_df.groupby("device"):
+        out = small_fit.predict(d, dev)
+        assert (np.isfinite(out["latency_ms"]) & (out["latency_ms"] >= out["roofline_ms"])).all()
+
+
+def test_fit_is_deterministic(small_fit, small_df):
+    again = Predictor(small_fit.config).fit(small_df)
+    d = small_df[small_df["device"] == "t4"]
+    pd.testing.assert_frame_equal(small_fit.predict(d, "t4"), again.predict(d, "t4"), check_exact=True)
+
+
+def test_save_load_round_trip_is_exact(small_fit, small_df, tmp_path):
+    path = small_fit.save(tmp_path / "ckpt", manifest_extra={"command": "pytest"})
+    loaded = Predictor.load(path)
+    assert loaded.train_devices_ == small_fit.train_devices_
+    assert json.loads((path / "manifest.json").read_text())["command"] == "pytest"
+    frame = kernel_frame(_raw("linear", [(1, 256, 128, 512)]), measured=False)  # l4: an unseen GPU
+    for dev in ("t4", "p4", "l4"):
+        d = pd.concat([small_df[small_df["device"] == "t4"], frame[frame["device"] == dev]], ignore_index=True)
+        pd.testing.assert_frame_equal(small_fit.predict(d, dev), loaded.predict(d, dev), check_exact=True)
+
+
+def test_family_without_a_model_is_predicted_or_refused_clearly(small_fit):
+    frame = kernel_frame(_raw("bmm", [(4, 256, 128, 512)]), measured=False)
+    try:
+        out = small_fit.predict(frame[frame["device"] == "t4"], "t4")
+    except NeuSightError as e:
+        assert "bmm" in str(e)
+    else:
+        assert (np.isfinite(out["latency_ms"]) & (out["latency_ms"] >= out["roofline_ms"])).all()
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])  # weights.pt / tile_table.pt
+def test_failed_save_leaves_nothing_behind(small_fit, tmp_path, monkeypatch, fail_at):
+    target = tmp_path / "ckpt"
+    small_fit.save(target, manifest_extra={"run": "first"})
+    before = _snapshot(target)
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == fail_at:
+            real_save(obj, f, *args, **kwargs)   # a file half in place, then the failure
+            raise OSError("disk full (simulated)")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="simulated"):
+        small_fit.save(target, manifest_extra={"run": "second"})
+    calls.clear()
+    with pytest.raises(OSError, match="simulated"):
+        small_fit.save(tmp_path / "fresh")
+    monkeypatch.undo()
+    assert _snapshot(target) == before                         # the old checkpoint, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or partial directory
+    assert Predictor.load(target).manifest_["run"] == "first"
