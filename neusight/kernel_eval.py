@@ -66,7 +66,7 @@ def subsample(df: pd.DataFrame, max_rows_per_family: int | None, seed: int = 0) 
 
 # --- baseline: gradient boosting on raw features ----------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass
 class GBRConfig:
     """Hyper-parameters of the gradient-boosting baseline (scikit-learn's defaults, more iterations)."""
 

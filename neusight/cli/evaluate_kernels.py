@@ -18,7 +18,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 
 from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
-from neusight.kernel_eval import EVAL_TRACES, TRAIN_TRACES
+from neusight.kernel_eval import EVAL_TRACES, TRAIN_TRACES, GBRConfig
 from neusight.predictor.model import TRAINING_GPUS
 
 log = logging.getLogger(__name__)
@@ -35,18 +35,9 @@ class EvalDataConfig:
 
 
 @dataclass
-class GBRSchema:
-    max_iter: int = 300
-    learning_rate: float = 0.1
-    max_leaf_nodes: int = 31
-    min_samples_leaf: int = 20
-    l2_regularization: float = 0.0
-
-
-@dataclass
 class EvaluateKernelsConfig:
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
-    gbr: GBRSchema = field(default_factory=GBRSchema)
+    gbr: GBRConfig = field(default_factory=GBRConfig)   # the gradient-boosting baseline (its seed: from seed)
     checkpoint: Optional[str] = None             # predictor directory; null = the shipped data/predictor
     logo: bool = False                           # also leave-one-GPU-out over the training GPUs (slow)
     max_rows_per_family: Optional[int] = None    # deterministic subsample of eval and training rows
@@ -61,7 +52,9 @@ ConfigStore.instance().store(name="evaluate_kernels_schema", node=EvaluateKernel
 
 def run(cfg: EvaluateKernelsConfig, out_dir: str | Path, command: str | None = None):
     """Evaluate as ``cfg`` says and write the files into ``out_dir`` (Hydra's run directory in the app)."""
-    from neusight.kernel_eval import GBRConfig, evaluate_kernels
+    from omegaconf import OmegaConf
+
+    from neusight.kernel_eval import evaluate_kernels
     from neusight.util import atomic_write_text
 
     ev = evaluate_kernels(
@@ -70,9 +63,7 @@ def run(cfg: EvaluateKernelsConfig, out_dir: str | Path, command: str | None = N
         devices=None if cfg.data.devices is None else list(cfg.data.devices),
         families=None if cfg.data.families is None else list(cfg.data.families),
         max_rows_per_family=cfg.max_rows_per_family, logo=cfg.logo, seed=cfg.seed, progress=cfg.progress,
-        gbr=GBRConfig(max_iter=cfg.gbr.max_iter, learning_rate=cfg.gbr.learning_rate,
-                      max_leaf_nodes=cfg.gbr.max_leaf_nodes, min_samples_leaf=cfg.gbr.min_samples_leaf,
-                      l2_regularization=cfg.gbr.l2_regularization, seed=cfg.seed))
+        gbr=GBRConfig(**{**OmegaConf.to_container(cfg.gbr), "seed": cfg.seed}))
     ev.info["command"] = command or "neusight-evaluate-kernels"
     written = ev.write(out_dir, plots=cfg.plots)
     if cfg.out_md:
