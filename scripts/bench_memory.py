@@ -39,7 +39,7 @@ MiB, GiB = 2**20, 2**30
 LABEL_MODELS = {"bert_large": ("bert_large", "sequence-classification", "pretraining"),
                 "gpt2_large": ("gpt2_large", None, None), "gpt3_xl": ("gpt3_xl", None, None),
                 "gpt3_27": ("gpt3_27", None, None), "opt_13": ("opt_13", None, None),
-                "switchxl4": ("switchxl4", None, None), "switch4": ("switchxl4", None, None)}
+                "switchxl4": ("switchxl4", None, None), "switch4": ("switch-base-4", None, None)}   # L4's switch4 runs: a Switch-Base (neusight.evaluate)
 LABEL = re.compile(r"^(?P<model>[a-z0-9_]+)-(?P<mode>inf|train)-(?P<seq>\d+)-(?P<batch>\d+)\.json$")
 
 
@@ -122,7 +122,8 @@ def label_runs() -> pd.DataFrame:
             mode = "training" if m["mode"] == "train" else "inference"
             kw = dict(batch_size=int(m["batch"]), seq_len=int(m["seq"]), mode=mode, optimizer=None,
                       head=head_train if mode == "training" else head_inf)
-            r = estimate_memory(neusight.trace(str(DATASET / "models" / f"{cfg}.json"), **kw), gpu_dir.name)
+            path = DATASET / "models" / f"{cfg}.json"
+            r = estimate_memory(neusight.trace(str(path) if path.is_file() else cfg, **kw), gpu_dir.name)
             rows.append({"GPU": gpu_dir.name, "run": label.stem, "peak GiB": f"{r.peak_gib:.2f}",
                          "device GiB": f"{r.device_memory_bytes / GiB:.0f}", "fits": r.fits})
             log.info("%s", rows[-1])
