@@ -16,13 +16,13 @@ from neusight.devices import Device, load_device
 from neusight.errors import DataError
 from neusight.graph.graph import Graph
 from neusight.graph.tracer import trace
-from neusight.kernels.base import Family
+from neusight.memory import estimate_memory
 from neusight.predictor.model import Predictor
+from neusight.tiles import GEMM_FAMILIES
 from neusight.util import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-GEMM = {Family.LINEAR.value, Family.BMM.value, Family.CONV.value}
 PHASES = ("forward", "loss", "backward", "optimizer")
 
 
@@ -41,7 +41,7 @@ def load_predictor(path: str | Path | Predictor | None = None) -> Predictor:
 def kernel_dims(kernels: pd.DataFrame) -> pd.DataFrame:
     """Split a trace's ``dims`` tuples into B, M, N, K (GEMM families) or rows, cols (the others)."""
     dims = kernels["dims"].tolist()
-    gemm = kernels["family"].isin(GEMM).to_numpy()
+    gemm = kernels["family"].isin(GEMM_FAMILIES).to_numpy()
     out = pd.DataFrame(np.nan, index=kernels.index, columns=["B", "M", "N", "K", "rows", "cols"])
     if gemm.any():
         out.loc[gemm, ["B", "M", "N", "K"]] = np.array([d for d, g in zip(dims, gemm) if g], dtype=float)
@@ -185,10 +185,6 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     g = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, **trace_kwargs)
     p = predict_graph(g, device, predictor)
     if memory:
-        try:
-            from neusight.memory import estimate_memory
-        except ImportError:  # pragma: no cover - memory module not installed
-            return p
         p.memory = estimate_memory(g, device)
     return p
 

@@ -76,8 +76,9 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
     return runs
 
 
-def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None) -> dict:
-    """Predict one label run with its protocol; returns the run's fields + predicted ms and % error."""
+def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None, *, calibrated: bool = True) -> dict:
+    """Predict one label run with its protocol; returns the run's fields + predicted ms and % error.
+    ``calibrated=False`` leaves out the predictor's end-to-end scale (used to fit it)."""
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
 
@@ -87,7 +88,7 @@ def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None
         g = trace(run.config, run.batch_size, run.seq_len, run.mode, head=run.head, optimizer=None)
         if graph_cache is not None:
             graph_cache[key] = g
-    p = predict_graph(g, run.device, predictor)
+    p = predict_graph(g, run.device, predictor, calibrated=calibrated)
     fw = p.phases.get("forward", 0.0)
     bw = p.phases.get("backward", 0.0)
     pred = fw + bw   # the loss computation is not timed in the labels
@@ -107,18 +108,11 @@ def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
     leave-one-GPU-out check (scale fitted without a GPU, mean abs % error on it, before and after)."""
     import numpy as np
 
-    from neusight.api import predict_graph
-    from neusight.graph.tracer import trace
-
     cache: dict = {}
     rows = []
     for r in runs:
-        key = (r.config, r.mode, r.seq_len, r.batch_size, r.head)
-        if key not in cache:
-            cache[key] = trace(r.config, r.batch_size, r.seq_len, r.mode, head=r.head, optimizer=None)
-        p = predict_graph(cache[key], r.device, predictor, calibrated=False)
-        pred = p.phases.get("forward", 0.0) + p.phases.get("backward", 0.0)
-        rows.append((r.device, np.log(r.measured_ms / pred)))
+        res = predict_label(r, predictor, cache, calibrated=False)
+        rows.append((r.device, np.log(r.measured_ms / res["predicted_ms"])))
     if not rows:
         raise DataError("no label runs to fit the end-to-end scale on; check the labels path and the training GPUs")
     devs = np.array([str(d) for d, _ in rows])

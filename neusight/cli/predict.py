@@ -240,12 +240,9 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
     for dev in devices:
         p = predict_graph(g, dev, predictor)
         if cfg.memory:
-            try:
-                from neusight.memory import estimate_memory
-            except ImportError:  # pragma: no cover - memory forecast not available
-                pass
-            else:
-                p.memory = estimate_memory(g, dev)
+            from neusight.memory import estimate_memory
+
+            p.memory = estimate_memory(g, dev)
         preds.append(p)
     return preds
 

@@ -9,7 +9,7 @@ reported as unmodeled by the tracer and estimated as memory-bound (read inputs, 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 from neusight.graph.records import OpCall
 from neusight.kernels.base import Family, Kernel
@@ -77,7 +77,3 @@ def _load_builders() -> None:
     _loaded = True
     from neusight.kernels import ops_gemm, ops_misc  # noqa: F401
 
-
-def iter_registry() -> Iterable[tuple[object, Builder]]:
-    _load_builders()
-    return iter(_REGISTRY.items())

@@ -24,6 +24,7 @@ from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, M
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP
 from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp
 from neusight.tile_table import TileTable
+from neusight.tiles import GEMM_FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class Predictor:
         model falls back to linear (then bmm), every other family to elementwise."""
         if fam in self.models_:
             return self.models_[fam], fam
-        order = ("linear", "bmm", "conv") if fam in ("linear", "bmm", "conv") else ("elementwise",)
+        order = GEMM_FAMILIES if fam in GEMM_FAMILIES else ("elementwise",)
         for alt in order:
             if alt in self.models_:
                 return self.models_[alt], alt
