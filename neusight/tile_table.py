@@ -2,9 +2,11 @@
 measured traces by nearest neighbour.
 
 - GEMM families (linear, bmm, conv): one index per family and measured GPU; key = log2 (B, M, N, K);
-  value = output tile (along M, along K) parsed from the cuBLAS / cuDNN / Tensile kernel name. A GPU
-  not in the table takes the tiles of its nearest known GPU in device space (log2 of SMs, per-SM GEMM
-  FLOP/s, per-SM bandwidth, L2 size), since the library picks tiles by architecture and SM resources.
+  value = output tile (along M, along K) parsed from the cuBLAS / cuDNN / Tensile kernel name. A kernel
+  chooses among the tiles its GPU's library used (``gemm_candidates``; the shape keys record where each
+  was used). A GPU not in the table takes the tiles of its nearest known GPU in device space (log2 of
+  SMs, per-SM GEMM FLOP/s, per-SM bandwidth, L2 size), since the library's tiles follow architecture and
+  SM resources.
 - row-wise families (elementwise, softmax, layernorm): key = (log2 rows, log2 cols); value = elements
   per thread block and threads per block, measured from the launch grid. Families without data
   (reductions, copies, norms, pooling, embedding) use the elementwise geometry.
@@ -21,6 +23,11 @@ from sklearn.neighbors import NearestNeighbors
 from neusight.devices import Device
 from neusight.kernels.base import Family
 from neusight.tiles import GEMM_FAMILIES, device_rates
+
+# A tile the library used for fewer than this share of a GPU's measured shapes is not a candidate: rare
+# picks (a 32x32 tile for a handful of tiny GEMMs) would otherwise set the bound of every shape, since the
+# smallest tile always pads least.
+MIN_TILE_SHARE = 0.10
 
 ROW_FAMILIES = (Family.ELEMENTWISE.value, Family.SOFTMAX.value, Family.LAYERNORM.value)
 
@@ -89,16 +96,20 @@ class TileTable:
         return cls(indexes)
 
     # -------------------------------------------------------------------------------- lookup
-    def gemm_tiles(self, family: str, b, m, n, k, device: Device) -> tuple[np.ndarray, np.ndarray]:
-        """(tile along M, tile along K) per kernel; conv without its own table uses linear's."""
+    def gemm_candidates(self, family: str, device: Device) -> np.ndarray:
+        """The (tile along M, tile along K) pairs the library used for ``family`` on ``device`` (or its nearest
+        measured GPU), most used first: the tiles :func:`neusight.tiles.gemm_tiles` chooses among.
+        Conv without its own table uses linear's."""
         fam = family if any(k.startswith(family + "@") for k in self.indexes) else Family.LINEAR.value
         known = [k.split("@", 1)[1] for k in self.indexes if k.startswith(fam + "@")]
         if not known:
             raise KeyError("tile table has no GEMM entries; refit it on traces with linear or bmm kernels")
-        dev = self.nearest_device(device, known)
-        shape = _gemm_shape_key(pd.DataFrame({"B": b, "M": m, "N": n, "K": k}))
-        v = self.indexes[f"{fam}@{dev}"].query(shape)
-        return v[:, 0].astype(float), v[:, 1].astype(float)
+        values = self.indexes[f"{fam}@{self.nearest_device(device, known)}"].values
+        tiles, counts = np.unique(values.astype(float), axis=0, return_counts=True)
+        keep = counts >= MIN_TILE_SHARE * counts.sum()
+        tiles, counts = tiles[keep], counts[keep]
+        order = np.lexsort((tiles[:, 1], tiles[:, 0], -counts))     # deterministic: by use, then by size
+        return tiles[order]
 
     def nearest_device(self, device: Device, known: list[str]) -> str:
         """The measured GPU whose descriptors are closest to ``device`` (itself when measured)."""

@@ -3,7 +3,7 @@
 For a kernel on a device:
 
 1. tile: GEMM-like kernels (linear, bmm, conv as implicit GEMM) compute the (M x K) output in tiles of
-   ``tile_m x tile_n`` (from the :class:`~neusight.tile_table.TileTable`); row-wise kernels process
+   ``tile_m x tile_n`` (one of the device's tiles in the :class:`~neusight.tile_table.TileTable`); row-wise kernels process
    ``elems_per_block`` elements per thread block of ``threads_per_block`` threads (launch geometry).
 2. tiles = B x ceil(M / tile_m) x ceil(K / tile_n)     (GEMM)      |  ceil(elements / elems_per_block)
 3. concurrent tiles = SMs x resident blocks per SM:  GEMM 1 (one CTA of a large tile fills an SM's
@@ -12,8 +12,9 @@ For a kernel on a device:
 5. per-wave roofline = max(wave FLOPs / peak FLOP/s, wave bytes / bandwidth); a tile runs on one SM, so
    the compute leg is tile FLOPs / per-SM peak; roofline = waves x per-wave roofline.
 
-Wave bytes: the kernel's minimum bytes split evenly over its waves (GEMM operand panels are shared by a
-wave's tiles through L2, see ``gemm_tiles``) or blocks (row-wise).
+Every bound here is non-decreasing in every kernel dimension (DESIGN.md: adding work never makes a kernel
+faster): GEMMs take the best (tile, split-K) pair of the device's library tiles, each pair's bound being
+monotone; row-wise kernels are bounded by their roofline (see ``rowwise_tiles``).
 """
 
 from __future__ import annotations
@@ -63,63 +64,82 @@ def device_rates(device: Device, dtype: str = "float32", *, tf32: bool = False) 
                        device.max_threads_per_sm, device.max_blocks_per_sm)
 
 
-def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, tile_m: np.ndarray, tile_n: np.ndarray,
+def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, candidates: np.ndarray,
                size: np.ndarray, rates: DeviceRates, algo_speedup: np.ndarray | float = 1.0) -> pd.DataFrame:
     """Tiles, waves and roofline of GEMM-like kernels: (B x) (M x N) @ (N x K), N the reduction.
 
-    tiles = B·ceil(M / tile_m)·ceil(K / tile_n)·split (split-K, see ``split_k``); waves = ceil(tiles / SMs)
-    (one tile per SM at a time).
-    Compute leg per wave = tile FLOPs (2·tile_m·tile_n·N, the padded tile is computed in full) / per-SM
-    peak, since a tile runs on one SM. Memory leg per wave = the kernel's minimum bytes / waves /
-    bandwidth: operand panels are shared by the tiles of a wave through L2 (cuBLAS rasterises for it);
-    what reuse is lost is left to the utilization model. ``algo_speedup`` = FLOPs / fewest FLOPs of a fast
-    algorithm (Winograd) divides the compute leg, so the bound holds whichever algorithm the library picks.
+    For one tile ``tile_m x tile_n`` and split-K factor ``s``: tiles = B·ceil(M / tile_m)·ceil(K / tile_n)·s;
+    waves = ceil(tiles / SMs) (one tile per SM at a time). Compute leg per wave = tile FLOPs (2·tile_m·tile_n·
+    ceil(N / s), the padded tile is computed in full) / per-SM peak, since a tile runs on one SM. Memory leg
+    per wave = the kernel's minimum bytes (plus the partial sums a split-K GEMM writes and reads back) / waves
+    / bandwidth: operand panels are shared by the tiles of a wave through L2 (cuBLAS rasterises for it).
+    ``algo_speedup`` = FLOPs / fewest FLOPs of a fast algorithm (Winograd) divides the compute leg.
+
+    The kernel's tile and split are the pair, among the device's library tiles ``candidates`` ((c, 2) array
+    from the tile table: the tiles its traces show) and SPLIT_K_FACTORS, with the lowest wave-quantized
+    roofline: the library's heuristics pick a good tile for the shape, and the bound is what the best of them
+    allows. Each pair's roofline is non-decreasing in every dimension (ceil and products of non-decreasing
+    terms), so their minimum is too: adding work never lowers the bound. Ties go to the earlier candidate.
     """
-    out_tiles = b * np.ceil(m / tile_m) * np.ceil(k / tile_n)
-    concurrent = float(rates.sm_count)
-    split = split_k(out_tiles, n, concurrent)
-    tiles = out_tiles * split
-    waves = np.ceil(tiles / concurrent)
-    s = np.minimum(concurrent, tiles)                       # tiles in a (full) wave
-    # operands once, plus the partial sums a split-K GEMM writes and its reduction reads back
-    total_bytes = size * b * (m * n + n * k + m * k + np.where(split > 1, 2 * split * m * k, 0))
-    wave_bytes = total_bytes / waves
-    tile_flops = 2.0 * tile_m * tile_n * np.ceil(n / split)
-    t_compute = tile_flops / algo_speedup / (rates.gemm_flops / rates.sm_count)
-    t_memory = wave_bytes / rates.bandwidth
-    ridge = rates.gemm_flops * algo_speedup / rates.bandwidth
-    return _finish(tiles, concurrent, waves, tile_flops, wave_bytes / s, t_compute, t_memory,
-                   (s * tile_flops / wave_bytes) / ridge)
+    b, m, n, k = (np.asarray(v, dtype=float) for v in (b, m, n, k))
+    size = np.broadcast_to(np.asarray(size, dtype=float), b.shape)
+    speed = np.broadcast_to(np.asarray(algo_speedup, dtype=float), b.shape)
+    sms = float(rates.sm_count)
+    per_sm = rates.gemm_flops / sms
+    best = None
+    for tm, tn in np.asarray(candidates, dtype=float).reshape(-1, 2):
+        out_tiles = b * np.ceil(m / tm) * np.ceil(k / tn)
+        for split in SPLIT_K_FACTORS:
+            tiles = out_tiles * split
+            waves = np.ceil(tiles / sms)
+            tile_flops = 2.0 * tm * tn * np.ceil(n / split)
+            t_compute = tile_flops / speed / per_sm
+            total_bytes = size * b * (m * n + n * k + m * k + (2 * split * m * k if split > 1 else 0.0))
+            roof = np.maximum(waves * t_compute, total_bytes / rates.bandwidth)
+            cand = {"roof": roof, "tm": np.full_like(b, tm), "tn": np.full_like(b, tn), "split": np.full_like(b, split),
+                    "tiles": tiles, "waves": waves, "tile_flops": tile_flops, "t_compute": t_compute,
+                    "total_bytes": total_bytes}
+            if best is None:
+                best = cand
+            else:
+                take = roof < best["roof"]
+                best = {key: np.where(take, cand[key], best[key]) for key in best}
+    if best is None:
+        raise ValueError("gemm_tiles needs at least one candidate tile")
+    waves, tiles = best["waves"], best["tiles"]
+    wave_bytes = best["total_bytes"] / waves
+    s = np.minimum(sms, tiles)                                 # tiles in a (full) wave
+    ridge = rates.gemm_flops * speed / rates.bandwidth
+    out = _finish(tiles, sms, waves, best["tile_flops"], wave_bytes / s, best["t_compute"],
+                  wave_bytes / rates.bandwidth, (s * best["tile_flops"] / wave_bytes) / ridge)
+    out["tile_m"], out["tile_n"], out["split_k"] = best["tm"], best["tn"], best["split"]
+    return out
 
 
 # Split-K: when the output has too few tiles to fill the GPU and the reduction is long, cuBLAS / cuDNN split
 # the reduction across CTAs and add the partial sums in a second kernel (the shared linear sweeps show it as
 # grid z up to ~50 with a splitKreduce kernel; cuDNN's weight gradients of early conv layers are the extreme
-# case: a tiny output, a reduction over batch x pixels). We split until about SPLIT_K_TARGET_WAVES waves,
-# keeping at least SPLIT_K_MIN_SLICE of the reduction per slice.
-SPLIT_K_TARGET_WAVES = 2
-SPLIT_K_MIN_SLICE = 256
-
-
-def split_k(out_tiles: np.ndarray, n: np.ndarray, sm_count: float) -> np.ndarray:
-    """Split-K factor (>= 1) for GEMMs with ``out_tiles`` output tiles and reduction length ``n``."""
-    want = np.floor(SPLIT_K_TARGET_WAVES * sm_count / np.maximum(out_tiles, 1))
-    cap = np.floor(n / SPLIT_K_MIN_SLICE)
-    return np.maximum(1.0, np.minimum(want, cap))
+# case: a tiny output, a reduction over batch x pixels). The factors the tile search may use:
+SPLIT_K_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def rowwise_tiles(numel: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, elems_per_block: np.ndarray,
                   threads_per_block: np.ndarray, rates: DeviceRates) -> pd.DataFrame:
-    """Tiles (thread blocks), waves and roofline of element / row-wise kernels from launch geometry."""
+    """Tiles (thread blocks) and waves of element / row-wise kernels from launch geometry, and their bound.
+
+    The bound is the kernel's roofline, max(FLOPs / vector peak, bytes / bandwidth): a memory-bound kernel
+    streams its bytes whatever its block size, and the geometry (taken from the nearest measured launch)
+    jumps between shapes, so a per-wave bound built on it could fall when a dimension grows. The waves are
+    reported, and the utilization model sees the load through its wave feature.
+    """
     blocks = np.maximum(1.0, np.ceil(numel / np.maximum(elems_per_block, 1.0)))
     resident = np.clip(np.floor(rates.max_threads_per_sm / np.maximum(threads_per_block, 32.0)), 1, rates.max_blocks_per_sm)
     concurrent = rates.sm_count * resident
     waves = np.ceil(blocks / concurrent)
     tile_flops = flops / blocks
     tile_bytes = nbytes / blocks
-    s = np.minimum(concurrent, blocks)                      # blocks in a (full) wave
-    t_compute = tile_flops / (rates.vector_flops / rates.sm_count / resident)
-    t_memory = s * tile_bytes / rates.bandwidth
+    t_compute = flops / rates.vector_flops / waves               # per wave, so that waves x wave = roofline
+    t_memory = nbytes / rates.bandwidth / waves
     ridge = rates.vector_flops / rates.bandwidth
     return _finish(blocks, concurrent, waves, tile_flops, tile_bytes, t_compute, t_memory,
                    (tile_flops / np.maximum(tile_bytes, 1e-30)) / ridge)

@@ -16,14 +16,31 @@ from neusight.kernels.base import Family
 from neusight.tile_table import ROW_FAMILIES, TileTable
 from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tiles, sizes_of
 
-# Chosen by leave-one-GPU-out error over the five training GPUs (docs/predictor.md): GEMM efficiency
-# differs by architecture generation and by power headroom (70 W cards throttle), so two device
-# descriptors enter, clamped to the training range like every feature; row-wise kernels do better without.
-GEMM_FEATURES = ("log2_tile_m", "log2_tile_n", "log2_reduction", "log2_batch", "log2_waves", "wave_fill", "tile_fill",
-                 "log2_intensity_ratio", "log2_bytes_over_l2", "compute_capability", "log2_watts_per_tflop",
-                 "log2_algo_speedup")
-ROW_FEATURES = ("log2_elems_per_block", "log2_threads", "log2_waves", "wave_fill", "log2_intensity_ratio",
-                "log2_bytes_over_l2", "log2_cols", "log2_bytes")
+# Work features come first (the first is log2 roofline) and are each non-decreasing in every kernel dimension;
+# the utilization model is monotone in them (see neusight.predictor.mlp), which is how "adding work never
+# makes a kernel faster" holds for any trained weights. Device features (constant on a GPU, or per kernel
+# type like the Winograd speed-up) enter freely. Everything is relative to the device where it can be
+# (waves over its SMs, intensity over its ridge point, working set over its L2), so a GPU outside the
+# training set is described in the same terms as the ones inside it. GEMM efficiency differs by architecture
+# generation and by power headroom (70 W cards throttle their clocks under SGEMM): two device descriptors,
+# clamped to the training range like every feature. Chosen by leave-one-GPU-out error over the five training
+# GPUs (docs/training.md): board power beat power per peak TFLOP/s (linear 22.0 vs 24.7 % mean held-out MAPE,
+# bmm 15.8 vs 18.4 %); the conv model (four GPUs of data) and row-wise kernels do better without them
+# (conv: 34.6 % mean held-out MAPE without, 59.0 % with).
+GEMM_WORK = ("log2_roofline", "log2_batch", "log2_m", "log2_reduction", "log2_k", "log2_waves_ref",
+             "log2_intensity_ratio", "log2_bytes_over_l2")
+GEMM_DEVICE = ("compute_capability", "log2_tdp", "log2_algo_speedup")
+ROW_WORK = ("log2_roofline", "log2_rows", "log2_cols", "log2_bytes", "log2_bytes_over_l2", "log2_waves_ref",
+            "log2_flops")
+CONV_DEVICE = ("log2_algo_speedup",)
+GEMM_FEATURES = GEMM_WORK + GEMM_DEVICE
+CONV_FEATURES = GEMM_WORK + CONV_DEVICE
+ROW_FEATURES = ROW_WORK
+
+# The reference tiles of the wave features: a fixed tile per kernel, so the wave count grows with the work
+# alone (the chosen tile's waves can fall when a bigger shape picks another tile).
+REF_GEMM_TILE = 128
+REF_ELEMS_PER_BLOCK, REF_THREADS_PER_BLOCK = 1024, 256
 
 MODEL_FAMILIES = (*GEMM_FAMILIES, *ROW_FAMILIES)
 
@@ -58,18 +75,26 @@ def conv_as_gemm(df: pd.DataFrame) -> pd.Series:
 
 
 def feature_names(family: str) -> tuple[str, ...]:
+    """Work features, then device features, of a family's model."""
     fam = model_family(family)
+    if fam == Family.CONV.value:
+        return CONV_FEATURES
     if fam in GEMM_FAMILIES:
         return GEMM_FEATURES
     return ROW_FEATURES + (("native",) if fam in BORROWS_ELEMENTWISE else ())
 
 
-def decompose(df: pd.DataFrame, device: Device, table: TileTable, *, use_measured_tiles: bool = False) -> pd.DataFrame:
+def n_work_features(family: str) -> int:
+    """How many leading features of ``feature_names(family)`` the model must be monotone in."""
+    return len(GEMM_WORK if model_family(family) in GEMM_FAMILIES else ROW_WORK)
+
+
+def decompose(df: pd.DataFrame, device: Device, table: TileTable) -> pd.DataFrame:
     """Tiles, waves, roofline and features of every row of ``df`` on ``device``.
 
-    ``df`` needs ``family, B, M, N, K, rows, cols, flops, bytes, dtype``. With ``use_measured_tiles`` (training),
-    rows that carry a tile parsed from their kernel name (``tile_m``/``tile_n``, cuBLAS view) keep it.
-    Returns a frame indexed like ``df`` with ``model_family``, tile columns, tiles, waves, roofline_ms,
+    ``df`` needs ``family, B, M, N, K, rows, cols, flops, bytes, dtype`` (and ``algo_flops``, ``kernel`` for
+    convolutions). Training rows and predicted kernels go through the same code: the bound a model learns
+    utilization against is the one it predicts with. Returns a frame indexed like ``df`` with ``model_family``, tile columns, tiles, waves, roofline_ms,
     bound and the features of its family (NaN for the other family's features).
     """
     out = pd.DataFrame(index=df.index)
@@ -77,61 +102,55 @@ def decompose(df: pd.DataFrame, device: Device, table: TileTable, *, use_measure
     out.loc[conv_as_gemm(df), "model_family"] = Family.LINEAR.value
     parts = []
     for fam, d in df.groupby(out["model_family"], sort=False):
-        parts.append(_gemm(d, fam, device, table, use_measured_tiles) if fam in GEMM_FAMILIES else _rows(d, fam, device, table))
+        parts.append(_gemm(d, fam, device, table) if fam in GEMM_FAMILIES else _rows(d, fam, device, table))
     res = pd.concat(parts).reindex(df.index)
     res.insert(0, "model_family", out["model_family"])
     return res
 
 
-def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable, measured: bool) -> pd.DataFrame:
-    b, m, n, k = (d[c].to_numpy(float) for c in ("B", "M", "N", "K"))
-    tm, tn = table.gemm_tiles(fam, b, m, n, k, device)
-    if measured and "tile_m" in d:
-        has = d["tile_m"].notna().to_numpy()
-        tm = np.where(has, d["tile_n"].to_numpy(float), tm)   # cuBLAS view: tile_n runs along our M
-        tn = np.where(has, d["tile_m"].to_numpy(float), tn)
+def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.DataFrame:
+    b, m, n, k = (np.maximum(d[c].to_numpy(float), 1.0) for c in ("B", "M", "N", "K"))
     rates = device_rates(device, str(d["dtype"].iloc[0]))
     flops = d["flops"].to_numpy(float)
+    nbytes = np.maximum(d["bytes"].to_numpy(float), 1.0)
     algo = d["algo_flops"].to_numpy(float) if "algo_flops" in d else flops
     speedup = np.where(np.isfinite(algo) & (algo > 0), flops / np.where(algo > 0, algo, 1.0), 1.0)
-    t = gemm_tiles(b, m, n, k, tm, tn, sizes_of(d["dtype"]), rates, speedup)
+    t = gemm_tiles(b, m, n, k, table.gemm_candidates(fam, device), sizes_of(d["dtype"]), rates, speedup)
     t.index = d.index
-    t["tile_m"], t["tile_n"] = tm, tn
     t["elems_per_block"], t["threads_per_block"] = np.nan, np.nan
-    t["log2_tile_m"], t["log2_tile_n"] = np.log2(tm), np.log2(tn)
-    t["log2_reduction"] = np.log2(np.maximum(n, 1))
-    t["log2_batch"] = np.log2(np.maximum(b, 1))
-    t["log2_algo_speedup"] = np.log2(speedup)
-    t["log2_waves"] = np.log2(t["waves"])
-    t["wave_fill"] = t["tiles"] / (t["waves"] * t["concurrent"])
-    t["tile_fill"] = (b * m * k) / (t["tiles"] * tm * tn)
-    t["log2_intensity_ratio"] = np.log2(t["intensity_ratio"])
-    t["log2_bytes_over_l2"] = np.log2(d["bytes"].to_numpy(float) / device.l2_cache_bytes)
-    t["log2_watts_per_tflop"] = np.log2(device.tdp_w / (rates.gemm_flops / 1e12))
+    t["log2_roofline"] = np.log2(t["roofline_ms"].to_numpy())
+    t["log2_batch"], t["log2_m"], t["log2_reduction"], t["log2_k"] = np.log2(b), np.log2(m), np.log2(n), np.log2(k)
+    ref = b * np.ceil(m / REF_GEMM_TILE) * np.ceil(k / REF_GEMM_TILE)
+    t["log2_waves_ref"] = np.log2(np.ceil(ref / rates.sm_count))
+    ridge = rates.gemm_flops / rates.bandwidth
+    t["log2_intensity_ratio"] = np.log2(np.maximum(flops, 1.0) / nbytes / ridge)
+    t["log2_bytes_over_l2"] = np.log2(nbytes / device.l2_cache_bytes)
     t["compute_capability"] = _cc(device)
+    t["log2_tdp"] = np.log2(device.tdp_w)
+    t["log2_algo_speedup"] = np.log2(speedup)
     return t
 
 
 def _rows(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.DataFrame:
-    rows = d["rows"].to_numpy(float)
-    cols = d["cols"].to_numpy(float)
+    rows = np.maximum(d["rows"].to_numpy(float), 1.0)
+    cols = np.maximum(d["cols"].to_numpy(float), 1.0)
     epb, tpb = table.launch_geometry(fam if fam in table.indexes else Family.ELEMENTWISE.value, rows, cols)
     rates = device_rates(device, str(d["dtype"].iloc[0]))
-    nbytes = d["bytes"].to_numpy(float)
-    t = rowwise_tiles(rows * cols, d["flops"].to_numpy(float), nbytes, epb, tpb, rates)
+    nbytes = np.maximum(d["bytes"].to_numpy(float), 1.0)
+    flops = d["flops"].to_numpy(float)
+    t = rowwise_tiles(rows * cols, flops, nbytes, epb, tpb, rates)
     t.index = d.index
     t["tile_m"], t["tile_n"] = np.nan, np.nan
     t["elems_per_block"], t["threads_per_block"] = epb, tpb
-    t["log2_elems_per_block"] = np.log2(np.maximum(epb, 1))
-    t["log2_threads"] = np.log2(np.maximum(tpb, 1))
-    t["log2_waves"] = np.log2(t["waves"])
-    t["wave_fill"] = t["tiles"] / (t["waves"] * t["concurrent"])
-    t["log2_intensity_ratio"] = np.log2(np.maximum(t["intensity_ratio"], 1e-6))
-    t["log2_bytes_over_l2"] = np.log2(np.maximum(nbytes, 1) / device.l2_cache_bytes)
-    t["log2_cols"] = np.log2(np.maximum(cols, 1))
-    t["log2_bytes"] = np.log2(np.maximum(nbytes, 1))
+    t["log2_roofline"] = np.log2(t["roofline_ms"].to_numpy())
+    t["log2_rows"], t["log2_cols"] = np.log2(rows), np.log2(cols)
+    t["log2_bytes"] = np.log2(nbytes)
+    t["log2_bytes_over_l2"] = np.log2(nbytes / device.l2_cache_bytes)
+    resident = min(max(rates.max_threads_per_sm // REF_THREADS_PER_BLOCK, 1), rates.max_blocks_per_sm)
+    blocks = np.ceil(rows * cols / REF_ELEMS_PER_BLOCK)
+    t["log2_waves_ref"] = np.log2(np.ceil(blocks / (rates.sm_count * resident)))
+    t["log2_flops"] = np.log2(np.maximum(flops, 1.0))
     t["native"] = 1.0
-
     return t
 
 

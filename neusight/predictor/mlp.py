@@ -1,11 +1,33 @@
-"""The per-family utilization MLP: features -> utilization in (0, 1], plus a learned launch overhead."""
+"""The per-family utilization model: a partially monotone MLP over work and device features.
+
+latency = roofline / utilization + overhead, with utilization = roofline / (roofline + excess) in (0, 1):
+
+    latency = roofline + excess + overhead,     excess = exp(q(work features, device features))  [ms]
+
+``q`` is non-decreasing in every *work* feature (each of which is itself non-decreasing in every kernel
+dimension: log dims, log roofline, waves, working set, intensity) for any value of the *device* features
+(constant on a GPU). Non-negative weights on the work inputs and after the first layer, with increasing
+activations, make that hold by construction; the roofline is monotone too (see ``tiles.gemm_roofline``), so
+adding work never lowers a prediction (DESIGN.md "Laws"), for any weights training ends with.
+Utilization still rises with size wherever ``q`` grows slower than log(roofline): small kernels waste most
+of their bound, big ones approach a plateau.
+
+Features are clamped to the training range (clamping is monotone); beyond the range of the roofline feature
+(the first work feature) the excess scales with the roofline, so utilization stays at its boundary value
+instead of drifting to 1.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
+from torch.nn.functional import softplus
+
+LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -13,7 +35,7 @@ class MLPConfig:
     """Hyper-parameters of one family's model (also the training schedule)."""
 
     hidden: tuple[int, ...] = (64, 64)      # a few layers, a few thousand weights
-    dropout: float = 0.0
+    dropout: float = 0.0                    # kept for config compatibility; the monotone net uses none
     lr: float = 2e-3
     weight_decay: float = 1e-4
     epochs: int = 60
@@ -24,46 +46,124 @@ class MLPConfig:
     extra: dict = field(default_factory=dict)
 
 
-class UtilizationMLP(nn.Module):
-    """utilization = sigmoid(MLP(normalised features)); latency = roofline / utilization + overhead.
+def _inv_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
 
-    The sigmoid keeps utilization in (0, 1), so a prediction never beats the roofline bound; the overhead
-    (softplus of one learned scalar, in ms) models the launch floor every kernel pays.
+
+class UtilizationMLP(nn.Module):
+    """Inputs: ``n_mono`` work features (first; the first of them is log2 roofline ms) then device features.
+
+    Hidden layers: tanh (increasing, both convex and concave, so positive-weight stacks can bend either way);
+    a monotone linear skip from the work inputs to the output carries the near-linear part of log excess.
     """
 
     def __init__(self, in_features: int, hidden: tuple[int, ...] = (64, 64), dropout: float = 0.0,
-                 init_overhead_ms: float = 0.01) -> None:
+                 init_overhead_ms: float = 0.01, n_mono: int | None = None) -> None:
         super().__init__()
-        layers: list[nn.Module] = []
-        width = in_features
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.GELU()]
-            if dropout:
-                layers.append(nn.Dropout(dropout))
-            width = h
-        layers.append(nn.Linear(width, 1))
-        self.net = nn.Sequential(*layers)
-        self.in_features = in_features
-        # softplus^-1(init): overhead starts at init_overhead_ms
+        n_mono = in_features if n_mono is None else int(n_mono)
+        if not 1 <= n_mono <= in_features:
+            raise ValueError(f"n_mono={n_mono} must be in 1..{in_features}")
+        self.in_features, self.n_mono, self.hidden = in_features, n_mono, tuple(hidden)
+        widths = (in_features, *self.hidden)
+        # raw parameters; constrained weights are softplus(raw) >= 0
+        self.w_mono = nn.Parameter(torch.empty(n_mono, widths[1]))
+        self.w_free = nn.Parameter(torch.empty(in_features - n_mono, widths[1]))
+        # device-dependent positive gains of the first layer's and the output's monotone parts (exp of a
+        # linear map of the device features): how strongly a GPU's efficiency responds to the work
+        self.w_gain = nn.Parameter(torch.zeros(in_features - n_mono, widths[1]))
+        self.w_out_gain = nn.Parameter(torch.zeros(in_features - n_mono))
+        self.b = nn.ParameterList([nn.Parameter(torch.zeros(w)) for w in self.hidden])
+        self.w_hidden = nn.ParameterList([nn.Parameter(torch.empty(a, b)) for a, b in zip(self.hidden[:-1], self.hidden[1:])])
+        self.w_out = nn.Parameter(torch.empty(self.hidden[-1]))
+        self.b_out = nn.Parameter(torch.zeros(1))
+        self.w_skip = nn.Parameter(torch.empty(n_mono))
         raw = torch.log(torch.expm1(torch.tensor(float(init_overhead_ms))))
         self.raw_overhead = nn.Parameter(raw.reshape(1))
         self.register_buffer("mean", torch.zeros(in_features))
         self.register_buffer("std", torch.ones(in_features))
-        # training range of each raw feature: inputs are clamped to it, so a kernel or a GPU beyond what
-        # was measured is described by the nearest measured boundary (utilization saturates, no wild
-        # extrapolation of the network)
         self.register_buffer("lo", torch.full((in_features,), -torch.inf))
         self.register_buffer("hi", torch.full((in_features,), torch.inf))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Positive weights of about 1/fan-in (so tanh starts in its linear range), free ones Gaussian."""
+        with torch.no_grad():
+            for w in (self.w_mono, *self.w_hidden):
+                w.copy_(_inv_softplus(torch.rand(w.shape) * (2.0 / w.shape[0]) + 1e-3))
+            self.w_free.normal_(0.0, 1.0 / max(1, self.w_free.shape[0]) ** 0.5)
+            self.w_out.copy_(_inv_softplus(torch.rand(self.w_out.shape) * (2.0 / self.w_out.shape[0]) + 1e-3))
+            self.w_skip.copy_(_inv_softplus(torch.full(self.w_skip.shape, 0.05)))
+
+    def init_output(self, roof_std_log2: float, roof_mean_log2: float) -> None:
+        """Start at excess = roofline (utilization 1/2 everywhere): skip weight on log2 roofline = its std·ln 2."""
+        with torch.no_grad():
+            self.w_skip[0] = _inv_softplus(torch.tensor(max(roof_std_log2 * LN2, 1e-3)))
+            self.b_out.fill_(roof_mean_log2 * LN2)
 
     @property
     def overhead_ms(self) -> torch.Tensor:
-        return nn.functional.softplus(self.raw_overhead)
+        return softplus(self.raw_overhead)
 
-    def utilization(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, in_features) raw features -> (n,) utilization in (0, 1)."""
-        z = (torch.maximum(torch.minimum(x, self.hi), self.lo) - self.mean) / self.std
-        return torch.sigmoid(self.net(z).squeeze(-1)).clamp_min(1e-4)
+    def log_excess(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, in_features) raw features -> (n,) natural log of the excess over the roofline, in ms."""
+        xc = torch.maximum(torch.minimum(x, self.hi), self.lo)
+        z = (xc - self.mean) / self.std
+        zm, zf = z[:, :self.n_mono], z[:, self.n_mono:]
+        h = torch.tanh((zm @ softplus(self.w_mono)) * torch.exp(zf @ self.w_gain) + zf @ self.w_free + self.b[0])
+        for w, b in zip(self.w_hidden, list(self.b)[1:]):
+            h = torch.tanh(h @ softplus(w) + b)
+        q = (h @ softplus(self.w_out)) * torch.exp(zf @ self.w_out_gain) + self.b_out + zm @ softplus(self.w_skip)
+        return q + (x[:, 0] - xc[:, 0]) * LN2          # beyond the roofline range: excess ∝ roofline
 
     def forward(self, x: torch.Tensor, roofline_ms: torch.Tensor) -> torch.Tensor:
         """Predicted latency in ms."""
-        return roofline_ms / self.utilization(x) + self.overhead_ms
+        return roofline_ms + torch.exp(self.log_excess(x)) + self.overhead_ms
+
+    def numpy_params(self) -> dict[str, object]:
+        """The effective (constrained) parameters in float64, for the row-wise numpy forward."""
+        with torch.no_grad():
+            d = lambda t: t.detach().double().numpy().copy()   # noqa: E731
+            return {"lo": d(self.lo), "hi": d(self.hi), "mean": d(self.mean), "std": d(self.std), "n_mono": self.n_mono,
+                    "first": (d(softplus(self.w_mono.double())), d(self.w_free), d(self.b[0])),
+                    "gain": (d(self.w_gain), d(self.w_out_gain)),
+                    "hidden": [(d(softplus(w.double())), d(b)) for w, b in zip(self.w_hidden, list(self.b)[1:])],
+                    "out": (d(softplus(self.w_out.double())), d(self.b_out)),
+                    "skip": d(softplus(self.w_skip.double())),
+                    "overhead": float(softplus(self.raw_overhead.double()).item())}
+
+
+def log_excess_rowwise(p: dict, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """``UtilizationMLP.log_excess`` in float64 with every row computed on its own: each dot product is
+    accumulated term by term in a fixed order with elementwise operations, so a row's result depends on
+    nothing but that row (a BLAS matrix product blocks rows together, and numpy's reductions pick their
+    summation order by array layout, so either can change the last bits with the batch). This is what makes a
+    prediction the same bit for bit whatever else is predicted with it, in any order."""
+    def dot(h: np.ndarray, w: np.ndarray) -> np.ndarray:
+        w = np.atleast_2d(w.T).T                       # (in,) -> (in, 1)
+        acc = np.zeros((h.shape[0], w.shape[1]))
+        for j in range(h.shape[1]):
+            acc += h[:, j:j + 1] * w[j]
+        return acc
+
+    n_mono = p["n_mono"]
+    w_m, w_f, b0 = p["first"]
+    out = np.empty(len(x))
+    for s in range(0, len(x), chunk):
+        raw = x[s:s + chunk]
+        xc = np.minimum(np.maximum(raw, p["lo"]), p["hi"])
+        z = (xc - p["mean"]) / p["std"]
+        zm, zf = z[:, :n_mono], z[:, n_mono:]
+        g1, g_out = p["gain"]
+        pre = dot(zm, w_m)
+        if zf.shape[1]:
+            pre = pre * np.exp(dot(zf, g1)) + dot(zf, w_f)
+        h = np.tanh(pre + b0)
+        for w, b in p["hidden"]:
+            h = np.tanh(dot(h, w) + b)
+        w_o, b_o = p["out"]
+        q = dot(h, w_o)[:, 0]
+        if zf.shape[1]:
+            q = q * np.exp(dot(zf, g_out)[:, 0])
+        q = q + b_o[0] + dot(zm, p["skip"])[:, 0]
+        out[s:s + chunk] = q + (raw[:, 0] - xc[:, 0]) * LN2
+    return out

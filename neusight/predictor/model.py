@@ -20,7 +20,7 @@ import torch
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
 from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, MODEL_FAMILIES, decompose,
-                                         feature_names)
+                                         feature_names, n_work_features)
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP
 from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp
 from neusight.tile_table import TileTable
@@ -28,7 +28,7 @@ from neusight.tiles import GEMM_FAMILIES
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: monotone utilization model (work / device features)
 TRAINING_GPUS = ("p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "a100-pcie-40gb")
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "predictor"
 FILES = ("weights.pt", "tile_table.pt", "manifest.json")
@@ -67,7 +67,7 @@ class Predictor:
         """
         devices = {k: load_device(k) for k in df["device"].unique()}
         self.table_ = TileTable.fit(df, devices)
-        design = self._design(df, devices, measured=True)
+        design = self._design(df, devices)
         self.models_: dict[str, UtilizationMLP] = {}
         self.fits_: dict[str, FitResult] = {}
         self.metrics_: dict[str, dict] = {}
@@ -88,9 +88,9 @@ class Predictor:
                 args = (d[feats].to_numpy(float), d["roofline_ms"].to_numpy(float), d["latency_ms"].to_numpy(float),
                         d["device"].to_numpy(), cfg)
                 if self.config.val_devices == ("logo",):
-                    res, logo = fit_mlp_logo(*args, progress=progress, desc=fam)
+                    res, logo = fit_mlp_logo(*args, progress=progress, desc=fam, n_mono=n_work_features(fam))
                 else:
-                    res, logo = fit_mlp(*args, val, progress=progress, desc=fam), {}
+                    res, logo = fit_mlp(*args, val, progress=progress, desc=fam, n_mono=n_work_features(fam)), {}
                 _save_partial(resume_dir, fam, feats, cfg, res, logo)
             else:
                 log.info("%s: resumed from %s", fam, resume_dir)
@@ -109,10 +109,10 @@ class Predictor:
         self.train_devices_ = tuple(sorted(devices))
         return self
 
-    def _design(self, df: pd.DataFrame, devices: Mapping[str, Device], measured: bool) -> pd.DataFrame:
+    def _design(self, df: pd.DataFrame, devices: Mapping[str, Device]) -> pd.DataFrame:
         parts = []
         for dev, d in df.groupby("device", sort=True):
-            dec = decompose(d, devices[dev], self.table_, use_measured_tiles=measured)
+            dec = decompose(d, devices[dev], self.table_)
             parts.append(pd.concat([d, dec.drop(columns=[c for c in dec.columns if c in d.columns])], axis=1))
         return pd.concat(parts).loc[df.index]
 
@@ -240,7 +240,7 @@ class Predictor:
                 raise CheckpointError(f"{path}: family {fam!r} was trained on features {spec.get('features')} "
                                       f"({len(spec.get('features') or [])}), this code computes {expected} "
                                       f"({len(expected)}); retrain with `neusight-train`")
-            model = UtilizationMLP(len(expected), tuple(spec["hidden"]), float(spec.get("config", {}).get("dropout", 0.0)))
+            model = UtilizationMLP(len(expected), tuple(spec["hidden"]), n_mono=n_work_features(fam))
             state = {k.split(".", 1)[1]: v for k, v in weights.items() if k.split(".", 1)[0] == fam}
             try:
                 model.load_state_dict(state)
@@ -296,7 +296,7 @@ def _load_partial(resume_dir: str | os.PathLike | None, fam: str, feats: list[st
         return None, {}
     try:
         blob = torch.load(f, weights_only=True)
-        model = UtilizationMLP(len(feats), cfg.hidden, cfg.dropout, cfg.init_overhead_ms)
+        model = UtilizationMLP(len(feats), cfg.hidden, cfg.dropout, cfg.init_overhead_ms, n_mono=n_work_features(fam))
         model.load_state_dict(blob["state"])
         logo = dict(zip(blob["logo_devices"], (float(v) for v in blob["logo_mape"])))
     except Exception:  # a half-written or stale partial: train this family again

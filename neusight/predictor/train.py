@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from neusight.predictor.mlp import MLPConfig, UtilizationMLP
+from neusight.predictor.mlp import MLPConfig, UtilizationMLP, log_excess_rowwise
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,11 @@ def mape(pred: np.ndarray, y: np.ndarray) -> float:
 
 
 def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
-            val_groups: tuple[str, ...] = (), progress: bool = False, desc: str = "", refit_all: bool = True) -> FitResult:
-    """Fit one family's MLP. Rows of ``val_groups`` (whole GPUs) are held out for early stopping; with
-    ``refit_all`` the model is then refitted on all rows for the chosen number of epochs."""
+            val_groups: tuple[str, ...] = (), progress: bool = False, desc: str = "", refit_all: bool = True,
+            n_mono: int | None = None) -> FitResult:
+    """Fit one family's MLP (the first ``n_mono`` columns of ``x`` are work features, the first of them
+    log2 roofline). Rows of ``val_groups`` (whole GPUs) are held out for early stopping; with ``refit_all``
+    the model is then refitted on all rows for the chosen number of epochs."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     val = np.isin(groups, list(val_groups))
@@ -44,11 +46,12 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     X = torch.as_tensor(x, dtype=torch.float32)
     R = torch.as_tensor(np.asarray(roofline_ms, dtype=np.float32))
     Y = torch.as_tensor(np.asarray(y_ms, dtype=np.float32))
-    model = UtilizationMLP(x.shape[1], cfg.hidden, cfg.dropout, cfg.init_overhead_ms)
+    model = UtilizationMLP(x.shape[1], cfg.hidden, cfg.dropout, cfg.init_overhead_ms, n_mono=n_mono)
     model.mean.copy_(X[tr].mean(0))
     model.std.copy_(X[tr].std(0).clamp_min(1e-3))
     model.lo.copy_(X[tr].min(0).values)
     model.hi.copy_(X[tr].max(0).values)
+    model.init_output(float(model.std[0]), float(model.mean[0]))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs)
     idx_tr = torch.as_tensor(np.flatnonzero(tr))
@@ -93,7 +96,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
         # Early stopping chose the epoch count on held-out GPUs; refit on every GPU for that many epochs,
         # so the validation GPUs' measurements are not lost to the final model.
         full = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best_epoch + 1, patience=cfg.epochs + 1), (),
-                       progress=progress, desc=desc, refit_all=False)
+                       progress=progress, desc=desc, refit_all=False, n_mono=n_mono)
         return FitResult(full.model, history + full.history, best_epoch, tuple(val_groups))
     return FitResult(model, history, best_epoch, tuple(val_groups))
 
@@ -113,35 +116,14 @@ def predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -
 
 
 def _predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    u = utilization_rowwise(model, np.asarray(x, dtype=np.float64))
-    overhead = float(model.overhead_ms.detach())
-    return np.asarray(roofline_ms, dtype=np.float64) / u + overhead, u
-
-
-def utilization_rowwise(model: UtilizationMLP, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
-    """The MLP's utilization in float64 with every row computed on its own: each dot product is a
-    broadcast multiply and a sum along one axis, so a row's result depends on nothing but that row (a BLAS
-    matrix product blocks rows together and can change the last bits with the batch). This is what makes
-    a prediction the same bit for bit whatever else is predicted with it, in any order."""
-    from scipy.special import erf
-
-    state = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
-    lo, hi, mean, std = state["lo"], state["hi"], state["mean"], state["std"]
-    layers = [(state[f"net.{i}.weight"].T.copy(), state[f"net.{i}.bias"])
-              for i, m in enumerate(model.net) if isinstance(m, torch.nn.Linear)]
-    out = np.empty(len(x))
-    for s in range(0, len(x), chunk):
-        h = (np.minimum(np.maximum(x[s:s + chunk], lo), hi) - mean) / std
-        for j, (w, b) in enumerate(layers):
-            h = (h[:, :, None] * w[None, :, :]).sum(axis=1) + b
-            if j < len(layers) - 1:
-                h = 0.5 * h * (1.0 + erf(h / np.sqrt(2.0)))   # exact GELU, as nn.GELU()
-        out[s:s + chunk] = 1.0 / (1.0 + np.exp(-h[:, 0]))
-    return np.maximum(out, 1e-4)
+    p = model.numpy_params()
+    roof = np.asarray(roofline_ms, dtype=np.float64)
+    excess = np.exp(log_excess_rowwise(p, np.asarray(x, dtype=np.float64)))
+    return roof + excess + p["overhead"], roof / (roof + excess)
 
 
 def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
-                 progress: bool = False, desc: str = "") -> tuple[FitResult, dict[str, float]]:
+                 progress: bool = False, desc: str = "", n_mono: int | None = None) -> tuple[FitResult, dict[str, float]]:
     """Leave-one-GPU-out early stopping, then a refit on every GPU.
 
     For each GPU (scikit-learn's ``LeaveOneGroupOut``), train on the others and record the held-out MAPE
@@ -152,19 +134,19 @@ def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, group
 
     uniq = np.unique(groups)
     if len(uniq) < 2:
-        res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc)
+        res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc, n_mono=n_mono)
         return res, {}
     curves: dict[str, list[float]] = {}
     for _, held in LeaveOneGroupOut().split(x, y_ms, groups):
         g = str(groups[held[0]])
         res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (g,), progress=progress, desc=f"{desc} [-{g}]",
-                      refit_all=False)
+                      refit_all=False, n_mono=n_mono)
         c = [h["val_mape"] for h in res.history]
         curves[g] = c + [c[-1]] * (cfg.epochs - len(c))
     mean = np.mean(np.array(list(curves.values())), axis=0)
     best = int(np.argmin(mean))
     final = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best + 1, patience=cfg.epochs + 1), (),
-                    progress=progress, desc=desc)
+                    progress=progress, desc=desc, n_mono=n_mono)
     final.best_epoch = best
     final.val_groups = tuple(curves)
     return final, {g: round(float(c[best]), 2) for g, c in curves.items()}
