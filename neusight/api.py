@@ -124,6 +124,14 @@ class Prediction:
         atomic_write_text(path, k.to_csv(index=False))
 
 
+def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms: np.ndarray, scale: float) -> np.ndarray:
+    """A kernel's cost inside a model: max(roofline + scale x excess, launch overhead), where the excess is
+    what its isolated prediction spends beyond roofline and overhead. Non-decreasing in the isolated
+    prediction, and never below the roofline."""
+    excess = np.maximum(isolated_ms - overhead_ms - roofline_ms, 0.0)
+    return np.maximum(roofline_ms + scale * excess, overhead_ms)
+
+
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
                   calibrated: bool = True) -> Prediction:
     """Predict an already traced graph on ``device``.
@@ -140,12 +148,12 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     # NB: kernels were measured one at a time, paying the launch overhead on top of their work. In a model
     # the launches are queued asynchronously and overlap the previous kernel, so a kernel costs its work or
     # the launch floor, whichever is larger (measured on the training GPUs' labels: docs/evaluation.md).
-    # The kernels were also measured faster inside whole models than one by one (a steady clock, warm
+    # Inside whole models kernels also waste less of their bound than one by one (a steady clock, warm
     # caches, no timing events between them): ``e2e_scale``, one number fitted by neusight-train on the
-    # training GPUs' end-to-end labels, scales the work part; it never goes below the roofline.
+    # training GPUs' end-to-end labels, scales the excess over the roofline, never the roofline itself.
     kernels["isolated_ms"] = kernels["latency_ms"]
-    work = np.maximum(scale * (kernels["latency_ms"] - kernels["overhead_ms"]), kernels["roofline_ms"])
-    kernels["latency_ms"] = np.maximum(work, kernels["overhead_ms"])
+    kernels["latency_ms"] = e2e_kernel_ms(kernels["roofline_ms"].to_numpy(float), kernels["isolated_ms"].to_numpy(float),
+                                          kernels["overhead_ms"].to_numpy(float), scale)
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,

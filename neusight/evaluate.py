@@ -104,27 +104,40 @@ def evaluate_labels(runs: list[LabelRun], predictor=None) -> pd.DataFrame:
 
 
 def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
-    """The end-to-end scale: geometric mean of measured / predicted over ``runs`` (uncalibrated), plus the
+    """The end-to-end scale: the factor on every kernel's excess over its roofline (see
+    ``neusight.api.e2e_kernel_ms``) that makes the mean log(measured / predicted) over ``runs`` zero, plus the
     leave-one-GPU-out check (scale fitted without a GPU, mean abs % error on it, before and after)."""
     import numpy as np
 
-    cache: dict = {}
-    rows = []
+    from neusight.api import e2e_kernel_ms, predict_graph
+    from neusight.graph.tracer import trace
+
+    parts = []
     for r in runs:
-        res = predict_label(r, predictor, cache, calibrated=False)
-        rows.append((r.device, np.log(r.measured_ms / res["predicted_ms"])))
-    if not rows:
+        g = trace(r.config, r.batch_size, r.seq_len, r.mode, head=r.head, optimizer=None)
+        k = predict_graph(g, r.device, predictor, calibrated=False).kernels
+        k = k[k["phase"].isin(["forward", "backward"])]
+        parts.append((r.device, r.measured_ms, *(k[c].to_numpy(float) for c in ("roofline_ms", "isolated_ms", "overhead_ms"))))
+    if not parts:
         raise DataError("no label runs to fit the end-to-end scale on; check the labels path and the training GPUs")
-    devs = np.array([str(d) for d, _ in rows])
-    logs = np.array([v for _, v in rows])
-    scale = float(np.exp(logs.mean()))
+
+    def log_ratios(scale: float, sel) -> np.ndarray:
+        return np.array([np.log(m / e2e_kernel_ms(roof, iso, over, scale).sum()) for _, m, roof, iso, over in sel])
+
+    def solve(sel) -> float:
+        lo, hi = 0.05, 20.0                          # mean log ratio falls as the scale grows: bisect
+        for _ in range(60):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if log_ratios(mid, sel).mean() > 0 else (lo, mid)
+        return float((lo * hi) ** 0.5)
+
+    scale = solve(parts)
+    devs = sorted({p[0] for p in parts})
     logo = {}
-    for d in sorted(set(devs)):
-        if len(set(devs)) < 2:
-            break
-        s = np.exp(logs[devs != d].mean())
-        held = logs[devs == d]
-        logo[str(d)] = {"scale": round(float(s), 4),
-                   "mean_abs_err_before": round(float(np.mean(np.abs(np.exp(-held) - 1)) * 100), 2),
-                   "mean_abs_err_after": round(float(np.mean(np.abs(np.exp(-held) * s - 1)) * 100), 2)}
-    return {"scale": round(scale, 4), "runs": len(rows), "devices": sorted(set(devs.tolist())), "leave_one_gpu_out": logo}
+    for d in devs if len(devs) > 1 else []:
+        s = solve([p for p in parts if p[0] != d])
+        held = [p for p in parts if p[0] == d]
+        logo[str(d)] = {"scale": round(s, 4),
+                        "mean_abs_err_before": round(float(np.mean(np.abs(np.exp(-log_ratios(1.0, held)) - 1)) * 100), 2),
+                        "mean_abs_err_after": round(float(np.mean(np.abs(np.exp(-log_ratios(s, held)) - 1)) * 100), 2)}
+    return {"scale": round(scale, 4), "runs": len(parts), "devices": devs, "leave_one_gpu_out": logo}

@@ -200,3 +200,17 @@ def test_deterministic_in_process_and_in_a_fresh_process():
     assert a == b
     r = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=300, check=True)
     assert json.loads(r.stdout.strip().splitlines()[-1]) == a
+
+
+def test_kernel_cost_in_a_model_keeps_the_roofline_and_the_launch_floor():
+    from neusight.api import e2e_kernel_ms
+
+    rng = np.random.default_rng(0)
+    roof = rng.uniform(0, 1, 500)
+    over = rng.uniform(0.005, 0.03, 500)
+    iso = roof + over + rng.uniform(0, 1, 500)              # an isolated prediction: roofline + overhead + excess
+    for scale in (0.3, 1.0, 2.0):
+        cost = e2e_kernel_ms(roof, iso, over, scale)
+        assert (cost >= roof).all() and (cost >= over).all()
+        assert (e2e_kernel_ms(roof, iso * 1.5, over, scale) >= cost).all()     # more isolated time, no cheaper
+    np.testing.assert_allclose(e2e_kernel_ms(roof, iso, over, 1.0), np.maximum(iso - over, over))

@@ -46,7 +46,8 @@ DATASETS = REPO.parent / "shared" / "datasets"
 @dataclass
 class LabelsConfig:
     dataset: str = str(DATASETS / "neusight-asplos25")   # the folder holding labels/ and models/
-    gpus: Optional[list[str]] = None       # device keys or label folder names; null = every NVIDIA GPU
+    gpus: Optional[list[str]] = None       # device keys or label folder names; null = every GPU of vendors
+    vendors: list[str] = field(default_factory=lambda: ["nvidia"])   # add "amd" for the MI100 / MI210 runs
     models: Optional[list[str]] = None     # label model names (gpt2_large, bert_large, ...); null = all
     modes: Optional[list[str]] = None      # inference / training; null = both
     max_runs: Optional[int] = None         # the first n runs after filtering (smoke tests)
@@ -106,7 +107,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     t0 = time.perf_counter()
     pred = load_predictor(cfg.checkpoint)
     trained_on = tuple(pred.train_devices_)
-    runs = ev.select_labels(find_labels(cfg.labels.dataset), gpus=cfg.labels.gpus, models=cfg.labels.models,
+    runs = ev.select_labels(find_labels(cfg.labels.dataset, vendors=tuple(cfg.labels.vendors)), gpus=cfg.labels.gpus, models=cfg.labels.models,
                             modes=cfg.labels.modes, max_runs=cfg.labels.max_runs)
     labels = ev.label_frame(evaluate_labels(runs, pred))
     t_labels = time.perf_counter() - t0
