@@ -185,6 +185,27 @@ def test_utilization_model_is_monotone_in_work_features_for_any_weights(seed, n_
         np.testing.assert_allclose(model.double().log_excess(x).numpy(), lo, rtol=1e-9, atol=1e-9)
 
 
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@given(st.integers(0, 2**31 - 1))
+def test_unseen_device_feature_combinations_stay_bounded(seed):
+    """Device features enter through bounded gains, so no combination of them (each clamped to the training
+    range, but jointly never seen, like a held-out GPU) can blow the excess up: |log excess| is bounded by
+    the weights, whatever the device features are."""
+    gen = torch.Generator().manual_seed(seed)
+    model = UtilizationMLP(6, (16, 8), n_mono=4)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=gen) * 5)
+        model.lo.copy_(torch.full((6,), -1.0))
+        model.hi.copy_(torch.full((6,), 1.0))
+    p = model.numpy_params()
+    x = np.zeros((200, 6))
+    x[:, 4:] = torch.randn(200, 2, generator=gen, dtype=torch.float64).numpy() * 1e6   # wild device features
+    q = log_excess_rowwise(p, x)
+    bound = 4 * p["out"][0].sum() + abs(p["out"][1][0]) + p["skip"].sum() * 1.0
+    assert np.isfinite(q).all() and (np.abs(q) <= bound + 1e-9).all()
+
+
 @settings(max_examples=30, deadline=None, derandomize=True, database=None)
 @given(st.tuples(st.integers(1, 64), dim, dim, dim), st.sampled_from(("B", "M", "N", "K")),
        st.sampled_from(("t4", "a100-pcie-40gb", "l4", "mi250")))

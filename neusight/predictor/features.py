@@ -1,9 +1,9 @@
 """Kernel -> tiles, waves, roofline and MLP features, for training rows and traced kernels alike.
 
 The feature lists are defined once here; a model's ``in_features`` is derived from them. Features
-describe the kernel relative to the device (waves, tile intensity over the device's ridge point, working
-set over L2, power per unit of peak), never the absolute speed of a device, so a GPU outside the
-training set is described in the same terms as the ones inside it.
+describe the kernel relative to the device (waves, intensity over the device's ridge point, working set
+over L2) plus two device descriptors (compute capability, board power), never the absolute speed of a
+device, so a GPU outside the training set is described in the same terms as the ones inside it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tile
 # training set is described in the same terms as the ones inside it. GEMM efficiency differs by architecture
 # generation and by power headroom (70 W cards throttle their clocks under SGEMM): two device descriptors,
 # clamped to the training range like every feature. Chosen by leave-one-GPU-out error over the five training
-# GPUs (docs/training.md): board power beat power per peak TFLOP/s (linear 22.0 vs 24.7 % mean held-out MAPE,
-# bmm 15.8 vs 18.4 %); the conv model (four GPUs of data) and row-wise kernels do better without them
-# (conv: 34.6 % mean held-out MAPE without, 59.0 % with).
+# GPUs (``python scripts/bench_features.py``, docs/features.md): board power rather than power per peak
+# TFLOP/s, and no device descriptors for the conv model (four GPUs of data) and the row-wise kernels.
 GEMM_WORK = ("log2_roofline", "log2_batch", "log2_m", "log2_reduction", "log2_k", "log2_waves_ref",
              "log2_intensity_ratio", "log2_bytes_over_l2")
 GEMM_DEVICE = ("compute_capability", "log2_tdp", "log2_algo_speedup")

@@ -46,6 +46,17 @@ class MLPConfig:
     extra: dict = field(default_factory=dict)
 
 
+GAIN_LOG2_RANGE = 2.0   # device gains lie in [2^-2, 2^2]
+
+
+def _gain(z: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(GAIN_LOG2_RANGE * torch.tanh(z))
+
+
+def _gain_np(z: np.ndarray) -> np.ndarray:
+    return np.exp2(GAIN_LOG2_RANGE * np.tanh(z))
+
+
 def _inv_softplus(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 
@@ -68,8 +79,10 @@ class UtilizationMLP(nn.Module):
         # raw parameters; constrained weights are softplus(raw) >= 0
         self.w_mono = nn.Parameter(torch.empty(n_mono, widths[1]))
         self.w_free = nn.Parameter(torch.empty(in_features - n_mono, widths[1]))
-        # device-dependent positive gains of the first layer's and the output's monotone parts (exp of a
-        # linear map of the device features): how strongly a GPU's efficiency responds to the work
+        # device-dependent positive gains of the first layer's and the output's monotone parts: how strongly a
+        # GPU's efficiency responds to the work. Bounded to [1/4, 4] (4 ** tanh of a linear map of the device
+        # features): an unbounded gain let a GPU with a device-feature combination not seen in training (T4
+        # held out of the bmm fit) reach exp(huge) excess.
         self.w_gain = nn.Parameter(torch.zeros(in_features - n_mono, widths[1]))
         self.w_out_gain = nn.Parameter(torch.zeros(in_features - n_mono))
         self.b = nn.ParameterList([nn.Parameter(torch.zeros(w)) for w in self.hidden])
@@ -109,10 +122,10 @@ class UtilizationMLP(nn.Module):
         xc = torch.maximum(torch.minimum(x, self.hi), self.lo)
         z = (xc - self.mean) / self.std
         zm, zf = z[:, :self.n_mono], z[:, self.n_mono:]
-        h = torch.tanh((zm @ softplus(self.w_mono)) * torch.exp(zf @ self.w_gain) + zf @ self.w_free + self.b[0])
+        h = torch.tanh((zm @ softplus(self.w_mono)) * _gain(zf @ self.w_gain) + zf @ self.w_free + self.b[0])
         for w, b in zip(self.w_hidden, list(self.b)[1:]):
             h = torch.tanh(h @ softplus(w) + b)
-        q = (h @ softplus(self.w_out)) * torch.exp(zf @ self.w_out_gain) + self.b_out + zm @ softplus(self.w_skip)
+        q = (h @ softplus(self.w_out)) * _gain(zf @ self.w_out_gain) + self.b_out + zm @ softplus(self.w_skip)
         return q + (x[:, 0] - xc[:, 0]) * LN2          # beyond the roofline range: excess ∝ roofline
 
     def forward(self, x: torch.Tensor, roofline_ms: torch.Tensor) -> torch.Tensor:
@@ -156,14 +169,14 @@ def log_excess_rowwise(p: dict, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
         g1, g_out = p["gain"]
         pre = dot(zm, w_m)
         if zf.shape[1]:
-            pre = pre * np.exp(dot(zf, g1)) + dot(zf, w_f)
+            pre = pre * _gain_np(dot(zf, g1)) + dot(zf, w_f)
         h = np.tanh(pre + b0)
         for w, b in p["hidden"]:
             h = np.tanh(dot(h, w) + b)
         w_o, b_o = p["out"]
         q = dot(h, w_o)[:, 0]
         if zf.shape[1]:
-            q = q * np.exp(dot(zf, g_out)[:, 0])
+            q = q * _gain_np(dot(zf, g_out)[:, 0])
         q = q + b_o[0] + dot(zm, p["skip"])[:, 0]
         out[s:s + chunk] = q + (raw[:, 0] - xc[:, 0]) * LN2
     return out
