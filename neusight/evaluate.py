@@ -76,9 +76,12 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
     return runs
 
 
-def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None, *, calibrated: bool = True) -> dict:
-    """Predict one label run with its protocol; returns the run's fields + predicted ms and % error.
-    ``calibrated=False`` leaves out the predictor's end-to-end scale (used to fit it)."""
+TIMED_PHASES = ("forward", "backward")   # the labels time neither the loss nor an optimizer step
+
+
+def label_prediction(run: LabelRun, predictor=None, graph_cache: dict | None = None, *, calibrated: bool = True):
+    """The :class:`~neusight.api.Prediction` of one label run under its protocol (head per architecture and
+    mode, no optimizer); traces are shared through ``graph_cache`` (GPUs of the same config)."""
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
 
@@ -88,11 +91,17 @@ def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None
         g = trace(run.config, run.batch_size, run.seq_len, run.mode, head=run.head, optimizer=None)
         if graph_cache is not None:
             graph_cache[key] = g
-    p = predict_graph(g, run.device, predictor, calibrated=calibrated)
+    return predict_graph(g, run.device, predictor, calibrated=calibrated)
+
+
+def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None, *, calibrated: bool = True) -> dict:
+    """Predict one label run with its protocol; returns the run's fields + predicted ms and % error.
+    ``calibrated=False`` leaves out the predictor's end-to-end scale (used to fit it)."""
+    p = label_prediction(run, predictor, graph_cache, calibrated=calibrated)
     fw = p.phases.get("forward", 0.0)
     bw = p.phases.get("backward", 0.0)
     pred = fw + bw   # the loss computation is not timed in the labels
-    roof = float(p.kernels.loc[p.kernels["phase"].isin(["forward", "backward"]), "roofline_ms"].sum())
+    roof = float(p.kernels.loc[p.kernels["phase"].isin(TIMED_PHASES), "roofline_ms"].sum())
     return {**asdict(run), "predicted_ms": pred, "predicted_fw_ms": fw, "predicted_bw_ms": bw, "roofline_ms": roof,
             "error_pct": (pred - run.measured_ms) / run.measured_ms * 100,
             "roofline_error_pct": (roof - run.measured_ms) / run.measured_ms * 100}
@@ -109,14 +118,13 @@ def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
     leave-one-GPU-out check (scale fitted without a GPU, mean abs % error on it, before and after)."""
     import numpy as np
 
-    from neusight.api import e2e_kernel_ms, predict_graph
-    from neusight.graph.tracer import trace
+    from neusight.api import e2e_kernel_ms
 
     parts = []
+    cache: dict = {}
     for r in runs:
-        g = trace(r.config, r.batch_size, r.seq_len, r.mode, head=r.head, optimizer=None)
-        k = predict_graph(g, r.device, predictor, calibrated=False).kernels
-        k = k[k["phase"].isin(["forward", "backward"])]
+        k = label_prediction(r, predictor, cache, calibrated=False).kernels
+        k = k[k["phase"].isin(TIMED_PHASES)]
         parts.append((r.device, r.measured_ms, *(k[c].to_numpy(float) for c in ("roofline_ms", "isolated_ms", "overhead_ms"))))
     if not parts:
         raise DataError("no label runs to fit the end-to-end scale on; check the labels path and the training GPUs")

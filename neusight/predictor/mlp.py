@@ -7,7 +7,7 @@ latency = roofline / utilization + overhead, with utilization = roofline / (roof
 ``q`` is non-decreasing in every *work* feature (each of which is itself non-decreasing in every kernel
 dimension: log dims, log roofline, waves, working set, intensity) for any value of the *device* features
 (constant on a GPU). Non-negative weights on the work inputs and after the first layer, with increasing
-activations, make that hold by construction; the roofline is monotone too (see ``tiles.gemm_roofline``), so
+activations, make that hold by construction; the bound is monotone too (see ``neusight.tiles.gemm_tiles``), so
 adding work never lowers a prediction (DESIGN.md "Laws"), for any weights training ends with.
 Utilization still rises with size wherever ``q`` grows slower than log(roofline): small kernels waste most
 of their bound, big ones approach a plateau.
