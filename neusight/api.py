@@ -124,12 +124,13 @@ class Prediction:
         atomic_write_text(path, k.to_csv(index=False))
 
 
-def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms: np.ndarray, scale: float) -> np.ndarray:
-    """A kernel's cost inside a model: max(roofline + scale x excess, launch overhead), where the excess is
-    what its isolated prediction spends beyond roofline and overhead. Non-decreasing in the isolated
-    prediction, and never below the roofline."""
+def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms: np.ndarray, scale: float,
+                  floor: float = 1.0) -> np.ndarray:
+    """A kernel's cost inside a model: max(roofline + scale x excess, floor x launch overhead), where the
+    excess is what its isolated prediction spends beyond roofline and overhead. Non-decreasing in the
+    isolated prediction, and never below the roofline."""
     excess = np.maximum(isolated_ms - overhead_ms - roofline_ms, 0.0)
-    return np.maximum(roofline_ms + scale * excess, overhead_ms)
+    return np.maximum(roofline_ms + scale * excess, floor * overhead_ms)
 
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
@@ -141,19 +142,21 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     device = load_device(device)
     pred = load_predictor(predictor)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
+    floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = g.kernels.reset_index(drop=True)
     frame = pd.concat([k[["family", "kernel", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
     res = pred.predict(frame, device)
     kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
-    # NB: kernels were measured one at a time, paying the launch overhead on top of their work. In a model
-    # the launches are queued asynchronously and overlap the previous kernel, so a kernel costs its work or
-    # the launch floor, whichever is larger (measured on the training GPUs' labels: docs/evaluation.md).
-    # Inside whole models kernels also waste less of their bound than one by one (a steady clock, warm
-    # caches, no timing events between them): ``e2e_scale``, one number fitted by neusight-train on the
-    # training GPUs' end-to-end labels, scales the excess over the roofline, never the roofline itself.
+    # NB: kernels were measured one at a time, paying the launch overhead (and the timing events around it)
+    # on top of their work. In a model the launches are queued asynchronously and overlap the previous
+    # kernel, so a kernel costs its work or a launch floor, whichever is larger: ``e2e_floor`` x the
+    # isolated launch overhead. Inside whole models kernels also waste less of their bound than one by one
+    # (a steady clock, warm caches, no timing events between them): ``e2e_scale`` scales the excess over the
+    # roofline, never the roofline itself. Both are fitted by neusight-train on the training GPUs'
+    # end-to-end labels (neusight.evaluate.fit_e2e_scale).
     kernels["isolated_ms"] = kernels["latency_ms"]
     kernels["latency_ms"] = e2e_kernel_ms(kernels["roofline_ms"].to_numpy(float), kernels["isolated_ms"].to_numpy(float),
-                                          kernels["overhead_ms"].to_numpy(float), scale)
+                                          kernels["overhead_ms"].to_numpy(float), scale, floor)
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,

@@ -25,6 +25,9 @@ __all__ = ["Device", "device_dir", "list_devices", "load_device"]
 VENDORS = ("nvidia", "amd")
 ARCHITECTURES = ("maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell",
                  "cdna1", "cdna2", "cdna3")
+# DRAM technology as the spec sheet names it: stacked HBM (wide, slow interface beside the die) or GDDR
+# (narrow, fast, on the board); memory-bound kernels reach a different share of the datasheet bandwidth on each.
+MEMORY_TYPES = ("GDDR5", "GDDR5X", "GDDR6", "GDDR6X", "GDDR7", "HBM2", "HBM2e", "HBM3", "HBM3e")
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _EXAMPLE = "data/devices/h100-sxm5-80gb.yaml"
 
@@ -51,6 +54,7 @@ class Device:
     fp32_matrix_tflops: float  # FP32 on matrix units (AMD MFMA); NVIDIA: = fp32_tflops
     fp16_tensor_tflops: float  # FP16 tensor peak, FP32 accumulate; without tensor cores what FP16 really does
     memory_gib: float  # marketed memory
+    memory_type: str  # one of MEMORY_TYPES, e.g. "HBM2e", "GDDR6"
     mem_bandwidth_gbps: float  # DRAM bandwidth, GB/s
     l2_cache_mib: float
     shared_mem_per_sm_kib: float  # max configurable shared memory (AMD: LDS) per SM
@@ -69,6 +73,11 @@ class Device:
     def peak_fp32_flops(self) -> float:
         """Non-tensor FP32 peak in FLOP/s."""
         return self.fp32_tflops * 1e12
+
+    @property
+    def hbm(self) -> bool:
+        """Stacked high-bandwidth memory (HBM*) rather than GDDR."""
+        return self.memory_type.startswith("HBM")
 
     @property
     def mem_bandwidth_bytes_per_s(self) -> float:
@@ -133,7 +142,7 @@ _UNITS: dict[str, tuple[str, dict[str, float]]] = {  # suffix -> (the key's unit
 _QUANTITY = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(.*?)\s*$")
 _FIELDS = {f.name: f for f in dataclasses.fields(Device)}
 _TYPES = get_type_hints(Device)
-_CHOICES = {"vendor": VENDORS, "architecture": ARCHITECTURES}
+_CHOICES = {"vendor": VENDORS, "architecture": ARCHITECTURES, "memory_type": MEMORY_TYPES}
 
 
 def _units_of(field: str) -> tuple[str, dict[str, float]]:

@@ -247,6 +247,7 @@ def test_values_with_units_are_converted(tmp_path: Path):
     ({"aliases": "H100"}, ["aliases", "H100", "list"]),
     ({"vendor": "intel"}, ["vendor", "intel", "nvidia, amd"]),
     ({"architecture": "Hopper"}, ["architecture", "Hopper", "hopper"]),
+    ({"memory_type": "HBM4X"}, ["memory_type", "HBM4X", "HBM3e", "GDDR6"]),
     ({"mem_bandwith_gbps": 3350}, ["mem_bandwith_gbps", "3350", "did you mean 'mem_bandwidth_gbps'"]),
     ({"tf32_tensor_tflops": True}, ["tf32_tensor_tflops", "True", "expected a number"]),
 ])
@@ -331,3 +332,12 @@ def test_neusight_data_env_and_duplicate_aliases(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("NEUSIGHT_DATA", str(tmp_path / "empty"))
     with pytest.raises(DeviceError, match="NEUSIGHT_DATA"):
         load_device("h100")
+
+
+def test_memory_type_is_required_and_classified(tmp_path: Path):
+    spec = _valid_spec()
+    del spec["memory_type"]
+    with pytest.raises(DeviceError, match="missing required field 'memory_type'"):
+        load_device(_write(tmp_path, spec))
+    assert load_device("h100-sxm5-80gb").hbm and load_device("a100-pcie-40gb").hbm
+    assert not load_device("l4").hbm and not load_device("t4").hbm and not load_device("rtx-4090").hbm

@@ -210,7 +210,11 @@ def test_kernel_cost_in_a_model_keeps_the_roofline_and_the_launch_floor():
     over = rng.uniform(0.005, 0.03, 500)
     iso = roof + over + rng.uniform(0, 1, 500)              # an isolated prediction: roofline + overhead + excess
     for scale in (0.3, 1.0, 2.0):
-        cost = e2e_kernel_ms(roof, iso, over, scale)
-        assert (cost >= roof).all() and (cost >= over).all()
-        assert (e2e_kernel_ms(roof, iso * 1.5, over, scale) >= cost).all()     # more isolated time, no cheaper
+        for floor in (0.1, 0.5, 1.0):
+            cost = e2e_kernel_ms(roof, iso, over, scale, floor)
+            assert (cost >= roof).all() and (cost >= floor * over).all()
+            assert (e2e_kernel_ms(roof, iso * 1.5, over, scale, floor) >= cost).all()   # more isolated time, no cheaper
+            assert (e2e_kernel_ms(roof, iso, over, scale, min(floor * 2, 1.0)) >= cost).all()  # higher floor, no cheaper
     np.testing.assert_allclose(e2e_kernel_ms(roof, iso, over, 1.0), np.maximum(iso - over, over))
+    tiny = e2e_kernel_ms(np.array([1e-6]), np.array([0.02]), np.array([0.02]), 0.6, 0.3)
+    np.testing.assert_allclose(tiny, [0.006])          # a launch-bound kernel costs the floor, not its isolated time

@@ -370,6 +370,13 @@ def test_checkpoint_wrong_feature_count(ckpt):
         Predictor.load(ckpt)
 
 
+@pytest.mark.parametrize("field, value", [("e2e_scale", 0.0), ("e2e_scale", 40.0), ("e2e_floor", -0.1), ("e2e_floor", 3.0)])
+def test_checkpoint_implausible_calibration(ckpt, field, value):
+    _edit_manifest(ckpt, lambda m: m.update({field: value}))
+    with pytest.raises(CheckpointError, match=f"{field}={value}"):
+        Predictor.load(ckpt)
+
+
 def test_checkpoint_unknown_family(ckpt):
     _edit_manifest(ckpt, lambda m: m["families"].update(matmul=m["families"].pop("bmm")))
     with pytest.raises(CheckpointError, match="'matmul'"):

@@ -86,9 +86,10 @@ def _predictor_line(checkpoint: str | None, trained_on: tuple[str, ...]) -> str:
             extra += f", made by `{m['command']}`"
         if m.get("e2e_scale") is not None:
             # NB: fitted on the end-to-end labels of the training GPUs, so their rows below are in-sample for
-            # this one number; the unseen GPUs' rows are not.
-            extra += (f"; plus one end-to-end scale ({float(m['e2e_scale']):.4g}) fitted on the training GPUs' labels "
-                      "(their rows below are in-sample for it)")
+            # these two numbers; the unseen GPUs' rows are not.
+            extra += (f"; plus an end-to-end scale on the excess over the roofline ({float(m['e2e_scale']):.4g}) and "
+                      f"a launch floor ({float(m.get('e2e_floor', 1.0)):.2g} x the isolated launch overhead), fitted "
+                      "on the training GPUs' labels (their rows below are in-sample for them)")
     return f"Predictor: {where}{extra}; trained on kernel sweeps of {', '.join(trained_on) or '(not stated)'}."
 
 

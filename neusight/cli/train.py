@@ -88,9 +88,10 @@ def _app(cfg: TrainConfig) -> float:
 
         runs = [r for r in find_labels(cfg.calibrate.dataset) if r.device in set(df["device"])]
         calibration = fit_e2e_scale(runs, pred)
-        pred.e2e_scale_ = calibration["scale"]
-        log.info("end-to-end scale %.4f from %d label runs of %s; leave-one-GPU-out: %s", calibration["scale"],
-                 calibration["runs"], calibration["devices"], calibration["leave_one_gpu_out"])
+        pred.e2e_scale_, pred.e2e_floor_ = calibration["scale"], calibration["floor"]
+        log.info("end-to-end scale %.4f, launch floor %.2f x overhead, from %d label runs of %s; leave-one-GPU-out: %s",
+                 calibration["scale"], calibration["floor"], calibration["runs"], calibration["devices"],
+                 calibration["leave_one_gpu_out"])
     command = "neusight-train " + " ".join(sys.argv[1:])
     pred.save(cfg.out, manifest_extra={
         "command": command.strip(), "data": {"traces": traces, "devices": list(cfg.data.devices), "rows": int(len(df)),

@@ -192,6 +192,7 @@ class Predictor:
                 "seed": self.config.seed,
                 "metrics": self.metrics_,
                 "e2e_scale": float(getattr(self, "e2e_scale_", 1.0)),
+                "e2e_floor": float(getattr(self, "e2e_floor_", 1.0)),
                 "torch_version": torch.__version__,
                 **(manifest_extra or {}),
             }
@@ -258,6 +259,10 @@ class Predictor:
         if not 0.2 < pred.e2e_scale_ < 5:
             raise CheckpointError(f"{path}/manifest.json: e2e_scale={pred.e2e_scale_} is not a plausible factor (0.2-5); "
                                   f"regenerate the checkpoint with `neusight-train`")
+        pred.e2e_floor_ = float(manifest.get("e2e_floor", 1.0))
+        if not 0.0 <= pred.e2e_floor_ <= 1.0:
+            raise CheckpointError(f"{path}/manifest.json: e2e_floor={pred.e2e_floor_} is not a fraction of the launch "
+                                  f"overhead (0-1); regenerate the checkpoint with `neusight-train`")
         return pred
 
 
