@@ -206,6 +206,34 @@ def test_unseen_device_feature_combinations_stay_bounded(seed):
     assert np.isfinite(q).all() and (np.abs(q) <= bound + 1e-9).all()
 
 
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@given(st.integers(0, 2**31 - 1))
+def test_unseen_device_combination_stays_within_the_training_gpus_envelope(seed):
+    """Two training GPUs at device features (-1, -1) and (1, 1); a GPU at (-1, 1) has each feature inside the
+    training range but a combination never seen. Its log excess lies between the lowest and highest the model
+    gives the same kernels with the training GPUs' device features; the training GPUs' own predictions are
+    untouched by the envelope; the float64 row-wise forward agrees with the torch one."""
+    gen = torch.Generator().manual_seed(seed)
+    model = UtilizationMLP(6, (16, 8), n_mono=4)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=gen) * 3)
+    work = torch.randn(50, 4, generator=gen, dtype=torch.float64)
+    gpus = [torch.tensor([-1.0, -1.0], dtype=torch.float64), torch.tensor([1.0, 1.0], dtype=torch.float64)]
+    model = model.double().eval()
+    with_dev = lambda g: torch.cat([work, g.expand(50, 2)], 1)   # noqa: E731
+    train = torch.cat([with_dev(g) for g in gpus])
+    before = model.log_excess(train).detach()
+    model.fit_device_range(train)
+    assert int(model.n_device_rows) == 2
+    torch.testing.assert_close(model.log_excess(train).detach(), before)
+    members = torch.stack([model.log_excess(with_dev(g)).detach() for g in gpus])
+    q = model.log_excess(with_dev(torch.tensor([-1.0, 1.0], dtype=torch.float64))).detach()
+    assert (q >= members.min(0).values - 1e-12).all() and (q <= members.max(0).values + 1e-12).all()
+    rowwise = log_excess_rowwise(model.numpy_params(), with_dev(torch.tensor([-1.0, 1.0], dtype=torch.float64)).numpy())
+    np.testing.assert_allclose(rowwise, q.numpy(), rtol=1e-9, atol=1e-9)
+
+
 @settings(max_examples=30, deadline=None, derandomize=True, database=None)
 @given(st.tuples(st.integers(1, 64), dim, dim, dim), st.sampled_from(("B", "M", "N", "K")),
        st.sampled_from(("t4", "a100-pcie-40gb", "l4", "mi250")))

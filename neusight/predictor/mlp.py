@@ -47,6 +47,7 @@ class MLPConfig:
 
 
 GAIN_LOG2_RANGE = 2.0   # device gains lie in [2^-2, 2^2]
+MAX_DEVICE_ROWS = 64    # training device-feature vectors kept for the envelope (more: no envelope)
 
 
 def _gain(z: torch.Tensor) -> torch.Tensor:
@@ -96,6 +97,13 @@ class UtilizationMLP(nn.Module):
         self.register_buffer("std", torch.ones(in_features))
         self.register_buffer("lo", torch.full((in_features,), -torch.inf))
         self.register_buffer("hi", torch.full((in_features,), torch.inf))
+        # Envelope: at prediction, log excess is kept between the lowest and highest the model gives the same
+        # kernel with each training device-feature vector (set by ``fit_device_range``). Each feature inside
+        # its training range does not make a combination familiar: T4 held out of the bmm fit (cc 7.5 with a
+        # 70 W board) otherwise got a 250x excess. Min, max and clamp of monotone functions are monotone, so
+        # the law holds; a training GPU's own prediction is one of the envelope's members, so it is unchanged.
+        self.register_buffer("device_rows", torch.zeros(MAX_DEVICE_ROWS, in_features - n_mono))
+        self.register_buffer("n_device_rows", torch.zeros((), dtype=torch.long))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -113,12 +121,31 @@ class UtilizationMLP(nn.Module):
             self.w_skip[0] = _inv_softplus(torch.tensor(max(roof_std_log2 * LN2, 1e-3)))
             self.b_out.fill_(roof_mean_log2 * LN2)
 
+    @torch.no_grad()
+    def fit_device_range(self, x: torch.Tensor) -> None:
+        """Keep the distinct device-feature vectors of training rows ``x`` (raw features) for the envelope;
+        none (no envelope) when there are more than MAX_DEVICE_ROWS of them. Called by the training loop."""
+        rows = torch.unique(x[:, self.n_mono:], dim=0)
+        n = len(rows) if 0 < len(rows) <= MAX_DEVICE_ROWS and self.in_features > self.n_mono else 0
+        self.device_rows.zero_()
+        self.device_rows[:n] = rows[:n]
+        self.n_device_rows.fill_(n)
+
     @property
     def overhead_ms(self) -> torch.Tensor:
         return softplus(self.raw_overhead)
 
     def log_excess(self, x: torch.Tensor) -> torch.Tensor:
         """(n, in_features) raw features -> (n,) natural log of the excess over the roofline, in ms."""
+        q = self._log_excess(x)
+        n = int(self.n_device_rows)
+        if self.training or n == 0:
+            return q
+        alts = torch.stack([self._log_excess(torch.cat([x[:, :self.n_mono], r.to(x.dtype).expand(len(x), -1)], 1))
+                            for r in self.device_rows[:n]])
+        return torch.minimum(torch.maximum(q, alts.min(0).values), alts.max(0).values)
+
+    def _log_excess(self, x: torch.Tensor) -> torch.Tensor:
         xc = torch.maximum(torch.minimum(x, self.hi), self.lo)
         z = (xc - self.mean) / self.std
         zm, zf = z[:, :self.n_mono], z[:, self.n_mono:]
@@ -139,6 +166,7 @@ class UtilizationMLP(nn.Module):
             return {"lo": d(self.lo), "hi": d(self.hi), "mean": d(self.mean), "std": d(self.std), "n_mono": self.n_mono,
                     "first": (d(softplus(self.w_mono.double())), d(self.w_free), d(self.b[0])),
                     "gain": (d(self.w_gain), d(self.w_out_gain)),
+                    "device_rows": d(self.device_rows[:int(self.n_device_rows)]),
                     "hidden": [(d(softplus(w.double())), d(b)) for w, b in zip(self.w_hidden, list(self.b)[1:])],
                     "out": (d(softplus(self.w_out.double())), d(self.b_out)),
                     "skip": d(softplus(self.w_skip.double())),
@@ -146,6 +174,20 @@ class UtilizationMLP(nn.Module):
 
 
 def log_excess_rowwise(p: dict, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """``UtilizationMLP.log_excess`` (eval mode, with the envelope) in float64, row by row; see
+    ``_log_excess_rowwise``."""
+    x = np.asarray(x, dtype=np.float64)
+    q = _log_excess_rowwise(p, x, chunk)
+    rows = p.get("device_rows")
+    if rows is None or len(rows) == 0:
+        return q
+    n_mono = p["n_mono"]
+    alts = np.stack([_log_excess_rowwise(p, np.concatenate([x[:, :n_mono], np.broadcast_to(r, (len(x), len(r)))], 1), chunk)
+                     for r in rows])
+    return np.minimum(np.maximum(q, alts.min(0)), alts.max(0))
+
+
+def _log_excess_rowwise(p: dict, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
     """``UtilizationMLP.log_excess`` in float64 with every row computed on its own: each dot product is
     accumulated term by term in a fixed order with elementwise operations, so a row's result depends on
     nothing but that row (a BLAS matrix product blocks rows together, and numpy's reductions pick their

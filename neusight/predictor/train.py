@@ -76,6 +76,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
             total += float(loss.detach()) * len(b)
         sched.step()
         model.eval()
+        model.fit_device_range(X[idx_tr])
         with torch.no_grad():
             check = idx_val if len(idx_val) else idx_tr
             pred = model(X[check], R[check]).numpy()
@@ -92,6 +93,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     if best_state is not None:
         model.load_state_dict(best_state)
     model.eval()
+    model.fit_device_range(X[idx_tr])
     if refit_all and len(idx_val):
         # Early stopping chose the epoch count on held-out GPUs; refit on every GPU for that many epochs,
         # so the validation GPUs' measurements are not lost to the final model.
