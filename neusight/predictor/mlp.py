@@ -124,7 +124,8 @@ class UtilizationMLP(nn.Module):
     @torch.no_grad()
     def fit_device_range(self, x: torch.Tensor) -> None:
         """Keep the distinct device-feature vectors of training rows ``x`` (raw features) for the envelope;
-        none (no envelope) when there are more than MAX_DEVICE_ROWS of them. Called by the training loop."""
+        none (no envelope) when there are more than MAX_DEVICE_ROWS of them. They are inputs, not weights: the
+        training loop sets them once per fit."""
         rows = torch.unique(x[:, self.n_mono:], dim=0)
         n = len(rows) if 0 < len(rows) <= MAX_DEVICE_ROWS and self.in_features > self.n_mono else 0
         self.device_rows.zero_()

@@ -28,7 +28,7 @@ from neusight.tiles import GEMM_FAMILIES
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3   # 2: monotone utilization model (work / device features); 3: device terms kept in their training range
+FORMAT_VERSION = 3   # 2: monotone utilization model (work / device features); 3: envelope over the training GPUs' device vectors
 TRAINING_GPUS = ("p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "a100-pcie-40gb")
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "predictor"
 FILES = ("weights.pt", "tile_table.pt", "manifest.json")

@@ -56,6 +56,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs)
     idx_tr = torch.as_tensor(np.flatnonzero(tr))
     idx_val = torch.as_tensor(np.flatnonzero(val))
+    model.fit_device_range(X[idx_tr])   # the envelope's device vectors: inputs, fixed for the whole fit
     best, best_state, best_epoch, bad = float("inf"), None, 0, 0
     history: list[dict] = []
     epochs = range(cfg.epochs)
@@ -76,7 +77,6 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
             total += float(loss.detach()) * len(b)
         sched.step()
         model.eval()
-        model.fit_device_range(X[idx_tr])
         with torch.no_grad():
             check = idx_val if len(idx_val) else idx_tr
             pred = model(X[check], R[check]).numpy()
@@ -93,7 +93,6 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     if best_state is not None:
         model.load_state_dict(best_state)
     model.eval()
-    model.fit_device_range(X[idx_tr])
     if refit_all and len(idx_val):
         # Early stopping chose the epoch count on held-out GPUs; refit on every GPU for that many epochs,
         # so the validation GPUs' measurements are not lost to the final model.
