@@ -1,0 +1,219 @@
+"""Benchmark: kernel predictions against the per-operator timings of real models. Writes docs/ops.md.
+
+    python scripts/bench_ops.py                  # NVIDIA and AMD label runs (~1 min on 2 cores)
+    python scripts/bench_ops.py --out /tmp/ops.md
+
+Next to each end-to-end label JSON, the dataset keeps a CSV with one row per node of the model's FX graph
+(embeddings, the first transformer layer, the head), each node timed on its own on the GPU. Those are kernels
+of real-model shapes, measured the way the kernel sweeps were (one operator at a time), so they test the kernel
+predictor out of its training distribution, on every GPU with labels, L4 and AMD included, never trained on.
+
+Matching: a `call_module` node (nn.Linear, LayerNorm, an activation module, ...) is compared with every kernel
+the tracer attributes to that module path; a function or method node (matmul, softmax, add, ...) with the
+kernels of its family inside its enclosing module (the last entry of the node's `nn_module_stack`), summed
+per (module, family) on both sides because the two graphs split some ops differently. Nodes that launch no
+kernel in our trace (views, `size`, eval-mode dropout) and (module, family) pairs with no counterpart on the
+other side are left out; the table says how much of the measured time was matched. Copies are not compared
+as a family: `torch.matmul` on a transposed view copies inside the timed matmul node, where our trace has a
+separate copy kernel; they count in the per-GPU totals only. The prediction compared
+is `isolated_ms`: the kernel as timed alone (launch overhead included), without the end-to-end calibration.
+Only inference runs: training CSVs split each node into forward and backward times that do not map to one
+kernel each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from neusight.evaluate import find_labels, label_prediction
+from neusight.predictor.model import TRAINING_GPUS
+from neusight.util import atomic_write_text
+
+REPO = Path(__file__).resolve().parents[1]
+DATASET = REPO.parent / "shared" / "datasets" / "neusight-asplos25"
+
+# FX function / method targets -> our kernel family; anything else launches no kernel of its own here
+FUNCTION_FAMILY = {
+    "matmul": "bmm", "bmm": "bmm", "baddbmm": "bmm", "linear": "linear", "addmm": "linear",
+    "softmax": "softmax", "layer_norm": "layernorm",
+    "add": "elementwise", "sub": "elementwise", "mul": "elementwise", "truediv": "elementwise",
+    "gelu": "elementwise", "tanh": "elementwise", "pow": "elementwise", "where": "elementwise",
+    "relu": "elementwise", "neg": "elementwise", "exp": "elementwise", "sqrt": "elementwise",
+    "rsqrt": "elementwise", "masked_fill": "elementwise", "silu": "elementwise", "sigmoid": "elementwise",
+    "contiguous": "memory", "clone": "memory", "cat": "memory",
+}
+FAMILIES = ("linear", "bmm", "softmax", "layernorm", "elementwise", "embedding")
+_MODULE_RE = re.compile(r"\('([^']+)',\s*<class")
+
+
+def _target_name(target: str) -> str:
+    m = re.search(r"(?:method|function) (\w+)", target)
+    return m.group(1) if m else target.split(".")[-1]
+
+
+def measured_nodes(csv: Path) -> pd.DataFrame:
+    """The CSV's kernel-launching nodes as (module, family or 'module', measured_ms)."""
+    df = pd.read_csv(csv)
+    col = "latency" if "latency" in df else "fw_latency"
+    rows = []
+    for _, r in df.iterrows():
+        ms = float(r[col])
+        if not np.isfinite(ms) or ms <= 0:
+            continue
+        if r["op"] == "call_module":
+            rows.append((str(r["target"]), "module", ms))
+        elif r["op"] in ("call_function", "call_method"):
+            fam = FUNCTION_FAMILY.get(_target_name(str(r["target"])))
+            stack = _MODULE_RE.findall(str(r["meta"]))
+            if fam and stack:
+                rows.append((stack[-1], fam, ms))
+    return pd.DataFrame(rows, columns=["module", "kind", "measured_ms"])
+
+
+def _layer_scaled_sum(csv: Path) -> float:
+    """Sum of the CSV's node times with the first layer's nodes counted once per layer (0 if unknown)."""
+    data = pd.read_json(csv.with_suffix(".json"), typ="series")
+    df = pd.read_csv(csv)
+    col = "latency" if "latency" in df else "fw_latency"
+    first = df["meta"].astype(str).str.contains(r"(?:h|layer|layers|block)\.0['.]", regex=True)
+    if "num_layer" not in data or not first.any():
+        return 0.0
+    if df["meta"].astype(str).str.contains(r"(?:h|layer|layers|block)\.1['.]", regex=True).any():
+        return float(df[col].sum())          # the CSV already holds every layer
+    return float(df.loc[~first, col].sum() + int(data["num_layer"]) * df.loc[first, col].sum())
+
+
+def match(nodes: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
+    """One row per matched (module, family): measured and predicted isolated ms."""
+    k = kernels[kernels["phase"] == "forward"]
+    k = k.assign(module=k["module"].astype(str))
+    out = []
+    mods = nodes[nodes["kind"] == "module"].groupby("module")["measured_ms"].sum()
+    for mod, ms in mods.items():
+        mine = k[(k["module"] == mod) | k["module"].str.startswith(mod + ".")]
+        if len(mine):
+            fam = mine.groupby("family")["isolated_ms"].sum().idxmax()
+            out.append((mod, fam, ms, float(mine["isolated_ms"].sum()), float(mine["roofline_ms"].sum())))
+    funcs = nodes[nodes["kind"] != "module"].groupby(["module", "kind"])["measured_ms"].sum()
+    for (mod, fam), ms in funcs.items():
+        mine = k[(k["module"] == mod) & (k["family"] == fam)]
+        if len(mine):
+            out.append((mod, fam, ms, float(mine["isolated_ms"].sum()), float(mine["roofline_ms"].sum())))
+    return pd.DataFrame(out, columns=["module", "family", "measured_ms", "predicted_ms", "roofline_ms"])
+
+
+def summarize(pairs: pd.DataFrame) -> pd.DataFrame:
+    pairs = pairs[pairs["family"] != "memory"]
+    p = pairs.assign(err=(pairs["predicted_ms"] - pairs["measured_ms"]) / pairs["measured_ms"] * 100,
+                     roof=(pairs["roofline_ms"] - pairs["measured_ms"]).abs() / pairs["measured_ms"] * 100)
+    g = p.groupby(["gpu", "family"])
+    t = g.agg(pairs=("err", "size"), mape=("err", lambda e: e.abs().mean()), median=("err", "median"),
+              **{"roofline mape": ("roof", "mean")},
+              measured=("measured_ms", "sum"), predicted=("predicted_ms", "sum")).reset_index()
+    t["time-weighted"] = (t["predicted"] - t["measured"]) / t["measured"] * 100
+    return t
+
+
+def md(df: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |",
+             "| " + " | ".join("---" if df[c].dtype == object else "---:" for c in df.columns) + " |"]
+    for _, r in df.iterrows():
+        cells = []
+        for c, v in r.items():
+            if isinstance(v, float):
+                cells.append(f"{v:+.1f}" if c in ("median", "time-weighted") else f"{v:.1f}")
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "docs" / "ops.md"))
+    args = ap.parse_args()
+    t0 = time.time()
+    runs = [r for r in find_labels(DATASET, vendors=("nvidia", "amd")) if r.mode == "inference"]
+    cache: dict = {}
+    parts, coverage, e2e, used = [], [], [], 0
+    for run in runs:
+        csv = Path(run.path).with_suffix(".csv")
+        if not csv.is_file() or csv.stat().st_size == 0:
+            continue
+        nodes = measured_nodes(csv)
+        if nodes.empty:
+            continue
+        used += 1
+        pairs = match(nodes, label_prediction(run, graph_cache=cache, calibrated=False).kernels)
+        parts.append(pairs.assign(gpu=run.device, run=Path(run.path).stem))
+        coverage.append((run.device, pairs["measured_ms"].sum(), nodes["measured_ms"].sum(),
+                         pairs["predicted_ms"].sum()))
+        layer_sum = _layer_scaled_sum(csv)
+        if layer_sum:
+            e2e.append((run.device, Path(run.path).stem, run.measured_ms / layer_sum))
+    pairs = pd.concat(parts, ignore_index=True)
+    table = summarize(pairs)
+    cov = pd.DataFrame(coverage, columns=["gpu", "matched", "all", "predicted"]).groupby("gpu").sum()
+    gpus = sorted(table["gpu"].unique(), key=lambda g: (g not in TRAINING_GPUS, g))
+    table["gpu"] = pd.Categorical(table["gpu"], gpus)
+    table["family"] = pd.Categorical(table["family"], [f for f in FAMILIES if f in set(table["family"])])
+    table = table.sort_values(["gpu", "family"])
+    table.insert(1, "trained on", table["gpu"].map(lambda g: "yes" if g in TRAINING_GPUS else "no").astype(str))
+    table["gpu"], table["family"] = table["gpu"].astype(str), table["family"].astype(str)
+    cov = cov.reindex(gpus)
+    cov_md = md(pd.DataFrame({"gpu": cov.index, "matched share of measured time %": 100 * cov["matched"] / cov["all"],
+                              "time-weighted": 100 * (cov["predicted"] / cov["matched"] - 1)}))
+    ratio = pd.DataFrame(e2e, columns=["gpu", "run", "ratio"]).pivot_table(index="run", columns="gpu", values="ratio")
+    ratio = ratio.reindex(columns=[g for g in gpus if g in ratio.columns])
+    ratio_md = md(ratio.reset_index().rename(columns={"run": "label run"}).map(
+        lambda v: "" if isinstance(v, float) and np.isnan(v) else (f"{v:.2f}" if isinstance(v, float) else v)))
+    allgpu = summarize(pairs.assign(gpu="all")).drop(columns="gpu")
+    allgpu["family"] = allgpu["family"].astype(str)
+    text = f"""# Kernels of real models: predictions against per-operator timings
+
+Generated by `python scripts/bench_ops.py`; regenerate it, do not edit it. What is compared and how nodes are
+matched: the script's docstring. Source: the per-node CSVs next to the inference labels of
+`../shared/datasets/neusight-asplos25/labels` ({used} runs with a non-empty CSV, NVIDIA and AMD). Prediction:
+the shipped predictor's `isolated_ms` (a kernel timed alone, launch overhead included; no end-to-end scale).
+Run time: {time.time() - t0:.0f} s.
+
+Per GPU and family: matched (module, family) pairs, MAPE, median signed error, the roofline's MAPE on the same
+pairs (its bound alone, no utilization or launch overhead), and the time-weighted signed error (sum predicted /
+sum measured - 1) in %. Positive = predicted too slow.
+
+## Per GPU
+
+{md(table.drop(columns=["measured", "predicted"]))}
+
+## All GPUs
+
+{md(allgpu.drop(columns=["measured", "predicted"]))}
+
+## Per GPU, everything matched (copies included)
+
+Share of the CSVs' measured time that was matched, and the time-weighted signed error (%) over it.
+
+{cov_md}
+
+## End-to-end time over the sum of per-operator times
+
+`e2e_latency` of the label over (nodes outside the first layer + number of layers x nodes of the first layer;
+the plain sum where a CSV holds every layer),
+measured data only, no prediction. Below 1: the model runs faster than its operators timed one by one (launch
+overheads overlap, small ops were dominated by timing overhead); above 1: slower (on the 70 W T4 and L4 a long
+run holds lower clocks than a single timed operator).
+
+{ratio_md}
+"""
+    atomic_write_text(args.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
