@@ -30,7 +30,10 @@ from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tile
 # 31.3 (a tie, kept), board power only 32.0, none 50.4; bmm cc + board power 13.6, cc + W/TFLOP 14.0, none
 # 20.1; conv none 34.6 vs cc + board power 45.2 (conv sweeps: four GPUs). Memory-bound families: elementwise
 # with the memory type (HBM or GDDR) 10.7 vs none 12.9 (large-shape rows 5.5 vs 10.6); softmax and layer norm
-# gain nothing from it (19.2 vs 20.3, 18.7 vs 18.2) and go without device descriptors.
+# gain nothing from it (19.2 vs 20.3, 18.7 vs 18.2) and go without device descriptors. Also tried (/tmp runs of
+# the same script, 2026-11-23): compute capability for softmax 23.5 (worse); for layer norm 17.4 vs 18.7, but
+# the training's own leave-one-GPU-out (one epoch count for all folds, as shipped) got worse with it (mean
+# 18.5 vs 16.7 %), so layer norm stays without.
 GEMM_WORK = ("log2_roofline", "log2_batch", "log2_m", "log2_reduction", "log2_k", "log2_waves_ref",
              "log2_intensity_ratio", "log2_bytes_over_l2")
 GEMM_DEVICE = ("compute_capability", "log2_tdp", "log2_algo_speedup")
