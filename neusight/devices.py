@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import math
 import os
 import re
@@ -21,6 +22,8 @@ import yaml
 from neusight.errors import DeviceError
 
 __all__ = ["Device", "device_dir", "list_devices", "load_device"]
+
+log = logging.getLogger(__name__)
 
 VENDORS = ("nvidia", "amd")
 ARCHITECTURES = ("maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell",
@@ -216,9 +219,7 @@ def _from_mapping(raw: Any, key: str, where: str) -> Device:
                           f"{type(raw).__name__} {str(raw)[:60]!r}. Fix: write one 'field: value' per line "
                           f"as in {_EXAMPLE}.")
     if "Num_Sm" in raw and "Device" in raw:
-        raise DeviceError(f"{where}: this is a NeuSight-style JSON ('Device', 'Num_Sm', ...), not a neusight "
-                          f"device spec. Fix: pass its device name instead, load_device({raw['Device']!r}), "
-                          f"or write a spec YAML as in {_EXAMPLE}.")
+        return _from_neusight(raw, where)
     unknown = [k for k in raw if k not in _FIELDS]
     if unknown:
         hints = [f"'{u}' (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(str(u), _FIELDS, 1))
@@ -238,6 +239,68 @@ def _from_mapping(raw: Any, key: str, where: str) -> Device:
                                   f" Fix: add '{field}: <value>' from the spec sheet, see {_EXAMPLE}.")
             continue
         values[field] = _convert(field, raw[field], where)
+    return Device(**values)
+
+
+# NeuSight's own device JSONs (its artifact's devices/*.json): their field -> (our field, factor into our unit).
+# NB: its Core_Per_SM is FP32 lanes per SM on NVIDIA but SIMD units per CU on AMD (4), so it is only checked
+# (NVIDIA), never copied; AMD files give the vector and matrix peaks separately.
+_NEUSIGHT_FIELDS: dict[str, tuple[str, float]] = {
+    "Dev_Mem": ("memory_gib", 1.0), "Mem_Bw": ("mem_bandwidth_gbps", 1.0), "Num_Sm": ("sm_count", 1.0),
+    "Freq": ("boost_clock_mhz", 1.0), "L2Cache": ("l2_cache_mib", 1.0), "SingleFLOPs": ("fp32_tflops", 1e-3),
+    "SingleFLOPsVEC": ("fp32_tflops", 1e-3), "SingleFLOPsMM": ("fp32_matrix_tflops", 1e-3)}
+_NEUSIGHT_INFO = ("Device", "Core_Per_SM")
+# A peak further than this from lanes x clock is not one GPU's FP32 vector peak (a multi-GPU sum, a tensor peak,
+# a unit slip); spec sheets' own rounding and boost-clock choices stay well inside it (NeuSight's P100 file: 3.8 %).
+PEAK_TOLERANCE = 0.10
+
+
+def _from_neusight(raw: Mapping, where: str) -> Device:
+    """A NeuSight-style JSON ('Device', 'Num_Sm', 'Mem_Bw', ...), as users of that tool hold their GPUs.
+
+    It names the GPU but not what the predictor also needs (architecture, compute capability, memory type,
+    board power, tensor peaks), so the GPU must be in the spec library; the numbers the JSON gives replace the
+    library's (the user's spec sheet wins) and are checked for consistency: the FP32 peak must equal
+    2 x SMs x FP32 lanes per SM x clock.
+    """
+    name = raw["Device"]
+    if not isinstance(name, str) or not name.strip():
+        raise _fail(where, "Device", name, "expected the GPU's name", 'write e.g. "Device": "NVIDIA H100 80GB HBM3"')
+    devices, index = _library(str(device_dir()))
+    key = index.get(_normalize(name))
+    if key is None:
+        raise DeviceError(f"{where}: NeuSight-style JSON of {name!r}, a GPU the spec library does not know. Its "
+                          "fields do not give the architecture, compute capability, memory type and board power "
+                          f"the predictor needs. Fix: write a neusight spec YAML as in {_EXAMPLE} and pass its "
+                          "path, or add the name to the aliases of the library entry it is.")
+    unknown = [k for k in raw if k not in _NEUSIGHT_FIELDS and k not in _NEUSIGHT_INFO]
+    if unknown:
+        raise DeviceError(f"{where}: unknown NeuSight field '{unknown[0]}' = {raw[unknown[0]]!r}. Fix: remove it; "
+                          f"accepted: {', '.join((*_NEUSIGHT_INFO, *_NEUSIGHT_FIELDS))}.")
+    base = devices[key]
+    values = dataclasses.asdict(base)
+    for src, (field, factor) in _NEUSIGHT_FIELDS.items():
+        if src in raw:
+            number = _number(src, raw[src], where, integer=field == "sm_count")
+            values[field] = int(number) if field == "sm_count" else number * factor
+            if not math.isclose(values[field], getattr(base, field), rel_tol=1e-3):
+                log.warning("%s: %s = %s replaces the spec library's %s = %s for %s", where, src, raw[src], field,
+                            getattr(base, field), key)
+    lanes = base.fp32_cores_per_sm
+    if base.vendor == "nvidia" and "Core_Per_SM" in raw:
+        lanes = _number("Core_Per_SM", raw["Core_Per_SM"], where, integer=True)
+        values["fp32_cores_per_sm"] = lanes
+        if "SingleFLOPs" in raw:
+            values["fp32_matrix_tflops"] = values["fp32_tflops"]   # NVIDIA: FP32 GEMMs run on the same lanes
+    implied = 2 * values["sm_count"] * lanes * values["boost_clock_mhz"] * 1e-6
+    if abs(values["fp32_tflops"] / implied - 1) > PEAK_TOLERANCE:
+        src = "SingleFLOPsVEC" if "SingleFLOPsVEC" in raw else "SingleFLOPs"
+        raise DeviceError(f"{where}: '{src}' = {raw.get(src, base.fp32_tflops * 1e3)!r} GFLOP/s disagrees with "
+                          f"2 x Num_Sm x FP32 lanes per SM x Freq = 2 x {values['sm_count']} x {lanes} x "
+                          f"{values['boost_clock_mhz']:g} MHz = {implied * 1e3:.0f} GFLOP/s (a multi-GPU or "
+                          "tensor-core peak?). Fix: give the FP32 vector peak of one GPU.")
+    values["aliases"] = base.aliases
+    values["source"] = f"{where} (NeuSight-style JSON) over the library entry '{key}': {base.source}"
     return Device(**values)
 
 

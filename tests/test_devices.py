@@ -276,7 +276,12 @@ def test_missing_field_is_named(tmp_path: Path):
     ("just a string\n", "expected a mapping"),
     ("", "expected a mapping"),
     ("name: [unclosed\n", "not valid YAML"),
-    (json.dumps({"Device": "Tesla T4", "Num_Sm": 40, "Mem_Bw": 320}), "load_device('Tesla T4')"),
+    (json.dumps({"Device": "Tesla T9", "Num_Sm": 40, "Mem_Bw": 320}), "a GPU the spec library does not know"),
+    (json.dumps({"Device": "Tesla T4", "Num_Sm": 40, "Mem_Bw": "fast"}), "'Mem_Bw' = 'fast'"),
+    (json.dumps({"Device": "Tesla T4", "Num_Sm": 40, "Mem_BW": 320}), "unknown NeuSight field 'Mem_BW'"),
+    # NeuSight's tensor-parallel H100 file: a two-GPU 1,979 TFLOPS "peak" is no GPU's FP32 vector peak
+    (json.dumps({"Device": "NVIDIA H100 80GB HBM3", "Num_Sm": 132, "Core_Per_SM": 128, "Freq": 1980,
+                 "SingleFLOPs": 1979000}), "disagrees with 2 x Num_Sm"),
 ])
 def test_malformed_file(tmp_path: Path, text: str, expected: str):
     path = _write(tmp_path, text)
@@ -341,3 +346,26 @@ def test_memory_type_is_required_and_classified(tmp_path: Path):
         load_device(_write(tmp_path, spec))
     assert load_device("h100-sxm5-80gb").hbm and load_device("a100-pcie-40gb").hbm
     assert not load_device("l4").hbm and not load_device("t4").hbm and not load_device("rtx-4090").hbm
+
+
+def test_neusight_json_takes_its_numbers_over_the_library_entry(tmp_path: Path, caplog):
+    # NeuSight's own H100 file: 3430 GB/s where the library has the datasheet's 3350; the rest agrees
+    spec = {"Device": "NVIDIA H100 80GB HBM3", "Dev_Mem": 80, "Mem_Bw": 3430, "Num_Sm": 132, "Core_Per_SM": 128,
+            "Freq": 1980, "SingleFLOPs": 66908, "L2Cache": 50}
+    with caplog.at_level("WARNING", logger="neusight.devices"):
+        d = load_device(_write(tmp_path, json.dumps(spec), "NVIDIA_H100_80GB_HBM3.json"))
+    lib = load_device("h100-sxm5-80gb")
+    assert d.key == lib.key and d.architecture == lib.architecture and d.tdp_w == lib.tdp_w
+    assert d.mem_bandwidth_gbps == 3430.0
+    assert d.fp32_tflops == pytest.approx(66.908) and d.fp32_matrix_tflops == pytest.approx(66.908)
+    assert "Mem_Bw = 3430 replaces" in caplog.text and "NeuSight-style JSON" in d.source
+
+
+def test_neusight_json_amd_peaks_and_lanes(tmp_path: Path):
+    # AMD files count Core_Per_SM as SIMD units (4 per CU), not lanes: the vector peak is checked against the
+    # library's 64 lanes: 2 x 104 x 64 x 1700 MHz = 22.63 TFLOPS
+    spec = {"Device": "AMD Instinct MI210", "Num_Sm": 104, "Core_Per_SM": 4, "Freq": 1700,
+            "SingleFLOPsMM": 45300, "SingleFLOPsVEC": 22600, "L2Cache": 8}
+    d = load_device(_write(tmp_path, json.dumps(spec), "mi210.json"))
+    assert d.fp32_cores_per_sm == 64 and d.fp32_tflops == pytest.approx(22.6)
+    assert d.fp32_matrix_tflops == pytest.approx(45.3)
