@@ -369,3 +369,16 @@ def test_neusight_json_amd_peaks_and_lanes(tmp_path: Path):
     d = load_device(_write(tmp_path, json.dumps(spec), "mi210.json"))
     assert d.fp32_cores_per_sm == 64 and d.fp32_tflops == pytest.approx(22.6)
     assert d.fp32_matrix_tflops == pytest.approx(45.3)
+
+
+def test_every_neusight_json_of_the_dataset_loads_but_the_tensor_parallel_one():
+    from tests.conftest import DATASET, need_shared
+
+    files = sorted(need_shared(DATASET / "devices").glob("*.json"))
+    for f in files:
+        name = json.loads(f.read_text())["Device"]
+        if f.stem.endswith("_TP"):   # two H100s' tensor peak, 1,979 TFLOPS, written as one GPU's FP32 peak
+            with pytest.raises(DeviceError, match="'SingleFLOPs' = 1979000"):
+                load_device(f)
+        else:
+            assert load_device(f).key == load_device(name).key, f
