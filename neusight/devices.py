@@ -243,8 +243,8 @@ def _from_mapping(raw: Any, key: str, where: str) -> Device:
 
 
 # NeuSight's own device JSONs (its artifact's devices/*.json): their field -> (our field, factor into our unit).
-# NB: its Core_Per_SM is FP32 lanes per SM on NVIDIA but SIMD units per CU on AMD (4), so it is only checked
-# (NVIDIA), never copied; AMD files give the vector and matrix peaks separately.
+# NB: its Core_Per_SM is FP32 lanes per SM on NVIDIA but SIMD units per CU on AMD (4), so it is taken on NVIDIA
+# only; AMD files give the vector and matrix peaks separately, NVIDIA's one peak serves both.
 _NEUSIGHT_FIELDS: dict[str, tuple[str, float]] = {
     "Dev_Mem": ("memory_gib", 1.0), "Mem_Bw": ("mem_bandwidth_gbps", 1.0), "Num_Sm": ("sm_count", 1.0),
     "Freq": ("boost_clock_mhz", 1.0), "L2Cache": ("l2_cache_mib", 1.0), "SingleFLOPs": ("fp32_tflops", 1e-3),
@@ -286,12 +286,11 @@ def _from_neusight(raw: Mapping, where: str) -> Device:
             if not math.isclose(values[field], getattr(base, field), rel_tol=1e-3):
                 log.warning("%s: %s = %s replaces the spec library's %s = %s for %s", where, src, raw[src], field,
                             getattr(base, field), key)
-    lanes = base.fp32_cores_per_sm
-    if base.vendor == "nvidia" and "Core_Per_SM" in raw:
-        lanes = _number("Core_Per_SM", raw["Core_Per_SM"], where, integer=True)
-        values["fp32_cores_per_sm"] = lanes
-        if "SingleFLOPs" in raw:
-            values["fp32_matrix_tflops"] = values["fp32_tflops"]   # NVIDIA: FP32 GEMMs run on the same lanes
+    if base.vendor == "nvidia":
+        values["fp32_matrix_tflops"] = values["fp32_tflops"]   # FP32 GEMMs run on the same lanes
+        if "Core_Per_SM" in raw:
+            values["fp32_cores_per_sm"] = _number("Core_Per_SM", raw["Core_Per_SM"], where, integer=True)
+    lanes = values["fp32_cores_per_sm"]
     implied = 2 * values["sm_count"] * lanes * values["boost_clock_mhz"] * 1e-6
     if abs(values["fp32_tflops"] / implied - 1) > PEAK_TOLERANCE:
         src = "SingleFLOPsVEC" if "SingleFLOPsVEC" in raw else "SingleFLOPs"

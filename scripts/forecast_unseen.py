@@ -5,7 +5,7 @@ down before any measurement of them is seen. Writes docs/unseen.md.
     python scripts/forecast_unseen.py --out /tmp/unseen.md
 
 Every plain label configuration of the dataset (model, mode, sequence, batch; the union over its GPUs, NVIDIA and
-AMD) is predicted with the label protocol (``neusight.evaluate.label_prediction``) on each left-out GPU, from its
+AMD) is predicted with the label protocol (``neusight.evaluate.predict_label``) on each left-out GPU, from its
 spec file alone, with the shipped predictor. Next to them: the measured and predicted latency of the closest GPU
 that has labels (A100-PCIE-40GB for the NVIDIA parts, MI210 for the MI250, whose one GCD has MI210's CUs,
 clocks and bandwidth), so the forecast speed-ups can be read against a measured base, and that GPU's own
@@ -24,7 +24,7 @@ import pandas as pd
 
 from neusight.cli.common import quiet_third_party_logs
 from neusight.e2e_eval import markdown_table
-from neusight.evaluate import find_labels, label_prediction, TIMED_PHASES
+from neusight.evaluate import find_labels, predict_label
 from neusight.predictor.model import Predictor
 from neusight.util import atomic_write_text
 
@@ -37,9 +37,8 @@ UNSEEN = {"h100-sxm5-80gb": "a100-pcie-40gb", "a100-80gb-pcie": "a100-pcie-40gb"
 
 def timed_ms(run, predictor, cache) -> tuple[float, float]:
     """(predicted, roofline) ms of the timed phases of one run under the label protocol."""
-    k = label_prediction(run, predictor, cache).kernels
-    k = k[k["phase"].isin(TIMED_PHASES)]
-    return float(k["latency_ms"].sum()), float(k["roofline_ms"].sum())
+    res = predict_label(run, predictor, cache)
+    return res["predicted_ms"], res["roofline_ms"]
 
 
 def forecast(dataset: Path = DATASET) -> pd.DataFrame:
