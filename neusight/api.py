@@ -14,6 +14,7 @@ import pandas as pd
 
 from neusight.devices import Device, load_device
 from neusight.errors import DataError
+from neusight.graph.fusion import fused_kernels
 from neusight.graph.graph import Graph
 from neusight.graph.tracer import trace
 from neusight.memory import estimate_memory
@@ -133,17 +134,22 @@ def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms:
     return np.maximum(roofline_ms + scale * excess, floor * overhead_ms)
 
 
+FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops between GEMMs run as fused kernels; "
+              "the memory forecast is the eager one")
+
+
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
-                  calibrated: bool = True) -> Prediction:
+                  calibrated: bool = True, fused: bool = False) -> Prediction:
     """Predict an already traced graph on ``device``.
 
-    ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale).
+    ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
+    ``fused=True`` predicts the kernels ``torch.compile`` runs (:func:`neusight.graph.fusion.fused_kernels`).
     """
     device = load_device(device)
     pred = load_predictor(predictor)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
-    k = g.kernels.reset_index(drop=True)
+    k = (fused_kernels(g) if fused else g.kernels).reset_index(drop=True)
     frame = pd.concat([k[["family", "kernel", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
     res = pred.predict(frame, device)
     kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
@@ -159,13 +165,15 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
                                           kernels["overhead_ms"].to_numpy(float), scale, floor)
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
+    notes = g.notes + ((FUSED_NOTE,) if fused else ())
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,
-                      kernels, g, g.notes, None, pred.train_devices_)
+                      kernels, g, notes, None, pred.train_devices_)
 
 
 def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int | None = None,
             mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
-            predictor: Predictor | str | Path | None = None, memory: bool = True, **trace_kwargs: Any) -> Prediction:
+            predictor: Predictor | str | Path | None = None, memory: bool = True, fused: bool = False,
+            **trace_kwargs: Any) -> Prediction:
     """Forecast one inference pass or one training step of ``model`` on ``device``.
 
     Parameters
@@ -178,6 +186,9 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
         Training = forward + loss + backward + optimizer step (``optimizer=None`` leaves the step out).
     predictor : optional
         A checkpoint directory; the shipped predictor by default.
+    fused : bool
+        Forecast the model under ``torch.compile`` (TorchInductor's default mode): the memory-bound ops between
+        GEMMs run as fused kernels (see :mod:`neusight.graph.fusion`). Default: eager, one kernel per op.
 
     Returns
     -------
@@ -194,7 +205,7 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     """
     device = load_device(device)
     g = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, **trace_kwargs)
-    p = predict_graph(g, device, predictor)
+    p = predict_graph(g, device, predictor, fused=fused)
     if memory:
         p.memory = estimate_memory(g, device)
     return p

@@ -82,9 +82,11 @@ def label_frame(results: pd.DataFrame) -> pd.DataFrame:
     """The results CSV of :func:`neusight.evaluate.evaluate_labels`, one row per run, columns in reading order."""
     df = results.rename(columns={"device": "gpu", "gpu_dir": "gpu_name", "seq_len": "seq", "batch_size": "batch",
                                  "roofline_ms": "roofline_predicted_ms"})
+    if "option" in df:   # a run with an option (torch.compile: "fusion") is its own mode, e.g. "inference+fusion"
+        df["mode"] = df["mode"].where(df["option"].isna(), df["mode"] + "+" + df["option"].astype(str))
     cols = ["gpu", "model", "mode", "seq", "batch", "measured_ms", "predicted_ms", "error_pct",
-            "roofline_predicted_ms", "roofline_error_pct", "measured_fw_ms", "measured_bw_ms", "predicted_fw_ms",
-            "predicted_bw_ms", "gpu_name", "config", "path"]
+            "roofline_predicted_ms", "roofline_error_pct", "eager_error_pct", "measured_fw_ms", "measured_bw_ms",
+            "predicted_fw_ms", "predicted_bw_ms", "gpu_name", "config", "path"]
     return df[[c for c in cols if c in df.columns]]
 
 
@@ -313,8 +315,13 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
         parts[-1] += (f"Targets (issue 4): mean <= {targets[0]:g} % on the predictor's training GPUs, <= {targets[1]:g} % "
                       "on unseen GPUs, and below the roofline's.\n\n")
     parts.append(_summary_md(per_gpu_summary(labels, trained_on, targets)))
-    for column, title in (("error_pct", "NeuSight (this predictor)"), ("roofline_error_pct", "Roofline baseline")):
-        for mode in ("inference", "training"):
+    modes = ["inference", "training"] + sorted(set(labels["mode"]) - {"inference", "training"}) if not labels.empty else []
+    columns = [("error_pct", "NeuSight (this predictor)"), ("roofline_error_pct", "Roofline baseline"),
+               ("eager_error_pct", "Without the fusion model (the same runs as eager kernels)")]
+    for column, title in columns:
+        for mode in modes:
+            if column not in labels:
+                continue
             t = error_table(labels, mode, column, gpus)
             if t.empty:
                 continue

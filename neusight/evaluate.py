@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -49,8 +49,18 @@ class LabelRun:
         return "causal-lm"
 
 
-def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), plain_only: bool = True) -> list[LabelRun]:
-    """Every label run under ``dataset/labels`` whose GPU the device library knows."""
+# label options this project forecasts besides the plain eager runs (multi-GPU -dp/-tp/-pp ones it does not)
+FORECAST_OPTIONS = ("fusion",)
+
+
+def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), plain_only: bool = True,
+                options: tuple[str, ...] = ()) -> list[LabelRun]:
+    """Every label run under ``dataset/labels`` whose GPU the device library knows: the plain (eager, one GPU)
+    runs, plus those with an option in ``options`` (e.g. ``("fusion",)``); ``plain_only=False`` takes all."""
+    bad = [o for o in options if o not in FORECAST_OPTIONS]
+    if bad:
+        raise DataError(f"label option {bad[0]!r} is not one this project forecasts. Fix: use one of "
+                        f"{list(FORECAST_OPTIONS)} (multi-GPU -dp / -tp / -pp runs are not modelled)")
     root = Path(dataset)
     labels = root / "labels"
     if not labels.is_dir():
@@ -62,7 +72,7 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
             continue
         for f in sorted(gpu_dir.glob("*.json")):
             m = LABEL_RE.match(f.name)
-            if not m or (plain_only and m["option"]):
+            if not m or (plain_only and m["option"] and m["option"] not in options):
                 continue
             data = json.loads(f.read_text())
             cfg = root / "models" / f"{m['model']}.json"
@@ -91,7 +101,7 @@ def label_prediction(run: LabelRun, predictor=None, graph_cache: dict | None = N
         g = trace(run.config, run.batch_size, run.seq_len, run.mode, head=run.head, optimizer=None)
         if graph_cache is not None:
             graph_cache[key] = g
-    return predict_graph(g, run.device, predictor, calibrated=calibrated)
+    return predict_graph(g, run.device, predictor, calibrated=calibrated, fused=run.option == "fusion")
 
 
 def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None, *, calibrated: bool = True) -> dict:
@@ -102,9 +112,13 @@ def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None
     bw = p.phases.get("backward", 0.0)
     pred = fw + bw   # the loss computation is not timed in the labels
     roof = float(p.kernels.loc[p.kernels["phase"].isin(TIMED_PHASES), "roofline_ms"].sum())
-    return {**asdict(run), "predicted_ms": pred, "predicted_fw_ms": fw, "predicted_bw_ms": bw, "roofline_ms": roof,
-            "error_pct": (pred - run.measured_ms) / run.measured_ms * 100,
-            "roofline_error_pct": (roof - run.measured_ms) / run.measured_ms * 100}
+    out = {**asdict(run), "predicted_ms": pred, "predicted_fw_ms": fw, "predicted_bw_ms": bw, "roofline_ms": roof,
+           "error_pct": (pred - run.measured_ms) / run.measured_ms * 100,
+           "roofline_error_pct": (roof - run.measured_ms) / run.measured_ms * 100}
+    if run.option == "fusion":   # the baseline of the fusion model: the same run forecast as eager kernels
+        eager = predict_label(replace(run, option=None), predictor, graph_cache, calibrated=calibrated)["predicted_ms"]
+        out["eager_error_pct"] = (eager - run.measured_ms) / run.measured_ms * 100
+    return out
 
 
 def evaluate_labels(runs: list[LabelRun], predictor=None) -> pd.DataFrame:

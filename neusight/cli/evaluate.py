@@ -51,6 +51,7 @@ class LabelsConfig:
     models: Optional[list[str]] = None     # label model names (gpt2_large, bert_large, ...); null = all
     modes: Optional[list[str]] = None      # inference / training; null = both
     max_runs: Optional[int] = None         # the first n runs after filtering (smoke tests)
+    options: list[str] = field(default_factory=list)   # label options to add to the plain runs: [fusion] (torch.compile)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     t0 = time.perf_counter()
     pred = load_predictor(cfg.checkpoint)
     trained_on = tuple(pred.train_devices_)
-    runs = ev.select_labels(find_labels(cfg.labels.dataset, vendors=tuple(cfg.labels.vendors)), gpus=cfg.labels.gpus, models=cfg.labels.models,
+    runs = ev.select_labels(find_labels(cfg.labels.dataset, vendors=tuple(cfg.labels.vendors), options=tuple(cfg.labels.options)), gpus=cfg.labels.gpus, models=cfg.labels.models,
                             modes=cfg.labels.modes, max_runs=cfg.labels.max_runs)
     labels = ev.label_frame(evaluate_labels(runs, pred))
     t_labels = time.perf_counter() - t0

@@ -53,6 +53,7 @@ class PredictConfig:
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | sgd | null (training only; null leaves the step out)
     attn_implementation: str = "eager"   # eager | sdpa
+    fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)
     image_size: int = 224                # vision models
     dtype: str = "float32"
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
@@ -238,7 +239,7 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
               dtype=cfg.dtype)
     preds = []
     for dev in devices:
-        p = predict_graph(g, dev, predictor)
+        p = predict_graph(g, dev, predictor, fused=cfg.fused)
         if cfg.memory:
             from neusight.memory import estimate_memory
 
