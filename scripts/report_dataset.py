@@ -92,7 +92,7 @@ def report(shared: Path) -> str:
         "evaluated once per distinct shape).",
         f"- Skipped rows: {skipped}.",
         f"- `load_deepbench_gemm(deepbench_gemm.csv)` (fp32): {len(db):,} rows in {t_deepbench:.2f} s; skipped "
-        f"{db_skipped} (GPUs the device library lacks: {lacking}).",
+        f"{db_skipped}" + (f" (GPUs the device library lacks: {lacking})" if lacking else "") + ".",
         "",
         "## Rows per family x device",
         "",
