@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from neusight.devices import load_device
-from neusight.errors import DataError
+from neusight.errors import DataError, InputError
 
 LABEL_RE = re.compile(r"^(?P<model>[a-z0-9_]+)-(?P<mode>inf|train)-(?P<seq>\d+)-(?P<batch>\d+)(?:-(?P<option>.+))?\.json$")
 # label model names without a config JSON under models/ -> our preset of the same architecture. L4's
@@ -49,8 +49,22 @@ class LabelRun:
         return "causal-lm"
 
 
-# label options this project forecasts besides the plain eager runs (multi-GPU -dp/-tp/-pp ones it does not)
-FORECAST_OPTIONS = ("fusion",)
+# kinds of label options forecast besides the plain eager runs: "fusion" (torch.compile) and "parallel"
+# (Megatron-LM on several GPUs: -dp4, -tp4, -pp4_<micro-batches>; see neusight.parallel)
+FORECAST_OPTIONS = ("fusion", "parallel")
+
+
+def option_kind(option: str | None) -> str | None:
+    """None for a plain run, "fusion", "parallel", or the option itself when it is neither."""
+    if option is None or option == "fusion":
+        return option
+    from neusight.parallel import Parallelism
+
+    try:
+        Parallelism.from_option(option)
+    except InputError:
+        return option
+    return "parallel"
 
 
 def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), plain_only: bool = True,
@@ -59,8 +73,8 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
     runs, plus those with an option in ``options`` (e.g. ``("fusion",)``); ``plain_only=False`` takes all."""
     bad = [o for o in options if o not in FORECAST_OPTIONS]
     if bad:
-        raise DataError(f"label option {bad[0]!r} is not one this project forecasts. Fix: use one of "
-                        f"{list(FORECAST_OPTIONS)} (multi-GPU -dp / -tp / -pp runs are not modelled)")
+        raise DataError(f"label option kind {bad[0]!r} is not one this project forecasts. Fix: use some of "
+                        f"{list(FORECAST_OPTIONS)}")
     root = Path(dataset)
     labels = root / "labels"
     if not labels.is_dir():
@@ -72,7 +86,7 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
             continue
         for f in sorted(gpu_dir.glob("*.json")):
             m = LABEL_RE.match(f.name)
-            if not m or (plain_only and m["option"] and m["option"] not in options):
+            if not m or (plain_only and m["option"] and option_kind(m["option"]) not in options):
                 continue
             data = json.loads(f.read_text())
             cfg = root / "models" / f"{m['model']}.json"
@@ -107,6 +121,8 @@ def label_prediction(run: LabelRun, predictor=None, graph_cache: dict | None = N
 def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None, *, calibrated: bool = True) -> dict:
     """Predict one label run with its protocol; returns the run's fields + predicted ms and % error.
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used to fit it)."""
+    if option_kind(run.option) == "parallel":
+        return _predict_parallel_label(run, predictor)
     p = label_prediction(run, predictor, graph_cache, calibrated=calibrated)
     fw = p.phases.get("forward", 0.0)
     bw = p.phases.get("backward", 0.0)
@@ -177,3 +193,16 @@ def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
         logo[str(d)] = {"scale": round(s, 4), "floor": f, "mean_abs_err_before": round(abs_err(1.0, 1.0, held), 2),
                         "mean_abs_err_after": round(abs_err(s, f, held), 2)}
     return {"scale": round(scale, 4), "floor": floor, "runs": len(parts), "devices": devs, "leave_one_gpu_out": logo}
+
+
+def _predict_parallel_label(run: LabelRun, predictor=None) -> dict:
+    """A Megatron-LM run on several GPUs (global batch as in its name), forecast by neusight.parallel."""
+    from neusight.parallel import Parallelism, predict_parallel
+
+    par = Parallelism.from_option(run.option)
+    p = predict_parallel(run.config, run.device, run.batch_size, run.seq_len, run.mode, head=run.head,
+                         predictor=predictor, **asdict(par))
+    return {**asdict(run), "predicted_ms": p.latency_ms, "predicted_fw_ms": float("nan"),
+            "predicted_bw_ms": float("nan"), "roofline_ms": p.roofline_ms,
+            "error_pct": (p.latency_ms - run.measured_ms) / run.measured_ms * 100,
+            "roofline_error_pct": (p.roofline_ms - run.measured_ms) / run.measured_ms * 100}

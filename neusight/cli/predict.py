@@ -54,6 +54,10 @@ class PredictConfig:
     optimizer: Optional[str] = "adamw"   # adamw | sgd | null (training only; null leaves the step out)
     attn_implementation: str = "eager"   # eager | sdpa
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)
+    dp: int = 1                          # data-parallel replicas (batch_size is the global batch)
+    tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
+    pp: int = 1                          # pipeline stages
+    microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     image_size: int = 224                # vision models
     dtype: str = "float32"
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
@@ -311,6 +315,8 @@ def _app(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     quiet_third_party_logs()
+    if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1:
+        return _parallel(cfg)
     preds = forecast(cfg)
     for i, p in enumerate(preds):
         if i:
@@ -326,6 +332,27 @@ def _app(cfg: PredictConfig) -> float:
         records = [{**summary_record(p), "overrides": list(hc.overrides.task), "in_job": len(preds)} for p in preds]
         atomic_write_text(os.path.join(hc.runtime.output_dir, SUMMARY_FILE), _json.dumps(records, default=float))
     return float(preds[0].latency_ms)
+
+
+def _parallel(cfg: PredictConfig) -> float:
+    """A multi-GPU forecast per GPU type of ``cfg.device`` (neusight.parallel); JSON of the parts on request."""
+    from neusight.parallel import predict_parallel
+    from neusight.util import atomic_write_text
+
+    records = []
+    for i, dev in enumerate(_devices(cfg.device)):
+        p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
+                             microbatches=cfg.microbatches, head=cfg.head, optimizer=cfg.optimizer,
+                             predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
+                             image_size=cfg.image_size, dtype=cfg.dtype)
+        print(("\n" if i else "") + p.summary())
+        if cfg.pp > 1:
+            print(p.stages.round(3).to_string(index=False))
+        records.append({"device": p.device.key, "gpus": p.parallelism.gpus, "latency_ms": p.latency_ms,
+                        **{f"{k}_ms": v for k, v in p.parts.items()}})
+    if cfg.json:
+        atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
+    return float(records[0]["latency_ms"])
 
 
 class CompareCallback(Callback):

@@ -159,7 +159,7 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
 def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int = 224, input_shapes: list[tuple[int, ...]] | None = None,
-          dtype: str | torch.dtype = torch.float32, include_loss: bool = True) -> Graph:
+          dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -174,6 +174,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         ``loss.backward()`` and, unless ``optimizer=None``, one optimizer step (foreach kernels, as on CUDA).
     head : str, optional
         HF model class: ``causal-lm``, ``sequence-classification``, ``pretraining``, ``seq2seq``.
+    tensor_parallel : int
+        Trace one GPU's share of a Megatron-style tensor-parallel model over this many GPUs
+        (:func:`neusight.parallel.shard_tensor_parallel`); 1 = the whole model.
 
     Returns
     -------
@@ -192,6 +195,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                         input_shapes=input_shapes, dtype=torch_dtype)
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
     module = built.module
+    if tensor_parallel != 1:
+        from neusight.parallel import shard_tensor_parallel
+
+        shard_tensor_parallel(module, tensor_parallel)
     training = mode == "training"
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)

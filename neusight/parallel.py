@@ -1,0 +1,320 @@
+"""Multi-GPU forecasts: Megatron-style data (DP), tensor (TP) and pipeline (PP) parallelism over one GPU type.
+
+A step on ``dp x tp x pp`` GPUs is composed from single-GPU forecasts of what one GPU runs, plus the
+communication between GPUs over the device's interconnect:
+
+1. TP: every transformer block is split as Megatron-LM splits it: the QKV and first MLP projections by output
+   columns, the attention output and second MLP projections by input rows, the attention heads among the GPUs,
+   the vocabulary of the embedding and the LM head too; layer norms, dropout and residual adds stay whole. One
+   GPU's share is traced as its own model (:func:`shard_tensor_parallel`), so every kernel of the forward and
+   backward pass has its per-GPU shape. Communication: two all-reduces of the block's activations (tokens x
+   hidden, FP32) per block in the forward pass, two in the backward pass, one after the embedding.
+2. PP: the blocks are split evenly into ``pp`` stages (embeddings with the first, the head and the loss with
+   the last); each micro-batch crosses every stage boundary once forward and once backward (point-to-point,
+   tokens x hidden). With ``m`` micro-batches a 1F1B or GPipe schedule takes (m + pp - 1) slots of the slowest
+   stage: the pipeline bubble is (pp - 1) slots.
+3. DP: every replica runs ``batch_size / dp``; after the backward pass its gradients (FP32, its share of the
+   parameters) are all-reduced, not overlapped with the backward pass (Megatron-LM's default of its time).
+
+Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
+in each direction, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one direction of the device's
+``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step.
+
+NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
+characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
+Megatron-LM's own fused kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from neusight.devices import Device, load_device
+from neusight.errors import InputError, ModelError
+
+__all__ = ["Parallelism", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "allreduce_ms",
+           "p2p_ms"]
+
+# NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
+# costs a few microseconds of launch and synchronisation. Public characteristics, not fitted here.
+LINK_EFFICIENCY = 0.8
+HOP_LATENCY_S = 5e-6
+
+_OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
+_BLOCK = re.compile(r"\.(?:h|layer|layers|block)\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How many GPUs split the step, and how: ``dp x tp x pp`` GPUs, ``microbatches`` per replica."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"{name}={v!r} must be a positive integer. Fix: e.g. {name}=1")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def from_option(cls, option: str) -> "Parallelism":
+        """A label option of the NeuSight dataset: ``dp4``, ``tp4``, ``pp4_8`` (4 stages, 8 micro-batches)."""
+        m = _OPTION.match(option or "")
+        if m is None:
+            raise InputError(f"parallelism option {option!r} is not dpN, tpN or ppN_M. Fix: e.g. dp4, tp4, pp4_8")
+        if m["pp"]:
+            return cls(pp=int(m["pp"]), microbatches=int(m["mb"] or 1))
+        return cls(dp=int(m["dp"] or 1), tp=int(m["tp"] or 1))
+
+
+def allreduce_ms(nbytes: float, n: int, device: Device) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (2 * (n - 1) / n * nbytes / _link_bytes_per_s(device) + 2 * (n - 1) * HOP_LATENCY_S) * 1e3
+
+
+def p2p_ms(nbytes: float, device: Device) -> float:
+    """One point-to-point transfer of ``nbytes`` to a neighbour GPU."""
+    return (nbytes / _link_bytes_per_s(device) + HOP_LATENCY_S) * 1e3 if nbytes > 0 else 0.0
+
+
+def _link_bytes_per_s(device: Device) -> float:
+    return device.interconnect_gbps / 2 * 1e9 * LINK_EFFICIENCY     # bidirectional GB/s -> one way, achieved
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tensor parallelism: one GPU's share of each block, as a model of its own
+
+# (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features
+_SPLITS = {
+    ("GPT2Attention", "c_attn"): "col", ("GPT2Attention", "c_proj"): "row",
+    ("GPT2MLP", "c_fc"): "col", ("GPT2MLP", "c_proj"): "row",
+    ("BertSelfAttention", "query"): "col", ("BertSelfAttention", "key"): "col", ("BertSelfAttention", "value"): "col",
+    ("BertSelfOutput", "dense"): "row", ("BertIntermediate", "dense"): "col", ("BertOutput", "dense"): "row",
+    ("OPTAttention", "q_proj"): "col", ("OPTAttention", "k_proj"): "col", ("OPTAttention", "v_proj"): "col",
+    ("OPTAttention", "out_proj"): "row", ("OPTDecoderLayer", "fc1"): "col", ("OPTDecoderLayer", "fc2"): "row",
+}
+# attributes that hold a width a split divides: GPT-2 splits the fused QKV output by ``split_size``
+_WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
+           "OPTAttention": ("embed_dim",)}
+_HEADS = {"GPT2Attention": "num_heads", "BertSelfAttention": "num_attention_heads", "OPTAttention": "num_heads"}
+
+
+def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
+    """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
+
+    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT and OPT. Raises ModelError for a
+    model without any of them, InputError when heads or widths do not divide by ``tp``.
+    """
+    if tp == 1:
+        return module
+    found = 0
+    for parent in list(module.modules()):
+        cls = type(parent).__name__
+        if cls in _HEADS:
+            heads = getattr(parent, _HEADS[cls], None)
+            if heads is not None:
+                if heads % tp:
+                    raise InputError(f"tp={tp} does not divide the {heads} attention heads of {cls}. Fix: choose a "
+                                     f"tp that divides {heads}")
+                setattr(parent, _HEADS[cls], heads // tp)
+            for attr in _WIDTHS.get(cls, ()):
+                if isinstance(getattr(parent, attr, None), int):
+                    setattr(parent, attr, getattr(parent, attr) // tp)
+        for (owner, attr), how in _SPLITS.items():
+            if cls == owner and isinstance(getattr(parent, attr, None), nn.Module):
+                setattr(parent, attr, _split(getattr(parent, attr), how, tp, f"{cls}.{attr}"))
+                found += 1
+    if not found:
+        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT and OPT "
+                         f"blocks; {type(module).__name__} has none. Fix: use tp=1 (dp and pp work for any model)")
+    _split_vocab(module, tp)
+    return module
+
+
+def _split(layer: nn.Module, how: str, tp: int, where: str) -> nn.Module:
+    """A Linear or Conv1D with its output (``col``) or input (``row``) features divided by ``tp``."""
+    w = layer.weight
+    conv1d = type(layer).__name__ == "Conv1D"          # transformers' Conv1D: weight (in, out)
+    n_in, n_out = (w.shape[0], w.shape[1]) if conv1d else (w.shape[1], w.shape[0])
+    n = n_out if how == "col" else n_in
+    if n % tp:
+        raise InputError(f"tp={tp} does not divide the {n} {'output' if how == 'col' else 'input'} features of "
+                         f"{where}. Fix: choose a tp that divides {n}")
+    n_in, n_out = (n_in, n_out // tp) if how == "col" else (n_in // tp, n_out)
+    with torch.device("meta"):
+        new = type(layer)(n_out, n_in) if conv1d else nn.Linear(n_in, n_out, bias=layer.bias is not None)
+    return new.to(w.dtype)
+
+
+# Megatron-LM pads the vocabulary to a multiple of 128 x tp (its make-vocab-size-divisible-by default), so each
+# GPU holds the same number of rows.
+VOCAB_MULTIPLE = 128
+
+
+def _split_vocab(module: nn.Module, tp: int) -> None:
+    """Vocabulary-parallel embedding and LM head: each GPU holds ceil(V / (128 tp)) x 128 rows of the vocabulary."""
+    get_in, get_out = getattr(module, "get_input_embeddings", None), getattr(module, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if isinstance(emb, nn.Embedding):
+        with torch.device("meta"):
+            module.set_input_embeddings(nn.Embedding(_vocab_share(emb.num_embeddings, tp), emb.embedding_dim)
+                                        .to(emb.weight.dtype))
+    head = get_out() if callable(get_out) else None
+    if isinstance(head, nn.Linear):
+        with torch.device("meta"):
+            new = nn.Linear(head.in_features, _vocab_share(head.out_features, tp), bias=head.bias is not None)
+        module.set_output_embeddings(new.to(head.weight.dtype))
+
+
+def _vocab_share(vocab: int, tp: int) -> int:
+    return math.ceil(vocab / (VOCAB_MULTIPLE * tp)) * VOCAB_MULTIPLE
+
+
+# ---------------------------------------------------------------------------------------------------------
+# composition
+
+
+@dataclass
+class ParallelPrediction:
+    """A step on ``parallelism.gpus`` GPUs: total, its parts, per-stage times, and one GPU's forecast."""
+
+    model: str
+    device: Device
+    mode: str
+    batch_size: int                      # global batch
+    seq_len: int | None
+    parallelism: Parallelism
+    latency_ms: float
+    parts: dict[str, float]              # compute, tp_comm, pp_p2p, pp_bubble, dp_allreduce, optimizer (ms)
+    stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms
+    per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
+    roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def summary(self) -> str:
+        par = self.parallelism
+        lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}"
+                 + (f", seq {self.seq_len}" if self.seq_len else "")
+                 + f" on {par.gpus} x {self.device.name} (dp {par.dp}, tp {par.tp}, pp {par.pp}, "
+                   f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
+                 f"total: {self.latency_ms:,.2f} ms"]
+        lines.append("parts: " + " | ".join(f"{k} {v:,.2f} ms" for k, v in self.parts.items() if v > 0))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len: int | None = None,
+                     mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
+                     head: str | None = None, optimizer: str | None = None, predictor: Any = None,
+                     fused: bool = False, **trace_kwargs: Any) -> ParallelPrediction:
+    """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
+
+    ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
+    = forward + backward (+ the gradient all-reduce when dp > 1, + ``optimizer`` if given); inference = forward.
+
+    Examples
+    --------
+    >>> p = predict_parallel("gpt2", "h100-sxm5-80gb", batch_size=8, seq_len=128, dp=2, tp=2)
+    >>> p.parallelism.gpus, p.parts["tp_comm"] > 0, p.parts["dp_allreduce"] > 0
+    (4, True, True)
+    """
+    from neusight.api import predict_graph
+    from neusight.graph.tracer import trace
+
+    par = Parallelism(dp, tp, pp, microbatches)
+    device = load_device(device)
+    if batch_size % (dp * microbatches):
+        raise InputError(f"batch_size={batch_size} does not split into dp={dp} replicas x {microbatches} "
+                         f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
+    micro = batch_size // (dp * microbatches)
+    g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if mode == "training" else None,
+              tensor_parallel=tp, **trace_kwargs)
+    one = predict_graph(g, device, predictor, fused=fused)
+    k = one.kernels
+    stage = _stages(k, pp)
+    tokens, hidden = _activation_shape(k) if tp > 1 or pp > 1 else (0.0, 0.0)
+    act_bytes = tokens * hidden * 4.0                    # FP32 activations of one micro-batch
+    training = mode == "training"
+
+    parts, stages = _compose(k, stage, "latency_ms", par, training, act_bytes, device)
+    roofline, _ = _compose(k, stage, "roofline_ms", par, training, act_bytes, device)
+    grad_bytes = sum(t.numel * t.itemsize for t in g.grads) / pp
+    parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
+    parts["optimizer"] = float(k.loc[k["phase"] == "optimizer", "latency_ms"].sum()) / pp
+    roofline_ms = sum(roofline.values()) + parts["dp_allreduce"]
+    notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
+                                 "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
+    return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
+                              one, roofline_ms, notes)
+
+
+def _compose(k: pd.DataFrame, stage: pd.Series, column: str, par: Parallelism, training: bool, act_bytes: float,
+             device: Device) -> tuple[dict[str, float], pd.DataFrame]:
+    """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule."""
+    blocks = _blocks(k)
+    rows = []
+    for s in range(par.pp):
+        mine = k[stage == s]
+        n_blocks = sum(1 for b in blocks if b * par.pp // max(len(blocks), 1) == s)
+        per_block = 4 if training else 2                 # all-reduces per block: 2 forward (+ 2 backward)
+        tp_calls = n_blocks * per_block + (1 if s == 0 else 0)   # + the vocabulary-parallel embedding's
+        rows.append({"stage": s, "blocks": n_blocks,
+                     "forward_ms": float(mine.loc[mine["phase"].isin(("forward", "loss")), column].sum()),
+                     "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
+                     "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device),
+                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device) * (s < par.pp - 1)})
+    stages = pd.DataFrame(rows)
+    slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1)
+    slowest = stages.loc[int(slot.idxmax())]
+    m = par.microbatches
+    parts = {"compute": m * float(slowest["forward_ms"] + slowest["backward_ms"]),
+             "tp_comm": m * float(slowest["tp_comm_ms"]), "pp_p2p": m * float(slowest["p2p_ms"]),
+             "pp_bubble": (par.pp - 1) * float(slot.max())}
+    return parts, stages
+
+
+def _blocks(k: pd.DataFrame) -> list[int]:
+    idx = k["module"].astype(str).str.extract(_BLOCK, expand=False).dropna().astype(int)
+    return sorted(set(idx))
+
+
+def _stages(k: pd.DataFrame, pp: int) -> pd.Series:
+    """Pipeline stage of every kernel: its block's (blocks split evenly), else the first stage for what runs
+    before the first block in the forward pass (embeddings) and after the last one in the backward pass (their
+    gradients), the last stage for the rest (final norm, head, loss) and the optimizer spread evenly."""
+    block = k["module"].astype(str).str.extract(_BLOCK, expand=False).astype(float)
+    n = int(block.max()) + 1 if block.notna().any() else 1
+    stage = (block * pp // n).where(block.notna())
+    in_block = block.notna()
+    fwd, bwd = k["phase"] == "forward", k["phase"] == "backward"
+    first_fwd = k.loc[fwd & in_block, "op_index"].min() if (fwd & in_block).any() else math.inf
+    last_bwd = k.loc[bwd & in_block, "op_index"].max() if (bwd & in_block).any() else -math.inf
+    early = (fwd & (k["op_index"] < first_fwd)) | (bwd & (k["op_index"] > last_bwd))
+    stage = stage.where(in_block, (~early) * (pp - 1))
+    return stage.fillna(pp - 1).astype(int)
+
+
+def _activation_shape(k: pd.DataFrame) -> tuple[float, float]:
+    """(tokens, hidden) of one micro-batch: the rows and width of the model's first layer norm."""
+    ln = k[(k["family"] == "layernorm") & (k["phase"] == "forward")]
+    if ln.empty:
+        raise ModelError("tensor / pipeline parallelism needs a transformer with layer norms (their width is the "
+                         "activation each GPU exchanges); this model has none. Fix: use dp only")
+    rows, cols = ln["dims"].iloc[0]
+    return float(rows), float(cols)

@@ -1,0 +1,99 @@
+"""Multi-GPU forecasts: the Megatron-style split of a block, the collective formulas, how the parts compose,
+the bad inputs, and multi-GPU label runs through the evaluation protocol."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import neusight
+from neusight.devices import load_device
+from neusight.errors import InputError, ModelError
+from neusight.evaluate import find_labels, predict_label
+from neusight.parallel import Parallelism, allreduce_ms, p2p_ms, predict_parallel
+from tests.conftest import DATASET, need_shared
+
+
+def _gemm_flops(g) -> float:
+    k = g.kernels
+    return float(k.loc[k["family"].isin(["linear", "bmm"]), "flops"].sum())
+
+
+def test_option_names_parse_and_bad_ones_are_refused():
+    assert Parallelism.from_option("dp4") == Parallelism(dp=4)
+    assert Parallelism.from_option("tp2") == Parallelism(tp=2)
+    assert Parallelism.from_option("pp4_8") == Parallelism(pp=4, microbatches=8)
+    assert Parallelism(dp=2, tp=2, pp=2).gpus == 8
+    with pytest.raises(InputError, match="'fusion'"):
+        Parallelism.from_option("fusion")
+    with pytest.raises(InputError, match="tp=0"):
+        Parallelism(tp=0)
+
+
+def test_collectives_follow_the_ring_formulas():
+    h100 = load_device("h100-sxm5-80gb")          # 900 GB/s bidirectional NVLink -> 450 GB/s one way
+    # all-reduce of 1 GB over 4 GPUs: 2 x 3/4 x 1e9 B / (450e9 x 0.8 B/s) = 4.1667 ms, + 2 x 3 steps x 5 us
+    assert allreduce_ms(1e9, 4, h100) == pytest.approx(4.16667 + 0.03, rel=1e-4)
+    assert allreduce_ms(1e9, 1, h100) == 0.0
+    # point to point: 1e9 / 360e9 s = 2.7778 ms + 5 us
+    assert p2p_ms(1e9, h100) == pytest.approx(2.7778 + 0.005, rel=1e-4)
+
+
+def test_tensor_parallel_shard_halves_the_gemm_work():
+    whole = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None)
+    half = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None, tensor_parallel=2)
+    # every block GEMM and attention head splits in two; the LM head keeps ceil(50257 / 256) x 128 = 25,216
+    # vocabulary rows instead of 25,128.5 (Megatron's padding), so the ratio sits a little above 1/2
+    ratio = _gemm_flops(half) / _gemm_flops(whole)
+    assert 0.5 < ratio < 0.505
+    # layer norms stay whole on every GPU
+    ln = lambda g: g.kernels.loc[g.kernels["family"] == "layernorm", "flops"].sum()  # noqa: E731
+    assert ln(half) == ln(whole)
+
+
+def test_one_gpu_is_the_single_gpu_forecast():
+    one = predict_parallel("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128)
+    single = neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", optimizer=None,
+                              memory=False)
+    assert one.latency_ms == pytest.approx(single.latency_ms, rel=1e-9)
+    assert one.parts["tp_comm"] == one.parts["pp_bubble"] == one.parts["dp_allreduce"] == 0
+
+
+def test_parts_compose_as_the_schedule_says():
+    kw = dict(batch_size=8, seq_len=128, device="h100-sxm5-80gb")
+    dp = predict_parallel("gpt2", dp=2, **kw)
+    half = predict_parallel("gpt2", **{**kw, "batch_size": 4})
+    # each replica runs half the batch, then all-reduces its FP32 gradients
+    assert dp.parts["compute"] == pytest.approx(half.parts["compute"])
+    n_params = sum(t.numel for t in dp.per_gpu.graph.grads)
+    assert dp.parts["dp_allreduce"] == pytest.approx(allreduce_ms(4.0 * n_params, 2, load_device("h100-sxm5-80gb")))
+    # a pipeline of 4 stages: the bubble is 3 slots of the slowest stage, and its share falls with more micro-batches
+    few, many = (predict_parallel("gpt2", pp=4, microbatches=m, **kw) for m in (2, 8))
+    slot = few.stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1).max()
+    assert few.parts["pp_bubble"] == pytest.approx(3 * slot)
+    assert many.parts["pp_bubble"] / many.latency_ms < few.parts["pp_bubble"] / few.latency_ms
+    assert list(few.stages["blocks"]) == [3, 3, 3, 3]      # GPT-2's 12 blocks over 4 stages
+    tp = predict_parallel("gpt2", tp=2, **kw)
+    assert tp.parts["tp_comm"] > 0 and tp.parts["compute"] < predict_parallel("gpt2", **kw).parts["compute"]
+
+
+def test_bad_parallel_runs_say_what_to_change():
+    with pytest.raises(InputError, match="does not divide the 12 attention heads"):
+        predict_parallel("gpt2", "t4", batch_size=2, seq_len=64, tp=5)
+    with pytest.raises(ModelError, match="tensor parallelism is modelled for"):
+        predict_parallel("resnet18", "t4", batch_size=2, tp=2)
+    with pytest.raises(InputError, match="batch_size=6 does not split"):
+        predict_parallel("gpt2", "t4", batch_size=6, seq_len=64, dp=4)
+
+
+def test_multi_gpu_label_runs_are_found_on_request_and_forecast(tmp_path):
+    need_shared(DATASET)
+    gpu = tmp_path / "labels" / "NVIDIA_H100_80GB_HBM3"
+    gpu.mkdir(parents=True)
+    (tmp_path / "models").symlink_to(DATASET / "models")
+    (gpu / "bert_large-train-512-8-dp4.json").write_text(json.dumps({"e2e_latency": 100.0}))
+    assert find_labels(tmp_path) == []
+    (run,) = find_labels(tmp_path, options=("parallel",))
+    res = predict_label(run)
+    assert run.option == "dp4" and res["predicted_ms"] > 0 and res["roofline_ms"] < res["predicted_ms"]
