@@ -171,15 +171,19 @@ def _split_vocab(module: nn.Module, tp: int) -> None:
     """Vocabulary-parallel embedding and LM head: each GPU holds ceil(V / (128 tp)) x 128 rows of the vocabulary."""
     get_in, get_out = getattr(module, "get_input_embeddings", None), getattr(module, "get_output_embeddings", None)
     emb = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    tied = isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) and head.weight is emb.weight
     if isinstance(emb, nn.Embedding):
         with torch.device("meta"):
-            module.set_input_embeddings(nn.Embedding(_vocab_share(emb.num_embeddings, tp), emb.embedding_dim)
-                                        .to(emb.weight.dtype))
-    head = get_out() if callable(get_out) else None
+            emb = nn.Embedding(_vocab_share(emb.num_embeddings, tp), emb.embedding_dim).to(emb.weight.dtype)
+        module.set_input_embeddings(emb)
     if isinstance(head, nn.Linear):
         with torch.device("meta"):
             new = nn.Linear(head.in_features, _vocab_share(head.out_features, tp), bias=head.bias is not None)
-        module.set_output_embeddings(new.to(head.weight.dtype))
+        new = new.to(head.weight.dtype)
+        if tied:   # the LM head shares the embedding's weight, as before the split
+            new.weight = emb.weight
+        module.set_output_embeddings(new)
 
 
 def _vocab_share(vocab: int, tp: int) -> int:
@@ -206,6 +210,16 @@ class ParallelPrediction:
     per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
     roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
     notes: tuple[str, ...] = field(default_factory=tuple)
+    memory_breakdown: dict[str, float] | None = None   # bytes on the busiest GPU (the first stage), approximate
+
+    @property
+    def memory_peak_bytes(self) -> float | None:
+        return None if self.memory_breakdown is None else float(sum(self.memory_breakdown.values()))
+
+    @property
+    def memory_fits(self) -> bool | None:
+        peak = self.memory_peak_bytes
+        return None if peak is None else peak <= self.device.memory_bytes
 
     def summary(self) -> str:
         par = self.parallelism
@@ -215,6 +229,9 @@ class ParallelPrediction:
                    f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
                  f"total: {self.latency_ms:,.2f} ms"]
         lines.append("parts: " + " | ".join(f"{k} {v:,.2f} ms" for k, v in self.parts.items() if v > 0))
+        if self.memory_breakdown is not None:
+            lines.append(f"memory per GPU (first stage, approximate): {self.memory_peak_bytes / 2**30:,.1f} GiB of "
+                         f"{self.device.memory_gib:g} GiB: {'fits' if self.memory_fits else 'does NOT fit'}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -222,11 +239,14 @@ class ParallelPrediction:
 def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len: int | None = None,
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
-                     fused: bool = False, **trace_kwargs: Any) -> ParallelPrediction:
+                     fused: bool = False, memory: bool = True, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
     = forward + backward (+ the gradient all-reduce when dp > 1, + ``optimizer`` if given); inference = forward.
+    With ``memory``, the busiest GPU's memory: the single-GPU forecast of one micro-batch on the tensor-parallel
+    shard, with weights, gradients and optimizer state divided among the ``pp`` stages and the activations of
+    min(microbatches, pp) micro-batches in flight on the first stage (1F1B), each holding 1 / pp of the layers.
 
     Examples
     --------
@@ -258,10 +278,18 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
     parts["optimizer"] = float(k.loc[k["phase"] == "optimizer", "latency_ms"].sum()) / pp
     roofline_ms = sum(roofline.values()) + parts["dp_allreduce"]
+    breakdown = None
+    if memory:
+        from neusight.memory import estimate_memory
+
+        b = estimate_memory(g, device).breakdown
+        in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
+        breakdown = {key: v / pp if key in ("weights", "gradients", "optimizer") else
+                     v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
     return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
-                              one, roofline_ms, notes)
+                              one, roofline_ms, notes, breakdown)
 
 
 def _compose(k: pd.DataFrame, stage: pd.Series, column: str, par: Parallelism, training: bool, act_bytes: float,

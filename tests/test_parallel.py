@@ -97,3 +97,17 @@ def test_multi_gpu_label_runs_are_found_on_request_and_forecast(tmp_path):
     (run,) = find_labels(tmp_path, options=("parallel",))
     res = predict_label(run)
     assert run.option == "dp4" and res["predicted_ms"] > 0 and res["roofline_ms"] < res["predicted_ms"]
+
+
+def test_memory_per_gpu_divides_the_state_among_stages_and_shards():
+    kw = dict(batch_size=4, seq_len=64, optimizer="adamw", device="a100-80gb-pcie")
+    one = predict_parallel("gpt2", **kw)
+    single = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=4, seq_len=64, mode="training")
+    assert one.memory_peak_bytes == pytest.approx(single.memory.peak_bytes)
+    two = predict_parallel("gpt2", pp=2, microbatches=2, **kw)
+    # weights, gradients and Adam state split over 2 stages; each micro-batch holds half the batch
+    for part in ("weights", "gradients", "optimizer"):
+        assert two.memory_breakdown[part] == pytest.approx(one.memory_breakdown[part] / 2)
+    tp = predict_parallel("gpt2", tp=2, **kw)
+    assert tp.memory_breakdown["weights"] < 0.6 * one.memory_breakdown["weights"]
+    assert one.memory_fits and predict_parallel("gpt2", memory=False, **kw).memory_peak_bytes is None

@@ -344,12 +344,13 @@ def _parallel(cfg: PredictConfig) -> float:
         p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=cfg.optimizer,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
-                             image_size=cfg.image_size, dtype=cfg.dtype)
+                             image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory)
         print(("\n" if i else "") + p.summary())
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
         records.append({"device": p.device.key, "gpus": p.parallelism.gpus, "latency_ms": p.latency_ms,
-                        **{f"{k}_ms": v for k, v in p.parts.items()}})
+                        **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
+                        "memory_fits": p.memory_fits})
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
     return float(records[0]["latency_ms"])
