@@ -11,7 +11,8 @@ intermediate tensors never reach DRAM. That is the whole model here:
    (union-find over storages; a storage is re-versioned on every write, so a reused address or an in-place
    update never links unrelated kernels).
 3. A group becomes one kernel: FLOPs summed; bytes = inputs read from outside the group (each storage version
-   once, at most its size and at most what the reading kernel was traced to move) + outputs read after the group or kept alive at the end (the model's outputs).
+   once, at most its size and at most what the reading kernel was traced to move) + outputs read after the
+   group, kept alive at the end (the model's outputs) or never read in the trace (gradients).
    Its family is the strongest reduction in it (softmax, then layer norm, then batch norm, reduction,
    pooling), else elementwise; its dims are those of the group's biggest kernel of that family.
 
@@ -131,8 +132,10 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
             for s, v, b in reads[i]:
                 if produced.get((s, v)) not in ops:
                     read[(s, v)] = max(read.get((s, v), 0), b)
+        # written: what is read after the group, kept at the end, or never read again (a gradient the optimizer
+        # or the next step takes; the trace does not see those readers)
         written = sum(b for i in members for s, v, b in writes[i]
-                      if (s, v) in held or readers.get((s, v), set()) - ops)
+                      if (s, v) in held or readers.get((s, v), set()) - ops or not readers.get((s, v)))
         rows.append(_group_row(pd.concat([by_op[i] for i in sorted(members)]), sum(read.values()) + written))
     kept = k[~k["op_index"].isin(replaced)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
