@@ -36,6 +36,8 @@ BAD = {
     "trace-batch-0": (("neusight-trace", "model=gpt2", "batch_size=0"), "batch_size=0"),
     "trace-negative-seq": (("neusight-trace", "model=gpt2", "seq_len=-4"), "seq_len=-4"),
     "evaluate-unknown-gpu": (("neusight-evaluate", "labels.gpus=[h999]", "cnn.enabled=false"), "h999"),
+    "evaluate-unknown-option": (("neusight-evaluate", "labels.options=[dp4]", "cnn.enabled=false"), "'dp4'"),
+    "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
 }
 
 
@@ -126,3 +128,14 @@ def test_predict_pictures_layers_and_max_batch(tmp_path):
     assert pngs == ["t4_layers.png", "t4_memory_timeline.png", "t4_roofline.png", "t4_time_roofline.png"]
     assert (tmp_path / "layers.csv").read_text().startswith("layer,") or "time_ms" in (tmp_path / "layers.csv").read_text()
     assert "largest batch that fits on NVIDIA T4" in r.stdout
+
+
+def test_predict_on_several_gpus_prints_the_parts_and_writes_json(tmp_path):
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=h100-sxm5-80gb", "batch_size=4",
+                        "seq_len=64", "mode=training", "optimizer=null", "dp=2", "pp=2", "microbatches=2",
+                        "json=parallel.json", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "on 4 x NVIDIA H100 SXM5 80GB (dp 2, tp 1, pp 2" in r.stdout and "pp_bubble" in r.stdout
+    (rec,) = json.loads((tmp_path / "run" / "parallel.json").read_text())
+    assert rec["gpus"] == 4 and rec["latency_ms"] > rec["compute_ms"] > 0 and rec["memory_fits"] is True

@@ -51,7 +51,7 @@ class LabelsConfig:
     models: Optional[list[str]] = None     # label model names (gpt2_large, bert_large, ...); null = all
     modes: Optional[list[str]] = None      # inference / training; null = both
     max_runs: Optional[int] = None         # the first n runs after filtering (smoke tests)
-    options: list[str] = field(default_factory=list)   # label options to add to the plain runs: [fusion] (torch.compile)
+    options: list[str] = field(default_factory=list)   # kinds of option runs to add: fusion (torch.compile), parallel (-dp/-tp/-pp)
 
 
 @dataclass

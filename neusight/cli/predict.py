@@ -336,9 +336,14 @@ def _app(cfg: PredictConfig) -> float:
 
 def _parallel(cfg: PredictConfig) -> float:
     """A multi-GPU forecast per GPU type of ``cfg.device`` (neusight.parallel); JSON of the parts on request."""
+    from neusight.errors import InputError
     from neusight.parallel import predict_parallel
     from neusight.util import atomic_write_text
 
+    unsupported = [k for k in ("csv", "layers_csv", "plot") if getattr(cfg, k)] + (["find_max_batch"] if cfg.find_max_batch else [])
+    if unsupported:
+        raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
+                         "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
     records = []
     for i, dev in enumerate(_devices(cfg.device)):
         p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
