@@ -4,8 +4,8 @@ down before any measurement of them is seen. Writes docs/unseen.md.
     python scripts/forecast_unseen.py                 # ~1 min on 2 cores
     python scripts/forecast_unseen.py --out /tmp/unseen.md
 
-Every plain label configuration of the dataset (model, mode, sequence, batch; the union over its GPUs, NVIDIA and
-AMD) is predicted with the label protocol (``neusight.evaluate.predict_label``) on each left-out GPU, from its
+Every plain and ``-fusion`` (torch.compile) label configuration of the dataset (model, mode, sequence, batch;
+the union over its GPUs, NVIDIA and AMD) is predicted with the label protocol (``neusight.evaluate.predict_label``) on each left-out GPU, from its
 spec file alone, with the shipped predictor. Next to them: the measured and predicted latency of the closest GPU
 that has labels (A100-PCIE-40GB for the NVIDIA parts, MI210 for the MI250, whose one GCD has MI210's CUs,
 clocks and bandwidth), so the forecast speed-ups can be read against a measured base, and that GPU's own
@@ -43,15 +43,16 @@ def timed_ms(run, predictor, cache) -> tuple[float, float]:
 
 def forecast(dataset: Path = DATASET) -> pd.DataFrame:
     predictor = Predictor.load()
-    runs = find_labels(dataset, vendors=("nvidia", "amd"))
-    measured = {(r.device, r.model, r.mode, r.seq_len, r.batch_size): r for r in runs}
-    configs = {(r.model, r.mode, r.seq_len, r.batch_size): r for r in runs}   # one run per configuration
+    runs = find_labels(dataset, vendors=("nvidia", "amd"), options=("fusion",))
+    measured = {(r.device, r.model, r.mode, r.seq_len, r.batch_size, r.option): r for r in runs}
+    configs = {(r.model, r.mode, r.seq_len, r.batch_size, r.option or ""): r for r in runs}  # one run per configuration
     cache: dict = {}
     rows = []
-    for (model, mode, seq, batch), run in sorted(configs.items()):
+    for (model, mode, seq, batch, option), run in sorted(configs.items()):
+        mode = mode + (f"+{option}" if option else "")
         for gpu, base in UNSEEN.items():
             pred, roof = timed_ms(dataclasses.replace(run, device=gpu), predictor, cache)
-            ref = measured.get((base, model, mode, seq, batch))
+            ref = measured.get((base, run.model, run.mode, seq, batch, run.option))
             base_pred = timed_ms(ref, predictor, cache)[0] if ref else math.nan
             base_meas = ref.measured_ms if ref else math.nan
             rows.append({"model": model, "mode": mode, "seq": seq, "batch": batch, "gpu": gpu, "base_gpu": base,
@@ -74,7 +75,7 @@ def render(df: pd.DataFrame, seconds: float) -> str:
              "forecast faster).", ""]
     for gpu, d in df.groupby("gpu", sort=False):
         base = d["base_gpu"].iloc[0]
-        t = d.assign(config=d["model"] + " " + d["mode"].str[:5] + " s" + d["seq"].astype(str) + " b" + d["batch"].astype(str))
+        t = d.assign(config=d["model"] + " " + d["mode"].str.replace("inference", "infer").str.replace("training", "train") + " s" + d["seq"].astype(str) + " b" + d["batch"].astype(str))
         t = t.set_index("config")[["predicted_ms", "roofline_ms", "base_measured_ms", "base_predicted_ms",
                                     "base_error_pct", "speedup_vs_base_measured"]]
         t.columns = ["forecast ms", "roofline ms", f"{base} measured ms", f"{base} predicted ms", "base err %",
