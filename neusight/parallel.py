@@ -48,7 +48,8 @@ LINK_EFFICIENCY = 0.8
 HOP_LATENCY_S = 5e-6
 
 _OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
-_BLOCK = re.compile(r"\.(?:h|layer|layers|block)\.(\d+)(?:\.|$)")
+# a transformer block's module path: ``transformer.h.3``, ``bert.encoder.layer.3``, ``encoder.block.3``, ...
+_BLOCK = re.compile(r"^(.*?\.(?:h|layer|layers|block)\.\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -317,16 +318,23 @@ def _compose(k: pd.DataFrame, stage: pd.Series, column: str, par: Parallelism, t
     return parts, stages
 
 
+def _block_numbers(k: pd.DataFrame) -> pd.Series:
+    """Each kernel's transformer block, numbered in the order the forward pass first enters them (an encoder's
+    blocks, then a decoder's); NaN outside any block."""
+    path = k["module"].astype(str).str.extract(_BLOCK, expand=False)
+    first = k.loc[path.notna() & (k["phase"] == "forward")].groupby(path)["op_index"].min().sort_values()
+    return path.map({p: float(i) for i, p in enumerate(first.index)})
+
+
 def _blocks(k: pd.DataFrame) -> list[int]:
-    idx = k["module"].astype(str).str.extract(_BLOCK, expand=False).dropna().astype(int)
-    return sorted(set(idx))
+    return sorted(set(_block_numbers(k).dropna().astype(int)))
 
 
 def _stages(k: pd.DataFrame, pp: int) -> pd.Series:
     """Pipeline stage of every kernel: its block's (blocks split evenly), else the first stage for what runs
     before the first block in the forward pass (embeddings) and after the last one in the backward pass (their
     gradients), the last stage for the rest (final norm, head, loss) and the optimizer spread evenly."""
-    block = k["module"].astype(str).str.extract(_BLOCK, expand=False).astype(float)
+    block = _block_numbers(k)
     n = int(block.max()) + 1 if block.notna().any() else 1
     stage = (block * pp // n).where(block.notna())
     in_block = block.notna()
@@ -339,10 +347,11 @@ def _stages(k: pd.DataFrame, pp: int) -> pd.Series:
 
 
 def _activation_shape(k: pd.DataFrame) -> tuple[float, float]:
-    """(tokens, hidden) of one micro-batch: the rows and width of the model's first layer norm."""
-    ln = k[(k["family"] == "layernorm") & (k["phase"] == "forward")]
-    if ln.empty:
-        raise ModelError("tensor / pipeline parallelism needs a transformer with layer norms (their width is the "
-                         "activation each GPU exchanges); this model has none. Fix: use dp only")
-    rows, cols = ln["dims"].iloc[0]
-    return float(rows), float(cols)
+    """(tokens, hidden) of one micro-batch: the rows and the reduction width of the first projection of the first
+    block (its input is the activation the GPUs exchange)."""
+    gemm = k[(k["family"] == "linear") & (k["phase"] == "forward") & _block_numbers(k).notna()]
+    if gemm.empty:
+        raise ModelError("tensor / pipeline parallelism needs a transformer (blocks of projections whose input is "
+                         "the activation the GPUs exchange); this model has none. Fix: use dp only")
+    _, tokens, hidden, _ = gemm.sort_values("op_index")["dims"].iloc[0]
+    return float(tokens), float(hidden)

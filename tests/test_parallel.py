@@ -111,3 +111,11 @@ def test_memory_per_gpu_divides_the_state_among_stages_and_shards():
     tp = predict_parallel("gpt2", tp=2, **kw)
     assert tp.memory_breakdown["weights"] < 0.6 * one.memory_breakdown["weights"]
     assert one.memory_fits and predict_parallel("gpt2", memory=False, **kw).memory_peak_bytes is None
+
+
+def test_encoder_decoder_blocks_are_numbered_in_order_and_split_evenly():
+    # Switch-Base: 12 encoder blocks then 12 decoder blocks, both named block.0 ... block.11; the activation the
+    # stages exchange is read off the first projection (its RMS norm is no layer-norm kernel)
+    p = predict_parallel("switch-base-4", "h100-sxm5-80gb", batch_size=4, seq_len=64, pp=2, microbatches=2)
+    assert list(p.stages["blocks"]) == [12, 12]
+    assert p.parts["pp_bubble"] > 0
