@@ -22,7 +22,8 @@ in each direction, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of o
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
-Megatron-LM's own fused kernels.
+Megatron-LM's own fused kernels. Kernels go to the stage of the block the tracer attributes them to; backward
+kernels attributed outside any block (some of an encoder-decoder's) go to the last stage, which leans slow.
 """
 
 from __future__ import annotations
