@@ -9,6 +9,7 @@ classification (inference) and pre-training (training); Switch seq2seq.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -16,7 +17,9 @@ from pathlib import Path
 import pandas as pd
 
 from neusight.devices import load_device
-from neusight.errors import DataError, InputError
+from neusight.errors import DataError, DeviceError, InputError
+
+log = logging.getLogger(__name__)
 
 LABEL_RE = re.compile(r"^(?P<model>[a-z0-9_]+)-(?P<mode>inf|train)-(?P<seq>\d+)-(?P<batch>\d+)(?:-(?P<option>.+))?\.json$")
 # label model names without a config JSON under models/ -> our preset of the same architecture. L4's
@@ -81,7 +84,11 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
         raise DataError(f"{labels} does not exist; pass the neusight-asplos25 dataset folder (it holds labels/ and models/)")
     runs = []
     for gpu_dir in sorted(p for p in labels.iterdir() if p.is_dir()):
-        dev = load_device(gpu_dir.name.replace("_", " "))
+        try:
+            dev = load_device(gpu_dir.name.replace("_", " "))
+        except DeviceError as e:   # one GPU without a spec file does not stop the others' evaluation
+            log.warning("skipping the labels of %s: %s", gpu_dir.name, e)
+            continue
         if dev.vendor not in vendors:
             continue
         for f in sorted(gpu_dir.glob("*.json")):

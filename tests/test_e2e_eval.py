@@ -218,3 +218,15 @@ def test_kernel_cost_in_a_model_keeps_the_roofline_and_the_launch_floor():
     np.testing.assert_allclose(e2e_kernel_ms(roof, iso, over, 1.0), np.maximum(iso - over, over))
     tiny = e2e_kernel_ms(np.array([1e-6]), np.array([0.02]), np.array([0.02]), 0.6, 0.3)
     np.testing.assert_allclose(tiny, [0.006])          # a launch-bound kernel costs the floor, not its isolated time
+
+
+def test_find_labels_skips_a_gpu_folder_the_library_lacks(tmp_path, caplog):
+    need_shared(DATASET)
+    from neusight.evaluate import find_labels
+
+    for gpu in ("Quadro_RTX_9999", "Tesla_T4"):
+        (tmp_path / "labels" / gpu).mkdir(parents=True)
+        (tmp_path / "labels" / gpu / "bert_large-inf-512-8.json").write_text('{"e2e_latency": 100.0}')
+    (tmp_path / "models").symlink_to(DATASET / "models")
+    runs = find_labels(tmp_path)
+    assert [r.device for r in runs] == ["t4"] and "Quadro_RTX_9999" in caplog.text
