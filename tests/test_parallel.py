@@ -119,3 +119,9 @@ def test_encoder_decoder_blocks_are_numbered_in_order_and_split_evenly():
     p = predict_parallel("switch-base-4", "h100-sxm5-80gb", batch_size=4, seq_len=64, pp=2, microbatches=2)
     assert list(p.stages["blocks"]) == [12, 12]
     assert p.parts["pp_bubble"] > 0
+
+
+def test_the_same_parallel_run_gives_the_same_forecast_bit_for_bit():
+    kw = dict(batch_size=8, seq_len=64, dp=2, tp=2, pp=2, microbatches=2, memory=False)
+    a, b = (predict_parallel("gpt2", "a100-sxm4-40gb", **kw) for _ in range(2))
+    assert a.latency_ms == b.latency_ms and a.parts == b.parts
