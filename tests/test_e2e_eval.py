@@ -230,3 +230,19 @@ def test_find_labels_skips_a_gpu_folder_the_library_lacks(tmp_path, caplog):
     (tmp_path / "models").symlink_to(DATASET / "models")
     runs = find_labels(tmp_path)
     assert [r.device for r in runs] == ["t4"] and "Quadro_RTX_9999" in caplog.text
+
+
+def test_option_runs_are_their_own_mode_with_the_eager_baseline_beside_them():
+    from neusight.e2e_eval import label_frame, render_markdown
+
+    base = {"device": "l4", "gpu_dir": "NVIDIA_L4", "model": "gpt2_large", "seq_len": 1024, "batch_size": 4,
+            "measured_ms": 100.0, "predicted_ms": 110.0, "error_pct": 10.0, "roofline_ms": 70.0,
+            "roofline_error_pct": -30.0, "config": "c", "path": "p"}
+    rows = pd.DataFrame([{**base, "mode": "inference", "option": None},
+                         {**base, "mode": "inference", "option": "fusion", "error_pct": 5.0, "eager_error_pct": 40.0}])
+    labels = label_frame(rows)
+    assert list(labels["mode"]) == ["inference", "inference+fusion"]
+    md = render_markdown(labels, trained_on=())
+    assert "### NeuSight (this predictor): inference+fusion, signed % error" in md
+    assert "### Without the fusion model (the same runs as eager kernels): inference+fusion" in md
+    assert "+40.0" in md and "Without the fusion model (the same runs as eager kernels): inference," not in md
