@@ -269,13 +269,16 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
               tensor_parallel=tp, **trace_kwargs)
     one = predict_graph(g, device, predictor, fused=fused)
     k = one.kernels
-    stage = _stages(k, pp)
-    tokens, hidden = _activation_shape(k) if tp > 1 or pp > 1 else (0.0, 0.0)
+    block = _block_numbers(k)
+    stage = _stages(k, block, pp)
+    tokens, hidden = _activation_shape(k, block) if tp > 1 or pp > 1 else (0.0, 0.0)
     act_bytes = tokens * hidden * 4.0                    # FP32 activations of one micro-batch
     training = mode == "training"
+    n = int(block.max()) + 1 if block.notna().any() else 0       # blocks are numbered 0 .. n - 1
+    blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
-    parts, stages = _compose(k, stage, "latency_ms", par, training, act_bytes, device)
-    roofline, _ = _compose(k, stage, "roofline_ms", par, training, act_bytes, device)
+    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device)
+    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device)
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) / pp
     parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
     parts["optimizer"] = float(k.loc[k["phase"] == "optimizer", "latency_ms"].sum()) / pp
@@ -294,14 +297,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                               one, roofline_ms, notes, breakdown)
 
 
-def _compose(k: pd.DataFrame, stage: pd.Series, column: str, par: Parallelism, training: bool, act_bytes: float,
-             device: Device) -> tuple[dict[str, float], pd.DataFrame]:
+def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,
+             training: bool, act_bytes: float, device: Device) -> tuple[dict[str, float], pd.DataFrame]:
     """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule."""
-    blocks = _blocks(k)
     rows = []
-    for s in range(par.pp):
+    for s, n_blocks in enumerate(blocks_per_stage):
         mine = k[stage == s]
-        n_blocks = sum(1 for b in blocks if b * par.pp // max(len(blocks), 1) == s)
         per_block = 4 if training else 2                 # all-reduces per block: 2 forward (+ 2 backward)
         tp_calls = n_blocks * per_block + (1 if s == 0 else 0)   # + the vocabulary-parallel embedding's
         rows.append({"stage": s, "blocks": n_blocks,
@@ -327,15 +328,10 @@ def _block_numbers(k: pd.DataFrame) -> pd.Series:
     return path.map({p: float(i) for i, p in enumerate(first.index)})
 
 
-def _blocks(k: pd.DataFrame) -> list[int]:
-    return sorted(set(_block_numbers(k).dropna().astype(int)))
-
-
-def _stages(k: pd.DataFrame, pp: int) -> pd.Series:
+def _stages(k: pd.DataFrame, block: pd.Series, pp: int) -> pd.Series:
     """Pipeline stage of every kernel: its block's (blocks split evenly), else the first stage for what runs
     before the first block in the forward pass (embeddings) and after the last one in the backward pass (their
     gradients), the last stage for the rest (final norm, head, loss) and the optimizer spread evenly."""
-    block = _block_numbers(k)
     n = int(block.max()) + 1 if block.notna().any() else 1
     stage = (block * pp // n).where(block.notna())
     in_block = block.notna()
@@ -347,10 +343,10 @@ def _stages(k: pd.DataFrame, pp: int) -> pd.Series:
     return stage.fillna(pp - 1).astype(int)
 
 
-def _activation_shape(k: pd.DataFrame) -> tuple[float, float]:
+def _activation_shape(k: pd.DataFrame, block: pd.Series) -> tuple[float, float]:
     """(tokens, hidden) of one micro-batch: the rows and the reduction width of the first projection of the first
     block (its input is the activation the GPUs exchange)."""
-    gemm = k[(k["family"] == "linear") & (k["phase"] == "forward") & _block_numbers(k).notna()]
+    gemm = k[(k["family"] == "linear") & (k["phase"] == "forward") & block.notna()]
     if gemm.empty:
         raise ModelError("tensor / pipeline parallelism needs a transformer (blocks of projections whose input is "
                          "the activation the GPUs exchange); this model has none. Fix: use dp only")

@@ -82,7 +82,7 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
                 if t.storage not in aliased:
                     version[t.storage] = version.get(t.storage, 0) + 1
             continue
-        if r.phase != last_phase or fams & BARRIERS:
+        if r.phase != last_phase:
             seg += 1
         last_phase = r.phase
         fusible = not fams & BARRIERS
@@ -90,11 +90,11 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
         # table). Scalars and empty tensors (wrapped Python numbers, placeholders) are left out: they carry no
         # data, and they are often created outside the trace, at an address a traced tensor used before.
         cap = float(by_op[r.index]["bytes"].sum())
-        for t in r.call.tensor_args():   # a storage of another size at a known address: a tenant we did not see
+        args = r.call.tensor_args()
+        for t in args:   # a storage of another size at a known address: a tenant we did not see
             if storage_bytes.get((t.storage, version.get(t.storage, 0)), t.nbytes) != t.nbytes:
                 version[t.storage] = version.get(t.storage, 0) + 1
-        ins = [(t.storage, version.get(t.storage, 0), min(t.view_nbytes, t.nbytes, cap)) for t in r.call.tensor_args()
-               if t.numel > 1]
+        ins = [(t.storage, version.get(t.storage, 0), min(t.view_nbytes, t.nbytes, cap)) for t in args if t.numel > 1]
         reads[r.index] = ins
         for s, v, _ in ins:
             readers.setdefault((s, v), set()).add(r.index)
@@ -112,7 +112,7 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
                 src = produced.get((s, v))
                 if src is not None and src in parent and segment[src] == seg:
                     parent[find(r.index)] = find(src)
-        if not fusible:
+        else:
             seg += 1                                      # nothing fuses across a GEMM
     held = {(t.storage, version.get(t.storage, 0)) for t in g.held}
 
