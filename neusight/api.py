@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 
 from neusight.devices import Device, load_device
-from neusight.errors import DataError
+from neusight.errors import DataError, InputError
 from neusight.graph.fusion import fused_kernels
+from neusight.graph.megatron import megatron_kernels
 from neusight.graph.graph import Graph
 from neusight.graph.tracer import trace
 from neusight.memory import estimate_memory
@@ -136,20 +137,26 @@ def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms:
 
 FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops between GEMMs run as fused kernels; "
               "the memory forecast is the eager one")
+MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
+                 "(neusight.graph.megatron); other kernels as Hugging Face runs them")
 
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
-                  calibrated: bool = True, fused: bool = False) -> Prediction:
+                  calibrated: bool = True, fused: bool = False, megatron: bool = False) -> Prediction:
     """Predict an already traced graph on ``device``.
 
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
-    ``fused=True`` predicts the kernels ``torch.compile`` runs (:func:`neusight.graph.fusion.fused_kernels`).
+    ``fused=True`` predicts the kernels ``torch.compile`` runs (:func:`neusight.graph.fusion.fused_kernels`);
+    ``megatron=True`` the kernels Megatron-LM runs for the same blocks (:func:`neusight.graph.megatron.megatron_kernels`).
     """
+    if fused and megatron:
+        raise InputError("fused=True and megatron=True exclude each other (torch.compile vs Megatron-LM's own fused "
+                         "kernels). Fix: choose one")
     device = load_device(device)
     pred = load_predictor(predictor)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
-    k = (fused_kernels(g) if fused else g.kernels).reset_index(drop=True)
+    k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
     frame = pd.concat([k[["family", "kernel", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
     res = pred.predict(frame, device)
     kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
@@ -165,7 +172,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
                                           kernels["overhead_ms"].to_numpy(float), scale, floor)
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
-    notes = g.notes + ((FUSED_NOTE,) if fused else ())
+    notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,
                       kernels, g, notes, None, pred.train_devices_)
 

@@ -203,12 +203,17 @@ def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
 
 
 def _predict_parallel_label(run: LabelRun, predictor=None) -> dict:
-    """A Megatron-LM run on several GPUs (global batch as in its name), forecast by neusight.parallel."""
+    """A Megatron-LM run on several GPUs (global batch as in its name), forecast by neusight.parallel.
+
+    What its label times (the dataset's collection script, Accelerate's ``MegatronEngine``): one call of the
+    model, which runs Megatron-LM's whole ``train_step``: zeroing the gradient buffer, forward with the loss and
+    backward over the pipeline schedule, the gradient all-reduce, clipping to norm 1.0 and the AdamW step.
+    Hence ``megatron=True``."""
     from neusight.parallel import Parallelism, predict_parallel
 
     par = Parallelism.from_option(run.option)
     p = predict_parallel(run.config, run.device, run.batch_size, run.seq_len, run.mode, head=run.head,
-                         predictor=predictor, **asdict(par))
+                         predictor=predictor, megatron=True, **asdict(par))
     return {**asdict(run), "predicted_ms": p.latency_ms, "predicted_fw_ms": float("nan"),
             "predicted_bw_ms": float("nan"), "roofline_ms": p.roofline_ms,
             "error_pct": (p.latency_ms - run.measured_ms) / run.measured_ms * 100,

@@ -207,7 +207,8 @@ class ParallelPrediction:
     seq_len: int | None
     parallelism: Parallelism
     latency_ms: float
-    parts: dict[str, float]              # compute, tp_comm, pp_p2p, pp_bubble, dp_allreduce, optimizer (ms)
+    parts: dict[str, float]              # compute, tp_comm, pp_p2p, pp_bubble, dp_allreduce, embedding_allreduce,
+                                         # optimizer (ms)
     stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms
     per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
     roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
@@ -241,7 +242,8 @@ class ParallelPrediction:
 def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len: int | None = None,
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
-                     fused: bool = False, memory: bool = True, **trace_kwargs: Any) -> ParallelPrediction:
+                     fused: bool = False, megatron: bool = False, memory: bool = True,
+                     **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -249,6 +251,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     With ``memory``, the busiest GPU's memory: the single-GPU forecast of one micro-batch on the tensor-parallel
     shard, with weights, gradients and optimizer state divided among the ``pp`` stages and the activations of
     min(microbatches, pp) micro-batches in flight on the first stage (1F1B), each holding 1 / pp of the layers.
+
+    ``megatron=True`` forecasts a Megatron-LM training step as its ``train_step`` runs it: Megatron's kernels
+    (:mod:`neusight.graph.megatron`), zeroing of the gradient buffer, the loss, gradient clipping to norm 1.0
+    (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
+    stage stepping its own parameters (with pipeline stages and tied embeddings the last stage holds a copy of
+    the word embeddings, whose gradients the first and the last stage all-reduce).
 
     Examples
     --------
@@ -265,24 +273,32 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         raise InputError(f"batch_size={batch_size} does not split into dp={dp} replicas x {microbatches} "
                          f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
     micro = batch_size // (dp * microbatches)
-    g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if mode == "training" else None,
+    training = mode == "training"
+    if megatron and training:
+        optimizer = optimizer or "adamw-fused"
+        trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
+    g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
               tensor_parallel=tp, **trace_kwargs)
-    one = predict_graph(g, device, predictor, fused=fused)
+    one = predict_graph(g, device, predictor, fused=fused, megatron=megatron)
     k = one.kernels
-    block = _block_numbers(k)
+    index = _block_index(k)
+    block = _block_numbers(k, index)
     stage = _stages(k, block, pp)
     tokens, hidden = _activation_shape(k, block) if tp > 1 or pp > 1 else (0.0, 0.0)
     act_bytes = tokens * hidden * 4.0                    # FP32 activations of one micro-batch
-    training = mode == "training"
     n = int(block.max()) + 1 if block.notna().any() else 0       # blocks are numbered 0 .. n - 1
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
     parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device)
     roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device)
-    grad_bytes = sum(t.numel * t.itemsize for t in g.grads) / pp
+    share, tied_bytes = _stage_parameters(g, index, n, pp)
+    grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
     parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
-    parts["optimizer"] = float(k.loc[k["phase"] == "optimizer", "latency_ms"].sum()) / pp
-    roofline_ms = sum(roofline.values()) + parts["dp_allreduce"]
+    parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device) if training and megatron and pp > 1 else 0.0
+    opt = k["phase"] == "optimizer"
+    parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * share
+    roofline_ms = (sum(roofline.values()) + parts["dp_allreduce"] + parts["embedding_allreduce"]
+                   + float(k.loc[opt, "roofline_ms"].sum()) * share)
     breakdown = None
     if memory:
         from neusight.memory import estimate_memory
@@ -314,18 +330,56 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
     slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
     m = par.microbatches
+    # 1F1B (and GPipe): the first micro-batch crosses every stage forward and back, the other m - 1 follow at
+    # the pace of the slowest stage: sum of the stages' slots + (m - 1) x the slowest. The bubble is the sum's
+    # excess over one slowest slot ((pp - 1) slots when the stages are balanced).
     parts = {"compute": m * float(slowest["forward_ms"] + slowest["backward_ms"]),
              "tp_comm": m * float(slowest["tp_comm_ms"]), "pp_p2p": m * float(slowest["p2p_ms"]),
-             "pp_bubble": (par.pp - 1) * float(slot.max())}
+             "pp_bubble": float(slot.sum() - slot.max())}
     return parts, stages
 
 
-def _block_numbers(k: pd.DataFrame) -> pd.Series:
-    """Each kernel's transformer block, numbered in the order the forward pass first enters them (an encoder's
-    blocks, then a decoder's); NaN outside any block."""
+def _block_index(k: pd.DataFrame) -> dict[str, float]:
+    """Transformer block module path -> its number, in the order the forward pass first enters the blocks (an
+    encoder's blocks, then a decoder's)."""
     path = k["module"].astype(str).str.extract(_BLOCK, expand=False)
     first = k.loc[path.notna() & (k["phase"] == "forward")].groupby(path)["op_index"].min().sort_values()
-    return path.map({p: float(i) for i, p in enumerate(first.index)})
+    return {p: float(i) for i, p in enumerate(first.index)}
+
+
+def _block_numbers(k: pd.DataFrame, index: dict[str, float]) -> pd.Series:
+    """Each kernel's transformer block number (:func:`_block_index`); NaN outside any block."""
+    return k["module"].astype(str).str.extract(_BLOCK, expand=False).map(index)
+
+
+_WORD_EMBEDDING = re.compile(r"(?:^|\.)(?:wte|embed_tokens|word_embeddings|shared)\.weight$")
+_OUTPUT_WEIGHT = re.compile(r"(?:^|\.)(?:lm_head|decoder)\.weight$")
+
+
+def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple[float, float]:
+    """(share of the traced parameters the busiest pipeline stage holds, bytes of the word embedding that stage
+    pair all-reduces). Blocks' parameters go with their block's stage, embeddings with the first stage, the rest
+    (final norm, an untied head) with the last; with pp > 1 a tied word embedding is also held by the last stage
+    (Megatron-LM keeps a copy there for the output layer). Without parameter names: 1 / pp."""
+    sizes = [t.numel * t.itemsize for t in g.params]
+    total = float(sum(sizes))
+    if pp == 1 or not g.param_names or total == 0:
+        return 1.0 / pp, 0.0
+    held = [0.0] * pp
+    word = 0.0
+    tied = not any(_OUTPUT_WEIGHT.search(name) for name in g.param_names)
+    for name, size in zip(g.param_names, sizes):
+        m = _BLOCK.match(name)
+        if m and m.group(1) in index and n:
+            held[int(index[m.group(1)]) * pp // n] += size
+        elif "embed" in name or _WORD_EMBEDDING.search(name) or re.search(r"(?:^|\.)w[pt]e\.", name):
+            held[0] += size
+            if tied and _WORD_EMBEDDING.search(name):
+                word = float(size)
+        else:
+            held[-1] += size
+    held[-1] += word
+    return max(held) / total, word
 
 
 def _stages(k: pd.DataFrame, block: pd.Series, pp: int) -> pd.Series:

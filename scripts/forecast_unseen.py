@@ -10,6 +10,12 @@ spec file alone, with the shipped predictor. Next to them: the measured and pred
 that has labels (A100-PCIE-40GB for the NVIDIA parts, MI210 for the MI250, whose one GCD has MI210's CUs,
 clocks and bandwidth), so the forecast speed-ups can be read against a measured base, and that GPU's own
 prediction error shows how far off the same machinery was where it could be checked.
+
+Then the multi-GPU runs: the nine Megatron-LM training configurations the dataset's collection script runs on
+four NVLink GPUs (GPT-2 Large at global batch 4 and 16, sequence 1024; GPT-3 XL at batch 4, sequence 2048; each
+as dp4, tp4 and pp4 with one micro-batch), forecast on 4 x A100-SXM4-40GB and 4 x H100 SXM5 as their labels time
+them (``neusight.evaluate._predict_parallel_label``: the whole Megatron-LM ``train_step``). No GPU with labels
+ran these, so there is no base to read them against.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ DATASET = REPO.parent / "shared" / "datasets" / "neusight-asplos25"
 # left-out GPU -> the GPU with labels it is read against
 UNSEEN = {"h100-sxm5-80gb": "a100-pcie-40gb", "a100-80gb-pcie": "a100-pcie-40gb",
           "a100-sxm4-40gb": "a100-pcie-40gb", "mi250": "mi210"}
+# the Megatron-LM runs of the dataset's collection script (model, global batch, sequence) x (dp4, tp4, pp4_1),
+# on the left-out GPUs that come as 4-GPU NVLink machines
+MEGATRON_RUNS = [("gpt2_large", 4, 1024), ("gpt2_large", 16, 1024), ("gpt3_xl", 4, 2048)]
+MEGATRON_OPTIONS = ("dp4", "tp4", "pp4_1")
+MEGATRON_GPUS = ("a100-sxm4-40gb", "h100-sxm5-80gb")
 
 
 def timed_ms(run, predictor, cache) -> tuple[float, float]:
@@ -61,6 +72,38 @@ def forecast(dataset: Path = DATASET) -> pd.DataFrame:
                          "base_error_pct": (base_pred - base_meas) / base_meas * 100,
                          "speedup_vs_base_measured": base_meas / pred})
     return pd.DataFrame(rows)
+
+
+def forecast_megatron(dataset: Path = DATASET) -> pd.DataFrame:
+    """The Megatron-LM runs of MEGATRON_RUNS x MEGATRON_OPTIONS on MEGATRON_GPUS, with their parts."""
+    from neusight.evaluate import LabelRun, predict_label
+
+    predictor = Predictor.load()
+    rows = []
+    for gpu in MEGATRON_GPUS:
+        for model, batch, seq in MEGATRON_RUNS:
+            for option in MEGATRON_OPTIONS:
+                run = LabelRun(gpu_dir="(not measured)", device=gpu, model=model,
+                               config=str(dataset / "models" / f"{model}.json"), mode="training", seq_len=seq,
+                               batch_size=batch, option=option, measured_ms=math.nan, measured_fw_ms=math.nan,
+                               measured_bw_ms=math.nan, path="(not measured)")
+                res = predict_label(run, predictor)
+                rows.append({"gpu": gpu, "model": model, "seq": seq, "batch": batch, "option": option,
+                             "predicted_ms": res["predicted_ms"], "roofline_ms": res["roofline_ms"]})
+    return pd.DataFrame(rows)
+
+
+def render_megatron(df: pd.DataFrame) -> str:
+    t = df.assign(config=df["model"] + " s" + df["seq"].astype(str) + " b" + df["batch"].astype(str))
+    table = t.pivot_table(index="config", columns=["gpu", "option"], values="predicted_ms", sort=False)
+    table.columns = [f"{g} {o} ms" for g, o in table.columns]
+    return "\n".join(["## Megatron-LM on 4 NVLink GPUs (training step)", "",
+                      "Forecast ms of one Megatron-LM `train_step` (zeroing, forward with the loss, backward, gradient "
+                      "all-reduce, clipping, fused AdamW) on 4 GPUs, global batch as given; dp4 = 4 replicas of "
+                      "batch / 4, tp4 = each block split over 4 GPUs, pp4_1 = 4 pipeline stages, one micro-batch "
+                      "(the stages run one after another). Modelled, never checked against a multi-GPU "
+                      "measurement (see neusight/parallel.py for the collective model).", "",
+                      markdown_table(table.reset_index(), index=False), ""])
 
 
 def render(df: pd.DataFrame, seconds: float) -> str:
@@ -99,7 +142,9 @@ def main() -> None:
     quiet_third_party_logs()
     t0 = time.time()
     df = forecast(args.dataset)
-    text = render(df, time.time() - t0)
+    meg = forecast_megatron(args.dataset)
+    text = render(df, time.time() - t0).replace(" forecasts in ", f" + {len(meg)} multi-GPU forecasts in ", 1)
+    text += "\n" + render_megatron(meg)
     atomic_write_text(args.out, text + "\n")
     print(text)
 

@@ -68,11 +68,17 @@ def test_parts_compose_as_the_schedule_says():
     assert dp.parts["compute"] == pytest.approx(half.parts["compute"])
     n_params = sum(t.numel for t in dp.per_gpu.graph.grads)
     assert dp.parts["dp_allreduce"] == pytest.approx(allreduce_ms(4.0 * n_params, 2, load_device("h100-sxm5-80gb")))
-    # a pipeline of 4 stages: the bubble is 3 slots of the slowest stage, and its share falls with more micro-batches
-    few, many = (predict_parallel("gpt2", pp=4, microbatches=m, **kw) for m in (2, 8))
-    slot = few.stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1).max()
-    assert few.parts["pp_bubble"] == pytest.approx(3 * slot)
+    # a pipeline of 4 stages: the first micro-batch crosses every stage, the others follow at the slowest stage's
+    # pace; the bubble's share falls with more micro-batches
+    one, few, many = (predict_parallel("gpt2", pp=4, microbatches=m, **kw) for m in (1, 2, 8))
+    slots = few.stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1)
+    assert few.parts["pp_bubble"] == pytest.approx(slots.sum() - slots.max())
+    assert few.latency_ms == pytest.approx(slots.sum() + slots.max() + few.parts["dp_allreduce"])
     assert many.parts["pp_bubble"] / many.latency_ms < few.parts["pp_bubble"] / few.latency_ms
+    # one micro-batch: the stages run one after the other, the whole model once plus the hand-offs (unbalanced
+    # stages, e.g. the last with the LM head, do not stretch every slot to the slowest)
+    whole = predict_parallel("gpt2", **kw)
+    assert one.latency_ms == pytest.approx(whole.parts["compute"] + one.stages["p2p_ms"].sum(), rel=1e-9)
     assert list(few.stages["blocks"]) == [3, 3, 3, 3]      # GPT-2's 12 blocks over 4 stages
     tp = predict_parallel("gpt2", tp=2, **kw)
     assert tp.parts["tp_comm"] > 0 and tp.parts["compute"] < predict_parallel("gpt2", **kw).parts["compute"]
@@ -125,3 +131,26 @@ def test_the_same_parallel_run_gives_the_same_forecast_bit_for_bit():
     kw = dict(batch_size=8, seq_len=64, dp=2, tp=2, pp=2, microbatches=2, memory=False)
     a, b = (predict_parallel("gpt2", "a100-sxm4-40gb", **kw) for _ in range(2))
     assert a.latency_ms == b.latency_ms and a.parts == b.parts
+
+
+def test_megatron_step_has_its_kernels_clipping_fused_adam_and_per_stage_parameters():
+    kw = dict(batch_size=4, seq_len=128, device="a100-sxm4-40gb", memory=False)
+    meg = predict_parallel("gpt2", megatron=True, **kw)
+    k = meg.per_gpu.kernels
+    # fused bias-GeLU: one kernel per block and phase, where Hugging Face runs a chain of elementwise kernels
+    fused = k[k["kernel"] == "megatron"]
+    assert sorted(fused["phase"].value_counts().to_dict().items()) == [("backward", 12), ("forward", 12)]
+    assert not (k["module"].str.endswith("mlp.act") & (k["kernel"] != "megatron")).any()
+    # the step: clip (norm + scale), one fused AdamW kernel, the buffer's memset
+    opt = k[k["phase"] == "optimizer"]["aten_op"].tolist()
+    assert {"aten._foreach_norm.Scalar", "aten._foreach_mul_.Tensor", "aten._fused_adamw_.default",
+            "aten._foreach_zero_.default"} <= set(opt)
+    assert meg.parts["optimizer"] > 0
+    plain = predict_parallel("gpt2", **kw)
+    assert plain.parts["optimizer"] == 0 and meg.parts["compute"] < plain.parts["compute"]
+    # two stages: the busiest holds more than half the parameters (embeddings, and the last stage's copy of the
+    # tied word embedding), whose gradients the first and last stage all-reduce
+    two = predict_parallel("gpt2", pp=2, megatron=True, **kw)
+    assert two.parts["optimizer"] > meg.parts["optimizer"] / 2
+    wte = 50257 * 768 * 4
+    assert two.parts["embedding_allreduce"] == pytest.approx(allreduce_ms(wte, 2, load_device("a100-sxm4-40gb")))

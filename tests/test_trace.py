@@ -157,3 +157,19 @@ def test_deterministic_trace():
     a = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     b = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     assert a.equals(b)
+
+
+def test_fused_adam_clipping_and_zero_grad_are_one_pass_each():
+    """A fused AdamW step moves 28 bytes per FP32 parameter in one kernel; clipping reads the gradients once and
+    scales them (12 bytes), zeroing writes them (4 bytes); the foreach AdamW of PyTorch's default moves more."""
+    g = neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", optimizer="adamw-fused",
+                       clip_grad_norm=1.0, zero_grad=True)
+    n = sum(t.numel for t in g.params)
+    opt = g.kernels[g.kernels["phase"] == "optimizer"].set_index("aten_op")["bytes"]
+    assert opt["aten._fused_adamw_.default"] == 28 * n
+    assert opt["aten._foreach_norm.Scalar"] + opt["aten._foreach_mul_.Tensor"] == pytest.approx(12 * n, rel=1e-3)
+    assert opt["aten._foreach_zero_.default"] == 4 * n
+    foreach = neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", optimizer="adamw")
+    assert foreach.kernels.query("phase == 'optimizer'")["bytes"].sum() > 28 * n
+    with pytest.raises(InputError, match="adamw-fused"):
+        neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", optimizer="lion")

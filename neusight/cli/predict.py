@@ -51,13 +51,14 @@ class PredictConfig:
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
     mode: str = "inference"              # inference | training
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
-    optimizer: Optional[str] = "adamw"   # adamw | sgd | null (training only; null leaves the step out)
+    optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training; null: no step)
     attn_implementation: str = "eager"   # eager | sdpa
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)
     dp: int = 1                          # data-parallel replicas (batch_size is the global batch)
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
+    megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     image_size: int = 224                # vision models
     dtype: str = "float32"
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
@@ -315,7 +316,7 @@ def _app(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     quiet_third_party_logs()
-    if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1:
+    if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron:
         return _parallel(cfg)
     preds = forecast(cfg)
     for i, p in enumerate(preds):
@@ -345,9 +346,11 @@ def _parallel(cfg: PredictConfig) -> float:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
                          "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
     records = []
+    # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
+    optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     for i, dev in enumerate(_devices(cfg.device)):
         p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
-                             microbatches=cfg.microbatches, head=cfg.head, optimizer=cfg.optimizer,
+                             microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory)
         print(("\n" if i else "") + p.summary())

@@ -24,7 +24,7 @@ class TraceConfig:
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
     mode: str = "inference"              # inference | training
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
-    optimizer: Optional[str] = "adamw"   # adamw | sgd | null (training only)
+    optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training only)
     attn_implementation: str = "eager"   # eager | sdpa
     image_size: int = 224                # vision models
     dtype: str = "float32"

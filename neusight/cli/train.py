@@ -86,7 +86,7 @@ def _app(cfg: TrainConfig) -> float:
     if cfg.calibrate.enabled:
         from neusight.evaluate import find_labels, fit_e2e_scale
 
-        runs = [r for r in find_labels(cfg.calibrate.dataset) if r.device in set(df["device"])]
+        runs = [r for r in find_labels(cfg.calibrate.dataset, vendors=("nvidia", "amd")) if r.device in set(df["device"])]
         calibration = fit_e2e_scale(runs, pred)
         pred.e2e_scale_, pred.e2e_floor_ = calibration["scale"], calibration["floor"]
         log.info("end-to-end scale %.4f, launch floor %.2f x overhead, from %d label runs of %s; leave-one-GPU-out: %s",

@@ -37,6 +37,7 @@ class Graph:
     optimizer_state: list[TensorMeta] = field(default_factory=list)
     image_size: int | None = None
     held: list[TensorMeta] = field(default_factory=list)   # what the model output (and loss) keep alive
+    param_names: list[str] = field(default_factory=list)   # ``named_parameters()`` names, in the order of ``params``
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

@@ -28,7 +28,7 @@ from neusight.kernels.registry import build_kernels
 log = logging.getLogger(__name__)
 
 MODES = ("inference", "training")
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 
 # Metadata / bookkeeping ops that never reach the GPU as a kernel and need no record at all.
 _SKIP = frozenset(getattr(torch.ops.aten, n) for n in (
@@ -142,7 +142,7 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
     if mode not in MODES:
         raise InputError(f"mode={mode!r} is not known; use 'inference' or 'training'")
     if optimizer is not None and str(optimizer).lower() not in OPTIMIZERS:
-        raise InputError(f"optimizer={optimizer!r} is not known; use 'adamw', 'sgd' or None")
+        raise InputError(f"optimizer={optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)} or None")
     if built.needs_seq_len:
         if seq_len is None:
             seq_len = min(built.max_seq_len or 512, 512)
@@ -159,7 +159,8 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
 def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int = 224, input_shapes: list[tuple[int, ...]] | None = None,
-          dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1) -> Graph:
+          dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
+          clip_grad_norm: float | None = None, zero_grad: bool = False) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -172,6 +173,15 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     mode : {"inference", "training"}
         Inference: ``eval()`` and ``no_grad``. Training: ``train()`` (dropout active), forward, loss,
         ``loss.backward()`` and, unless ``optimizer=None``, one optimizer step (foreach kernels, as on CUDA).
+    optimizer : {"adamw", "adam", "sgd", "adamw-fused", "adam-fused"} or None
+        ``-fused``: the single multi-tensor kernel of ``torch.optim.AdamW(fused=True)`` (and of apex / Megatron-LM
+        FusedAdam) instead of PyTorch's default foreach kernels.
+    clip_grad_norm : float, optional
+        Clip the gradients' global L2 norm to this before the step (``torch.nn.utils.clip_grad_norm_``: one norm
+        pass over the gradients, one scaling pass), recorded in the optimizer phase.
+    zero_grad : bool
+        Record ``optimizer.zero_grad(set_to_none=False)`` after the step (a memset of every gradient), as loops
+        that keep their gradient buffers do (Megatron-LM zeroes its contiguous buffer every step).
     head : str, optional
         HF model class: ``causal-lm``, ``sequence-classification``, ``pretraining``, ``seq2seq``.
     tensor_parallel : int
@@ -226,10 +236,16 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
         with tracker, _CudaPaths(), rec:
             rec.phase = "optimizer"
+            if clip_grad_norm is not None:
+                _clip_grad_norm([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None],
+                                float(clip_grad_norm))
             opt.step()
+            if zero_grad:   # zero_grad(set_to_none=False) with foreach kernels, as on CUDA: one memset pass
+                torch._foreach_zero_([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])
         state = [TensorMeta.of(t) for st in opt.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.device.type == "meta"]
-    params = [TensorMeta.of(p) for p in module.parameters()]
+    named = list(module.named_parameters())
+    params = [TensorMeta.of(p) for _, p in named]
     grads = [TensorMeta.of(p.grad) for p in module.parameters() if p.grad is not None]
     buffers = [TensorMeta.of(b) for b in module.buffers()]
     if not include_loss:
@@ -239,7 +255,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), notes=tuple(built.notes), ops=rec.ops,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
-                 image_size=image_size if built.kind == "vision" else None)
+                 image_size=image_size if built.kind == "vision" else None, param_names=[n for n, _ in named])
 
 
 def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[TensorMeta]:
@@ -274,7 +290,8 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             if p.grad is None:
                 continue
             if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
-                opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                step = torch.zeros((), device=p.device) if isinstance(opt, _FusedAdam) else torch.tensor(0.0)
+                opt.state[p] = {"step": step, "exp_avg": torch.zeros_like(p),
                                 "exp_avg_sq": torch.zeros_like(p)}
                 if group.get("amsgrad"):
                     opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
@@ -282,9 +299,49 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
 
 
+@torch.no_grad()
+def _clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_(foreach=True)`` as it runs on CUDA (the function itself refuses the foreach
+    path for meta tensors): per-tensor norms in one multi-tensor launch, their norm, one scaling pass."""
+    if not grads:
+        return
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+
+
+class _FusedAdam(torch.optim.AdamW):
+    """Adam(W) as one multi-tensor kernel per step (``torch.optim.AdamW(fused=True)``, apex ``FusedAdam``).
+
+    NB: PyTorch refuses ``fused=True`` for meta tensors, so ``step`` calls the fused aten op itself (its step
+    counters live with the parameters, as on CUDA; their increment, a tiny foreach launch, is left out)."""
+
+    def __init__(self, params: list, decoupled: bool) -> None:
+        super().__init__(params, lr=1e-4, weight_decay=0.01 if decoupled else 0.0, foreach=False)
+        self.decoupled = decoupled
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        op = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            for p in ps:
+                if not self.state[p]:
+                    self.state[p] = {"step": torch.zeros((), device=p.device), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+            st = [self.state[p] for p in ps]
+            beta1, beta2 = group["betas"]
+            op(ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [],
+               [s["step"] for s in st], lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+               eps=group["eps"], amsgrad=False, maximize=False)
+
+
 def _make_optimizer(module: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     params = [p for p in module.parameters() if p.requires_grad]
     name = name.lower()
+    if name.endswith("-fused"):
+        return _FusedAdam(params, decoupled=name == "adamw-fused")
     # foreach=True: the multi-tensor kernels PyTorch uses by default on CUDA.
     if name in ("adamw", "adam"):
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam

@@ -102,10 +102,26 @@ def _foreach(c: OpCall) -> list[Kernel]:
     size = formulas.itemsize(lists[0][0].dtype)
     inplace = c.op.split(".")[1].endswith("_")
     writes = 1 if (inplace or c.outputs) else 0
+    reads = 0 if _short(c) in ("_foreach_zero_", "_foreach_fill_") else len(lists)    # a memset reads nothing
     fpe = formulas.ELEMENTWISE_FLOPS.get(_short(c).removeprefix("_foreach_").rstrip("_"), 1.0)
     cols = max(t.shape[-1] if t.shape else 1 for t in lists[0])
     return [formulas.rowwise(Family.ELEMENTWISE, _short(c), max(1, numel // cols), cols, flops_per_elem=fpe,
-                             bytes_total=float(size * numel * (len(lists) + writes)), dtype=lists[0][0].dtype)]
+                             bytes_total=float(size * numel * (reads + writes)), dtype=lists[0][0].dtype)]
+
+
+@register(*_ops("_fused_adam_", "_fused_adamw_"))
+def _fused_adam(c: OpCall) -> list[Kernel]:
+    """Fused Adam(W): one multi-tensor pass reading parameter, gradient and both moments and writing back the
+    parameter and the moments (28 bytes per FP32 parameter), about 16 FLOPs per element."""
+    lists = [a for a in c.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], TensorMeta)]
+    params = lists[0] if lists else []
+    if not params:
+        return []
+    numel = sum(t.numel for t in params)
+    size = formulas.itemsize(params[0].dtype)
+    cols = max(t.shape[-1] if t.shape else 1 for t in params)
+    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), max(1, numel // cols), cols, flops_per_elem=16.0,
+                             bytes_total=float(size * numel * 7), dtype=params[0].dtype)]
 
 
 # ----------------------------------------------------------------------------------- softmax and norms

@@ -1,0 +1,83 @@
+"""The kernels one GPU runs in a Megatron-LM step of a GPT model, from the Hugging Face trace of the same model.
+
+Megatron-LM (as of core_r0.5.0: the legacy GPT model, FP32, no flash attention; the version behind the NeuSight
+dataset's ``-dp4`` / ``-tp4`` / ``-pp4_<m>`` labels, run through Hugging Face Accelerate) runs the same GEMMs as
+Hugging Face's GPT-2 blocks (with :func:`neusight.parallel.shard_tensor_parallel` for tensor parallelism) but
+fewer memory-bound kernels around them. What changes here:
+
+1. Bias + GeLU: the MLP's first projection leaves out its bias and one fused kernel (``bias_gelu``, a TorchScript
+   fusion) applies bias and tanh-GeLU; its backward is one kernel too (``bias_gelu_back``). Hugging Face's
+   tanh-GeLU runs about eight elementwise kernels forward and a dozen backward. Each activation module's
+   kernels of one phase become one elementwise kernel: forward reads the input and writes the output, backward
+   reads the incoming gradient and the saved input and writes the gradient (FLOPs: the members' sum).
+2. The 1 / sqrt(head size) scaling of the attention scores is folded into the QK^T GEMM (``torch.baddbmm`` with
+   ``alpha``): the forward scaling kernel goes. (Its backward counterpart stays: Megatron masks the scores in
+   place with ``masked_fill_``, whose backward is a pass of the same size over the score gradients.)
+3. No KV cache: the forward concatenations that fill Hugging Face's cache go.
+
+Left as traced (small next to the above, or unknown without the run's environment): the separate bias add after
+the QKV projection and the fused bias-dropout-add of the residuals (both over tokens x hidden), apex's fused
+layer norm (one kernel forward, as traced), Megatron's vocabulary-parallel cross-entropy (a few passes over the
+logits instead of log-softmax + NLL) and the ``main_grad`` accumulation of its DDP buffer.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from neusight.graph.graph import KERNEL_COLUMNS, Graph
+from neusight.kernels.base import Family
+from neusight.kernels.formulas import itemsize
+
+__all__ = ["megatron_kernels", "ACTIVATION", "ATTENTION"]
+
+# module paths of a block's activation and self-attention (GPT-2 ``mlp.act`` / ``attn``, BERT, OPT)
+ACTIVATION = re.compile(r"(?:\.mlp\.act|\.intermediate_act_fn|\.activation_fn)$")
+ATTENTION = re.compile(r"(?:\.attn|\.attention\.self|\.self_attn)$")
+_SCALE_OPS = ("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar")
+_CACHE_OPS = ("aten.cat.default",)
+MEGATRON_KERNEL = "megatron"
+
+
+def megatron_kernels(g: Graph) -> pd.DataFrame:
+    """The kernel table of ``g`` (same columns as ``g.kernels``) as Megatron-LM runs the model's blocks.
+
+    Examples
+    --------
+    >>> import neusight
+    >>> g = neusight.trace("gpt2", batch_size=1, seq_len=64, mode="training", optimizer=None)
+    >>> k = megatron_kernels(g)
+    >>> len(k) < len(g.kernels), int((k["kernel"] == "megatron").sum())     # one forward, one backward per block
+    (True, 24)
+    """
+    k = g.kernels
+    module = k["module"].astype(str)
+    attn = module.str.contains(ATTENTION) & (k["phase"] == "forward")
+    drop = attn & (k["family"] == Family.ELEMENTWISE.value) & k["aten_op"].isin(_SCALE_OPS)
+    drop |= attn & k["aten_op"].isin(_CACHE_OPS)
+    act = module.str.contains(ACTIVATION) & ~k["family"].isin([f.value for f in Family if f.is_gemm])
+    rows = []
+    for (_, phase), members in k[act].groupby([module[act], k.loc[act, "phase"]], sort=False):
+        if len(members) < 2:
+            act.loc[members.index] = False        # already one kernel (ReLU): nothing to fuse
+            continue
+        rows.append(_fused_activation(members, phase))
+    kept = k[~(drop | act)]
+    out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
+    out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
+    return out.sort_values("op_index", kind="stable").reset_index(drop=True)
+
+
+def _fused_activation(members: pd.DataFrame, phase: str) -> dict:
+    """One bias-GeLU kernel (or its backward) for the activation's kernels of one phase."""
+    lead = members.loc[members["dims"].map(lambda d: int(np.prod(d))).idxmax()]
+    elems = int(np.prod(lead["dims"]))
+    tensors = 3 if phase == "backward" else 2             # backward: gradient in, saved input, gradient out
+    return {"op_index": int(members["op_index"].min()), "phase": phase, "module": lead["module"],
+            "aten_op": "megatron:bias_gelu" + ("_back" if phase == "backward" else ""),
+            "family": Family.ELEMENTWISE.value, "kernel": MEGATRON_KERNEL, "dims": tuple(int(x) for x in lead["dims"]),
+            "dtype": lead["dtype"], "flops": float(members["flops"].sum()), "algo_flops": float(members["flops"].sum()),
+            "bytes": float(tensors * elems * itemsize(lead["dtype"])), "modeled": bool(members["modeled"].all())}
