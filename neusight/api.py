@@ -19,7 +19,7 @@ from neusight.graph.megatron import megatron_kernels
 from neusight.graph.graph import Graph
 from neusight.graph.tracer import trace
 from neusight.memory import estimate_memory
-from neusight.predictor.model import Predictor
+from neusight.predictor.model import SHIPPED, SHIPPED_AMD, Predictor
 from neusight.tiles import GEMM_FAMILIES
 from neusight.util import atomic_write_text
 
@@ -33,11 +33,22 @@ def _predictor(path: str | None) -> Predictor:
     return Predictor.load(path)
 
 
-def load_predictor(path: str | Path | Predictor | None = None) -> Predictor:
-    """The shipped predictor (cached), a checkpoint directory, or a Predictor passed through."""
+def shipped_predictor_dir(device: Device | None = None) -> Path:
+    """The shipped checkpoint for ``device``: ``data/predictor-amd`` (trained on AMD kernel sweeps) for an AMD GPU
+    when it exists, else ``data/predictor`` (trained on the five NVIDIA training GPUs)."""
+    if device is not None and device.vendor == "amd" and SHIPPED_AMD.is_dir():
+        return SHIPPED_AMD
+    return SHIPPED
+
+
+def load_predictor(path: str | Path | Predictor | None = None, device: Device | str | None = None) -> Predictor:
+    """A checkpoint directory or a Predictor passed through; ``None``: the shipped predictor for ``device``'s
+    vendor (:func:`shipped_predictor_dir`; NVIDIA's without a device). Cached."""
     if isinstance(path, Predictor):
         return path
-    return _predictor(None if path is None else str(Path(path).resolve()))
+    if path is None:
+        path = shipped_predictor_dir(load_device(device) if device is not None else None)
+    return _predictor(str(Path(path).resolve()))
 
 
 def kernel_dims(kernels: pd.DataFrame) -> pd.DataFrame:
@@ -153,7 +164,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         raise InputError("fused=True and megatron=True exclude each other (torch.compile vs Megatron-LM's own fused "
                          "kernels). Fix: choose one")
     device = load_device(device)
-    pred = load_predictor(predictor)
+    pred = load_predictor(predictor, device)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
@@ -221,7 +232,8 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
 def predict_kernel_table(df: pd.DataFrame, predictor: Predictor | str | Path | None = None) -> pd.Series:
     """Predicted latency (ms) of every row of a DataFrame in the shared kernel-CSV schema.
 
-    Needs ``OPName``, ``Device`` and the op's shape columns (``B, M, N, K`` for bmm/linear, conv columns,
+    Each row is predicted by ``predictor``, else the shipped predictor of its GPU's vendor. Needs ``OPName``,
+    ``Device`` and the op's shape columns (``B, M, N, K`` for bmm/linear, conv columns,
     ``B, H`` for the others); ``Latency``, kernel names and launch columns are not used.
     """
     from neusight.dataset import kernel_frame
@@ -230,9 +242,8 @@ def predict_kernel_table(df: pd.DataFrame, predictor: Predictor | str | Path | N
         raise DataError("predict_kernel_table needs a non-empty DataFrame in the shared kernel-CSV schema "
                         "(OPName, Device and shape columns)")
     frame = kernel_frame(df.reset_index(drop=True), measured=False)
-    pred = load_predictor(predictor)
     out = pd.Series(np.nan, index=frame.index, name="predicted_ms")
     for dev, rows in frame.groupby("device"):
-        out.loc[rows.index] = pred.predict(rows, dev)["latency_ms"].to_numpy()
+        out.loc[rows.index] = load_predictor(predictor, dev).predict(rows, dev)["latency_ms"].to_numpy()
     out.index = df.index
     return out

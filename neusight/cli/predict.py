@@ -238,13 +238,13 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
 
     # fail on a bad GPU or checkpoint before the (slower) trace
     devices = [load_device(d) for d in _devices(cfg.device)]
-    predictor = load_predictor(cfg.checkpoint)
+    predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
               dtype=cfg.dtype)
     preds = []
     for dev in devices:
-        p = predict_graph(g, dev, predictor, fused=cfg.fused)
+        p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused)
         if cfg.memory:
             from neusight.memory import estimate_memory
 

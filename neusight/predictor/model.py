@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 3   # 2: monotone utilization model (work / device features); 3: envelope over the training GPUs' device vectors
 TRAINING_GPUS = ("p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "a100-pcie-40gb")
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "predictor"
+# for AMD GPUs: the same model trained on the AMD kernel sweeps (MI100, MI210), NeuSight's protocol for AMD
+SHIPPED_AMD = SHIPPED.with_name("predictor-amd")
 FILES = ("weights.pt", "tile_table.pt", "manifest.json")
 
 
