@@ -139,3 +139,14 @@ def test_predict_on_several_gpus_prints_the_parts_and_writes_json(tmp_path):
     assert "on 4 x NVIDIA H100 SXM5 80GB (dp 2, tp 1, pp 2" in r.stdout and "pp_bubble" in r.stdout
     (rec,) = json.loads((tmp_path / "run" / "parallel.json").read_text())
     assert rec["gpus"] == 4 and rec["latency_ms"] > rec["compute_ms"] > 0 and rec["memory_fits"] is True
+
+
+def test_predict_a_megatron_step_from_the_command_line(tmp_path):
+    """megatron=true forecasts Megatron-LM's train_step: its AdamW is the fused kernel, its step is timed."""
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=a100-sxm4-40gb", "batch_size=4",
+                        "seq_len=64", "mode=training", "dp=2", "megatron=true", "memory=false", "json=meg.json",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Megatron-LM kernels" in r.stdout
+    (rec,) = json.loads((tmp_path / "run" / "meg.json").read_text())
+    assert rec["gpus"] == 2 and rec["optimizer_ms"] > 0 and rec["dp_allreduce_ms"] > 0
