@@ -248,8 +248,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
     = forward + backward (+ the gradient all-reduce when dp > 1, + ``optimizer`` if given); inference = forward.
-    With ``memory``, the busiest GPU's memory: the single-GPU forecast of one micro-batch on the tensor-parallel
-    shard, with weights, gradients and optimizer state divided among the ``pp`` stages and the activations of
+    With ``memory``, the first stage's GPU's memory: the single-GPU forecast of one micro-batch on the
+    tensor-parallel shard, with that stage's share of the weights, gradients and optimizer state and the activations of
     min(microbatches, pp) micro-batches in flight on the first stage (1F1B), each holding 1 / pp of the layers.
 
     ``megatron=True`` forecasts a Megatron-LM training step as its ``train_step`` runs it: Megatron's kernels
@@ -291,10 +291,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device)
     roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device)
-    share, tied_bytes = _stage_parameters(g, index, n, pp)
+    held, tied_bytes = _stage_parameters(g, index, n, pp)
+    share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
     parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
-    parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device) if training and megatron and pp > 1 else 0.0
+    parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * share
     roofline_ms = (sum(roofline.values()) + parts["dp_allreduce"] + parts["embedding_allreduce"]
@@ -305,7 +306,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
         b = estimate_memory(g, device).breakdown
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
-        breakdown = {key: v / pp if key in ("weights", "gradients", "optimizer") else
+        breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
@@ -356,15 +357,16 @@ _WORD_EMBEDDING = re.compile(r"(?:^|\.)(?:wte|embed_tokens|word_embeddings|share
 _OUTPUT_WEIGHT = re.compile(r"(?:^|\.)(?:lm_head|decoder)\.weight$")
 
 
-def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple[float, float]:
-    """(share of the traced parameters the busiest pipeline stage holds, bytes of the word embedding that stage
-    pair all-reduces). Blocks' parameters go with their block's stage, embeddings with the first stage, the rest
-    (final norm, an untied head) with the last; with pp > 1 a tied word embedding is also held by the last stage
-    (Megatron-LM keeps a copy there for the output layer). Without parameter names: 1 / pp."""
+def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple[list[float], float]:
+    """(share of the traced parameters each pipeline stage holds, bytes of the tied word embedding the first and
+    the last stage all-reduce). Blocks' parameters go with their block's stage, embeddings with the first stage,
+    the rest (final norm, an untied head) with the last; with pp > 1 a tied word embedding is also held by the
+    last stage, which needs it for the output layer (Megatron-LM keeps such a copy and all-reduces its gradient
+    with the first stage's). Without parameter names: 1 / pp each."""
     sizes = [t.numel * t.itemsize for t in g.params]
     total = float(sum(sizes))
     if pp == 1 or not g.param_names or total == 0:
-        return 1.0 / pp, 0.0
+        return [1.0 / pp] * pp, 0.0
     held = [0.0] * pp
     word = 0.0
     tied = not any(_OUTPUT_WEIGHT.search(name) for name in g.param_names)
@@ -379,7 +381,7 @@ def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple
         else:
             held[-1] += size
     held[-1] += word
-    return max(held) / total, word
+    return [h / total for h in held], word
 
 
 def _stages(k: pd.DataFrame, block: pd.Series, pp: int) -> pd.Series:
