@@ -247,16 +247,20 @@ def _category(s: _Storage, mode: str) -> str:
     return "workspace"
 
 
-def _lifetimes(storages: list[_Storage], n: int) -> None:
+def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> None:
     """Apply the training-loop lifetimes: what the caller holds and the gradients live to the end of the step.
 
     Gradients: live from the backward op that produces them to the end of the step, not throughout, because
     ``optimizer.zero_grad()`` sets them to None by default (``set_to_none=True`` since PyTorch 2.0), which frees
-    them between steps; so during the forward pass of a steady-state loop no gradient exists.
+    them between steps; so during the forward pass of a steady-state loop no gradient exists. A loop that zeroes
+    them instead (``keep_grads``: the trace's ``zero_grad=True``, Megatron-LM's gradient buffer) keeps them for
+    the whole step.
     """
     for s in storages:
         if s.held or s.kind == "gradients":
             s.end = n - 1
+        if keep_grads and s.kind == "gradients":
+            s.start = 0
 
 
 def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = "cuda") -> MemoryReport:
@@ -295,7 +299,7 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
         device = load_device(device)
     n = len(graph.ops)
     storages = _walk(graph)
-    _lifetimes(storages, n)
+    _lifetimes(storages, n, keep_grads=graph.keeps_grads)
     sizes = np.array([s.nbytes for s in storages], dtype=np.int64)
     blocks = _block(sizes) if allocator == "cuda" else sizes
     start = np.array([s.start for s in storages], dtype=np.int64)

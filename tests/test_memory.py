@@ -186,3 +186,15 @@ def test_find_max_batch_brackets_the_limit():
     assert peak == {best: True, best + 1: False}
     tiny = dataclasses.replace(small, memory_gib=0.25)   # below the CUDA context alone
     assert find_max_batch("resnet18", tiny, mode="inference", image_size=64) == 0
+
+
+def test_gradients_kept_by_zero_grad_live_all_step():
+    """set_to_none=True frees gradients between steps, so a forward-heavy peak has none; a loop that zeroes
+    them (Megatron-LM's buffer) carries all of them through the step."""
+    kw = dict(batch_size=8, seq_len=512, mode="training", optimizer="adamw-fused")
+    freed = estimate_memory(neusight.trace("gpt2", **kw), "h100-sxm5-80gb")
+    kept = estimate_memory(neusight.trace("gpt2", zero_grad=True, **kw), "h100-sxm5-80gb")
+    grads = 4 * sum(t.numel for t in neusight.trace("gpt2", **kw).grads)
+    assert freed.breakdown["gradients"] < grads / 2
+    assert kept.breakdown["gradients"] == pytest.approx(grads, rel=0.01)
+    assert kept.peak_bytes - freed.peak_bytes == pytest.approx(grads, rel=0.1)

@@ -38,6 +38,7 @@ class Graph:
     image_size: int | None = None
     held: list[TensorMeta] = field(default_factory=list)   # what the model output (and loss) keep alive
     param_names: list[str] = field(default_factory=list)   # ``named_parameters()`` names, in the order of ``params``
+    keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

@@ -255,7 +255,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), notes=tuple(built.notes), ops=rec.ops,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
-                 image_size=image_size if built.kind == "vision" else None, param_names=[n for n, _ in named])
+                 image_size=image_size if built.kind == "vision" else None, param_names=[n for n, _ in named],
+                 keeps_grads=bool(zero_grad and opt is not None))
 
 
 def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[TensorMeta]:
