@@ -15,8 +15,8 @@ import pandas as pd
 from neusight.devices import Device, load_device
 from neusight.errors import DataError, InputError
 from neusight.graph.fusion import fused_kernels
-from neusight.graph.megatron import megatron_kernels
 from neusight.graph.graph import Graph
+from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
 from neusight.memory import estimate_memory
 from neusight.predictor.model import SHIPPED, SHIPPED_AMD, Predictor

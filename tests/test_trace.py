@@ -173,3 +173,12 @@ def test_fused_adam_clipping_and_zero_grad_are_one_pass_each():
     assert foreach.kernels.query("phase == 'optimizer'")["bytes"].sum() > 28 * n
     with pytest.raises(InputError, match="adamw-fused"):
         neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", optimizer="lion")
+
+
+def test_step_options_without_a_step_are_refused():
+    with pytest.raises(InputError, match="clip_grad_norm=1.0 / zero_grad=False belong to an optimizer step"):
+        neusight.trace("gpt2", batch_size=1, seq_len=32, mode="inference", clip_grad_norm=1.0)
+    with pytest.raises(InputError, match="zero_grad=True belong"):
+        neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", optimizer=None, zero_grad=True)
+    with pytest.raises(InputError, match="clip_grad_norm=-1 must be a positive number"):
+        neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", clip_grad_norm=-1)

@@ -13,7 +13,8 @@ fewer memory-bound kernels around them. What changes here:
 2. The 1 / sqrt(head size) scaling of the attention scores is folded into the QK^T GEMM (``torch.baddbmm`` with
    ``alpha``): the forward scaling kernel goes. (Its backward counterpart stays: Megatron masks the scores in
    place with ``masked_fill_``, whose backward is a pass of the same size over the score gradients.)
-3. No KV cache: the forward concatenations that fill Hugging Face's cache go.
+3. No KV cache: the forward concatenations that fill Hugging Face's cache (those whose result the model's
+   output keeps) go.
 
 Left as traced (small next to the above, or unknown without the run's environment): the separate bias add after
 the QKV projection and the fused bias-dropout-add of the residuals (both over tokens x hidden), apex's fused
@@ -57,7 +58,10 @@ def megatron_kernels(g: Graph) -> pd.DataFrame:
     module = k["module"].astype(str)
     attn = module.str.contains(ATTENTION) & (k["phase"] == "forward")
     drop = attn & (k["family"] == Family.ELEMENTWISE.value) & k["aten_op"].isin(_SCALE_OPS)
-    drop |= attn & k["aten_op"].isin(_CACHE_OPS)
+    # the cache: concatenations whose result the model output keeps (a rotary embedding's cat is not dropped)
+    held = {t.storage for t in g.held}
+    cache = {r.index for r in g.ops if r.call.op in _CACHE_OPS and any(t.storage in held for t in r.call.outputs)}
+    drop |= attn & k["op_index"].isin(cache)
     act = module.str.contains(ACTIVATION) & ~k["family"].isin([f.value for f in Family if f.is_gemm])
     rows = []
     for (_, phase), members in k[act].groupby([module[act], k.loc[act, "phase"]], sort=False):

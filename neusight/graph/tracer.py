@@ -204,6 +204,12 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
                         input_shapes=input_shapes, dtype=torch_dtype)
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
+    if (clip_grad_norm is not None or zero_grad) and (mode != "training" or optimizer is None):
+        raise InputError(f"clip_grad_norm={clip_grad_norm!r} / zero_grad={zero_grad!r} belong to an optimizer step, "
+                         f"which this trace (mode={mode!r}, optimizer={optimizer!r}) has none of. Fix: "
+                         "mode='training' with an optimizer, or leave them out")
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        raise InputError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number. Fix: e.g. clip_grad_norm=1.0")
     module = built.module
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
