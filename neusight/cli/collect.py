@@ -4,7 +4,7 @@
     neusight-collect out=traces 'ops=[linear,bmm,softmax]' sweep=quick
     neusight-collect out=traces device=cpu sweep=quick        # no GPU: try the plumbing (rows not trainable)
 
-Then train with them: ``neusight-train 'data.traces=[../shared/datasets/neusight-asplos25/kernels/nvidia,traces]'
+Check the shipped predictor on them: ``neusight-evaluate-kernels 'data.traces=[traces]'``. Then train with them: ``neusight-train 'data.traces=[../shared/datasets/neusight-asplos25/kernels/nvidia,traces]'
 'data.devices=[p4,p100-pcie-16gb,t4,v100-pcie-32gb,a100-pcie-40gb,<your gpu>]' out=my-predictor`` (your GPU
 needs a spec file in data/devices/). See :mod:`neusight.collect`.
 """
