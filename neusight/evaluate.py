@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -83,28 +85,52 @@ def find_labels(dataset: str | Path, *, vendors: tuple[str, ...] = ("nvidia",), 
     if not labels.is_dir():
         raise DataError(f"{labels} does not exist; pass the neusight-asplos25 dataset folder (it holds labels/ and models/)")
     runs = []
-    for gpu_dir in sorted(p for p in labels.iterdir() if p.is_dir()):
-        try:
-            dev = load_device(gpu_dir.name.replace("_", " "))
-        except DeviceError as e:   # one GPU without a spec file does not stop the others' evaluation
-            log.warning("skipping the labels of %s: %s", gpu_dir.name, e)
-            continue
+    for gpu_dir, dev in _gpu_dirs(labels):
         if dev.vendor not in vendors:
             continue
         for f in sorted(gpu_dir.glob("*.json")):
             m = LABEL_RE.match(f.name)
             if not m or (plain_only and m["option"] and option_kind(m["option"]) not in options):
                 continue
-            data = json.loads(f.read_text())
             cfg = root / "models" / f"{m['model']}.json"
             if m["model"] in PRESET_FOR:
                 cfg = PRESET_FOR[m["model"]]
-            elif not cfg.is_file():
-                raise DataError(f"{f}: its model config {cfg} does not exist")
-            runs.append(LabelRun(gpu_dir.name, dev.key, m["model"], str(cfg), "inference" if m["mode"] == "inf" else "training",
-                                 int(m["seq"]), int(m["batch"]), m["option"], float(data["e2e_latency"]),
-                                 float(data.get("fw_latency", 0.0)), float(data.get("bwall_latency", 0.0)), str(f)))
+            elif not cfg.is_file():   # like an unknown GPU: one label does not stop the others' evaluation
+                log.warning("skipping %s: its model config %s does not exist (add it to %s)", f, cfg, cfg.parent)
+                continue
+            try:
+                data = json.loads(f.read_text())
+                measured = float(data["e2e_latency"])
+                if not (math.isfinite(measured) and measured > 0):
+                    raise ValueError(f"e2e_latency={data['e2e_latency']!r} is not a positive number")
+                fw, bw = float(data.get("fw_latency", 0.0)), float(data.get("bwall_latency", 0.0))
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("skipping %s: not a label of this schema (%s: %s); a label is JSON with a positive "
+                            "e2e_latency in ms", f, type(e).__name__, e)
+                continue
+            runs.append(LabelRun(str(gpu_dir.relative_to(labels)), dev.key, m["model"], str(cfg), "inference" if m["mode"] == "inf" else "training",
+                                 int(m["seq"]), int(m["batch"]), m["option"], measured, fw, bw, str(f)))
     return runs
+
+
+def _gpu_dirs(labels: Path) -> list[tuple[Path, Any]]:
+    """(folder, device) of every GPU folder under ``labels``: named after ``torch.cuda.get_device_name()`` with
+    spaces as underscores. A name with a slash ("AMD Instinct MI250X / MI250") was written as a folder inside a
+    folder, so an unknown folder's subfolders are tried as the rest of its name. A GPU without a spec file is
+    logged and skipped: it does not stop the others' evaluation."""
+    found = []
+    for top in sorted(p for p in labels.iterdir() if p.is_dir()):
+        candidates = [(top, top.name)] + [(sub, f"{top.name}/{sub.name}") for sub in sorted(top.iterdir()) if sub.is_dir()]
+        error = None
+        for folder, name in candidates:
+            try:
+                found.append((folder, load_device(name.replace("_", " "))))
+                break
+            except DeviceError as e:
+                error = error or e
+        else:
+            log.warning("skipping the labels of %s: %s", top.name, error)
+    return found
 
 
 TIMED_PHASES = ("forward", "backward")   # the labels time neither the loss nor an optimizer step
@@ -145,8 +171,22 @@ def predict_label(run: LabelRun, predictor=None, graph_cache: dict | None = None
 
 
 def evaluate_labels(runs: list[LabelRun], predictor=None) -> pd.DataFrame:
+    """One row per run (:func:`predict_label`). A run the forecaster refuses (a sequence longer than the model's
+    positions, a model that fails on the meta device) is logged and left out; ``attrs["failed"]`` lists them as
+    (label file, reason)."""
+    from neusight.errors import NeuSightError
+
     cache: dict = {}
-    return pd.DataFrame([predict_label(r, predictor, cache) for r in runs])
+    rows, failed = [], []
+    for r in runs:
+        try:
+            rows.append(predict_label(r, predictor, cache))
+        except NeuSightError as e:
+            log.warning("could not forecast %s: %s", r.path, e)
+            failed.append((r.path, str(e)))
+    out = pd.DataFrame(rows)
+    out.attrs["failed"] = failed
+    return out
 
 
 # Candidate launch floors (fractions of the isolated launch overhead a kernel costs at least inside a model).

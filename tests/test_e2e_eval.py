@@ -232,6 +232,34 @@ def test_find_labels_skips_a_gpu_folder_the_library_lacks(tmp_path, caplog):
     assert [r.device for r in runs] == ["t4"] and "Quadro_RTX_9999" in caplog.text
 
 
+def test_label_discovery_survives_odd_folders_and_files(tmp_path, caplog):
+    """A GPU name with a slash became nested folders; a label without a model config or with a broken JSON is
+    skipped with its reason, not the end of the evaluation; a run the forecaster refuses is reported, not fatal."""
+    need_shared(DATASET)
+    from neusight.evaluate import evaluate_labels, find_labels
+
+    nested = tmp_path / "labels" / "AMD_Instinct_MI250X_" / "_MI250"
+    h100 = tmp_path / "labels" / "NVIDIA_H100_80GB_HBM3"
+    for d in (nested, h100):
+        d.mkdir(parents=True)
+    (nested / "bert_large-inf-512-8.json").write_text('{"e2e_latency": 100.0}')
+    (h100 / "bert_large-inf-512-8.json").write_text('{"e2e_latency": 50.0}')
+    (h100 / "gpt2_large-inf-2048-2.json").write_text('{"e2e_latency": 50.0}')    # GPT-2 has 1024 positions
+    (h100 / "mystery-inf-512-8.json").write_text('{"e2e_latency": 50.0}')       # no models/mystery.json
+    (h100 / "bert_large-inf-512-16.json").write_text("not json")
+    (h100 / "bert_large-inf-512-32.json").write_text('{"e2e_latency": -1}')
+    (tmp_path / "models").symlink_to(DATASET / "models")
+    runs = find_labels(tmp_path, vendors=("nvidia", "amd"))
+    assert sorted((r.device, r.model, r.batch_size) for r in runs) == [
+        ("h100-sxm5-80gb", "bert_large", 8), ("h100-sxm5-80gb", "gpt2_large", 2), ("mi250", "bert_large", 8)]
+    assert "mystery.json does not exist" in caplog.text and "JSONDecodeError" in caplog.text
+    assert "e2e_latency=-1 is not a positive number" in caplog.text
+    res = evaluate_labels([r for r in runs if r.device == "h100-sxm5-80gb"])
+    assert list(res["model"]) == ["bert_large"]
+    ((path, reason),) = res.attrs["failed"]
+    assert path.endswith("gpt2_large-inf-2048-2.json") and "exceeds gpt2_large's maximum of 1024" in reason
+
+
 def test_option_runs_are_their_own_mode_with_the_eager_baseline_beside_them():
     from neusight.e2e_eval import label_frame, render_markdown
 

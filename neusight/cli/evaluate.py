@@ -130,7 +130,9 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
         shipped = sorted({shipped_predictor_dir(load_device(r.device)) for r in runs}
                          | ({shipped_predictor_dir()} if cfg.cnn.enabled or not runs else set()))
         trained_on = tuple(d for path in shipped for d in load_predictor(path).train_devices_)
-    labels = ev.label_frame(evaluate_labels(runs, pred))
+    results = evaluate_labels(runs, pred)
+    failed = results.attrs.get("failed", [])
+    labels = ev.label_frame(results)
     t_labels = time.perf_counter() - t0
     atomic_write_text(out / "results.csv", labels.to_csv(index=False))
     targets = (cfg.target_trained_pct, cfg.target_unseen_pct)
@@ -158,6 +160,9 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
               "inference = eval + no_grad forward; training = forward + backward of a cross-entropy, no loss or "
               f"optimizer time{fused_note}). Wall time: labels {t_labels:.1f} s, everything {t_all:.1f} s on "
               f"{os.cpu_count()} cores.")
+    if failed:
+        header += (f"\n\n{len(failed)} label run(s) could not be forecast and are left out: "
+                   + "; ".join(f"`{_short_path(path)}` ({reason})" for path, reason in failed) + ".")
     footer = ("The predicted-vs-measured log-log plot (NeuSight and roofline side by side) is written to the run "
               "directory as `predicted_vs_measured.png`.")
     md = ev.render_markdown(labels, trained_on, cnn=cnn, cnn_skipped=skipped, header=header, footer=footer,
