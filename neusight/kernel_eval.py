@@ -27,8 +27,9 @@ import numpy as np
 import pandas as pd
 
 from neusight.errors import CheckpointError, InputError
+from neusight.devices import load_device
 from neusight.predictor.mlp import MLPConfig
-from neusight.predictor.model import TRAINING_GPUS, Predictor, PredictorConfig
+from neusight.predictor.model import SHIPPED_AMD, TRAINING_GPUS, Predictor, PredictorConfig
 from neusight.util import atomic_write_text
 
 __all__ = ["METHODS", "TARGET_MAPE", "GBRConfig", "KernelEvaluation", "RawFeatureGBR", "error_table",
@@ -41,6 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO.parent / "shared" / "datasets" / "neusight-asplos25" / "kernels"
 EVAL_TRACES = (str(KERNELS / "nvidia-large-shapes"),)
 TRAIN_TRACES = (str(KERNELS / "nvidia"),)
+# what the shipped AMD predictor (data/predictor-amd) was trained on: the default for AMD-only evaluations
+AMD_TRAIN_TRACES = (str(KERNELS / "amd"),)
+AMD_TRAINING_GPUS = ("mi100", "mi210")
 
 METHODS = {"neusight": "NeuSight", "roofline": "Roofline", "gbr": "GBR"}
 """Prediction columns ``<method>_ms`` of a results frame -> the name used in tables and plots."""
@@ -309,9 +313,19 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
 
     t0 = time.time()
     timings: dict[str, float] = {}
-    predictor = Predictor.load(checkpoint)
     data = subsample(load_kernel_traces([str(p) for p in traces], devices=devices, families=families),
                      max_rows_per_family, seed)
+    vendor = {d: load_device(d).vendor for d in data["device"].unique()}
+    amd = data["device"].map(vendor).eq("amd")
+    if checkpoint is None and len(data) and amd.all() and SHIPPED_AMD.is_dir():
+        # AMD kernels only: the shipped AMD predictor, and (unless told otherwise) a GBR on the AMD sweeps
+        checkpoint = SHIPPED_AMD
+        if tuple(map(str, train_traces)) == TRAIN_TRACES and tuple(train_devices) == tuple(TRAINING_GPUS):
+            train_traces, train_devices = AMD_TRAIN_TRACES, AMD_TRAINING_GPUS
+    elif checkpoint is None and amd.any():
+        log.warning("%d AMD kernels are scored by the NVIDIA predictor; evaluate them on their own (or pass "
+                    "checkpoint=%s) for the AMD one", int(amd.sum()), SHIPPED_AMD)
+    predictor = Predictor.load(checkpoint)
     train_families = list(families) if families else None
     if not logo:  # the baseline only needs the families it is scored on
         train_families = sorted(data["family"].unique())
@@ -335,7 +349,8 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
         timings["logo_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     info = {
-        "checkpoint": str(checkpoint) if checkpoint else "data/predictor (shipped)",
+        "checkpoint": (f"{Path(checkpoint).relative_to(REPO)} (shipped)" if Path(checkpoint).parent == REPO / "data"
+                       else str(checkpoint)) if checkpoint else "data/predictor (shipped)",
         "predictor_train_devices": list(predictor.train_devices_),
         "traces": [str(p) for p in traces], "train_traces": [str(p) for p in train_traces],
         "train_devices": sorted(train["device"].unique()), "train_rows": len(train), "eval_rows": len(data),

@@ -154,3 +154,13 @@ def test_unknown_option_exits_2(tmp_path):
     res = _cli("max_rows=3", cwd=tmp_path)
     assert res.returncode == 2 and "max_rows" in res.stderr
 
+
+
+def test_amd_kernels_are_scored_by_the_amd_predictor_by_default():
+    need_shared(DATASET)
+    from neusight.kernel_eval import evaluate_kernels
+
+    ev = evaluate_kernels([KERNELS / "amd" / "ln"], max_rows_per_family=100, gbr=GBRConfig(max_iter=20))
+    assert ev.info["checkpoint"] == "data/predictor-amd (shipped)"
+    assert ev.info["predictor_train_devices"] == ["mi100", "mi210"] == ev.info["train_devices"]
+    assert ev.results["trained_on"].all()          # its own training GPUs: in-sample, and marked so
