@@ -153,7 +153,7 @@ def test_megatron_step_has_its_kernels_clipping_fused_adam_and_per_stage_paramet
     opt = k[k["phase"] == "optimizer"]["aten_op"].tolist()
     assert {"aten._foreach_norm.Scalar", "aten._foreach_mul_.Tensor", "aten._fused_adamw_.default",
             "aten._foreach_zero_.default"} <= set(opt)
-    assert meg.parts["optimizer"] > 0
+    assert meg.parts["optimizer"] > 0 and 0 < meg.roofline_ms <= meg.latency_ms     # the law, for the whole step
     plain = predict_parallel("gpt2", **kw)
     assert plain.parts["optimizer"] == 0 and meg.parts["compute"] < plain.parts["compute"]
     # two stages: the busiest holds more than half the parameters (embeddings, and the last stage's copy of the
