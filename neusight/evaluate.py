@@ -257,4 +257,5 @@ def _predict_parallel_label(run: LabelRun, predictor=None) -> dict:
     return {**asdict(run), "predicted_ms": p.latency_ms, "predicted_fw_ms": float("nan"),
             "predicted_bw_ms": float("nan"), "roofline_ms": p.roofline_ms,
             "error_pct": (p.latency_ms - run.measured_ms) / run.measured_ms * 100,
-            "roofline_error_pct": (p.roofline_ms - run.measured_ms) / run.measured_ms * 100}
+            "roofline_error_pct": (p.roofline_ms - run.measured_ms) / run.measured_ms * 100,
+            **{f"part_{k}_ms": v for k, v in p.parts.items()}}

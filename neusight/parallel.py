@@ -332,11 +332,15 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
     slowest = stages.loc[int(slot.idxmax())]
     m = par.microbatches
     # 1F1B (and GPipe): the first micro-batch crosses every stage forward and back, the other m - 1 follow at
-    # the pace of the slowest stage: sum of the stages' slots + (m - 1) x the slowest. The bubble is the sum's
-    # excess over one slowest slot ((pp - 1) slots when the stages are balanced).
+    # the pace of the slowest stage: sum of the stages' slots + (m - 1) x the slowest. Parts: the slowest stage's
+    # m micro-batches (compute, tensor-parallel all-reduces), every hand-off between stages, and the bubble: the
+    # other stages' work while the first micro-batch fills and drains the pipeline ((pp - 1) slots when the
+    # stages are balanced).
+    work = stages[["forward_ms", "backward_ms", "tp_comm_ms"]].sum(axis=1)
     parts = {"compute": m * float(slowest["forward_ms"] + slowest["backward_ms"]),
-             "tp_comm": m * float(slowest["tp_comm_ms"]), "pp_p2p": m * float(slowest["p2p_ms"]),
-             "pp_bubble": float(slot.sum() - slot.max())}
+             "tp_comm": m * float(slowest["tp_comm_ms"]),
+             "pp_p2p": float(stages["p2p_ms"].sum() + (m - 1) * slowest["p2p_ms"]),
+             "pp_bubble": float(work.sum() - work.loc[slowest.name])}
     return parts, stages
 
 

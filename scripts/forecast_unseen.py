@@ -97,7 +97,8 @@ def forecast_megatron(dataset: Path = DATASET) -> pd.DataFrame:
                                measured_bw_ms=math.nan, path="(not measured)")
                 res = predict_label(run, predictor)
                 rows.append({"gpu": gpu, "model": model, "seq": seq, "batch": batch, "option": option,
-                             "predicted_ms": res["predicted_ms"], "roofline_ms": res["roofline_ms"]})
+                             "predicted_ms": res["predicted_ms"], "roofline_ms": res["roofline_ms"],
+                             **{k.removeprefix("part_"): v for k, v in res.items() if k.startswith("part_")}})
     return pd.DataFrame(rows)
 
 
@@ -111,7 +112,15 @@ def render_megatron(df: pd.DataFrame) -> str:
                       "batch / 4, tp4 = each block split over 4 GPUs, pp4_1 = 4 pipeline stages, one micro-batch "
                       "(the stages run one after another). Modelled, never checked against a multi-GPU "
                       "measurement (see neusight/parallel.py for the collective model).", "",
-                      markdown_table(table.reset_index(), index=False), ""])
+                      markdown_table(table.reset_index(), index=False), "",
+                      "Where the time goes (ms; `compute` = the forward and backward kernels of the slowest "
+                      "stage's micro-batches, `pp_bubble` = the other stages' work while the pipeline fills and "
+                      "drains, `pp_p2p` = every hand-off between stages; collectives at an assumed 80 % of the "
+                      "NVLink bandwidth):", "",
+                      markdown_table(t.assign(gpu=t["gpu"], run=t["config"] + " " + t["option"])[
+                          ["gpu", "run", "predicted_ms", *[c for c in t.columns if c.endswith("_ms")
+                                                           and c not in ("predicted_ms", "roofline_ms")]]],
+                                     index=False), ""])
 
 
 def forecast_cnn() -> pd.DataFrame:

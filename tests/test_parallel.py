@@ -72,7 +72,9 @@ def test_parts_compose_as_the_schedule_says():
     # pace; the bubble's share falls with more micro-batches
     one, few, many = (predict_parallel("gpt2", pp=4, microbatches=m, **kw) for m in (1, 2, 8))
     slots = few.stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1)
-    assert few.parts["pp_bubble"] == pytest.approx(slots.sum() - slots.max())
+    work = few.stages[["forward_ms", "backward_ms", "tp_comm_ms"]].sum(axis=1)
+    assert few.parts["pp_bubble"] == pytest.approx(work.sum() - work[slots.idxmax()])
+    assert few.parts["pp_p2p"] == pytest.approx(few.stages["p2p_ms"].sum() + few.stages["p2p_ms"][slots.idxmax()])
     assert few.parts["embedding_allreduce"] > 0            # GPT-2 ties its word embedding to the head
     assert few.latency_ms == pytest.approx(slots.sum() + slots.max() + few.parts["embedding_allreduce"])
     assert many.parts["pp_bubble"] / many.latency_ms < few.parts["pp_bubble"] / few.latency_ms
