@@ -117,7 +117,7 @@ def render_megatron(df: pd.DataFrame) -> str:
                       "stage's micro-batches, `pp_bubble` = the other stages' work while the pipeline fills and "
                       "drains, `pp_p2p` = every hand-off between stages; collectives at an assumed 80 % of the "
                       "NVLink bandwidth):", "",
-                      markdown_table(t.assign(gpu=t["gpu"], run=t["config"] + " " + t["option"])[
+                      markdown_table(t.assign(run=t["config"] + " " + t["option"])[
                           ["gpu", "run", "predicted_ms", *[c for c in t.columns if c.endswith("_ms")
                                                            and c not in ("predicted_ms", "roofline_ms")]]],
                                      index=False), ""])
