@@ -120,14 +120,17 @@ def _gpu_dirs(labels: Path) -> list[tuple[Path, Any]]:
     logged and skipped: it does not stop the others' evaluation."""
     found = []
     for top in sorted(p for p in labels.iterdir() if p.is_dir()):
-        candidates = [(top, top.name)] + [(sub, f"{top.name}/{sub.name}") for sub in sorted(top.iterdir()) if sub.is_dir()]
-        error = None
-        for folder, name in candidates:
+        try:
+            found.append((top, load_device(top.name.replace("_", " "))))
+            continue
+        except DeviceError as e:
+            error = e
+        for sub in sorted(p for p in top.iterdir() if p.is_dir()):
             try:
-                found.append((folder, load_device(name.replace("_", " "))))
+                found.append((sub, load_device(f"{top.name}/{sub.name}".replace("_", " "))))
                 break
-            except DeviceError as e:
-                error = error or e
+            except DeviceError:
+                pass
         else:
             log.warning("skipping the labels of %s: %s", top.name, error)
     return found

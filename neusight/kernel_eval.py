@@ -315,16 +315,18 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
     timings: dict[str, float] = {}
     data = subsample(load_kernel_traces([str(p) for p in traces], devices=devices, families=families),
                      max_rows_per_family, seed)
-    vendor = {d: load_device(d).vendor for d in data["device"].unique()}
-    amd = data["device"].map(vendor).eq("amd")
-    if checkpoint is None and len(data) and amd.all() and SHIPPED_AMD.is_dir():
-        # AMD kernels only: the shipped AMD predictor, and (unless told otherwise) a GBR on the AMD sweeps
-        checkpoint = SHIPPED_AMD
-        if tuple(map(str, train_traces)) == TRAIN_TRACES and tuple(train_devices) == tuple(TRAINING_GPUS):
-            train_traces, train_devices = AMD_TRAIN_TRACES, AMD_TRAINING_GPUS
-    elif checkpoint is None and amd.any():
-        log.warning("%d AMD kernels are scored by the NVIDIA predictor; evaluate them on their own (or pass "
-                    "checkpoint=%s) for the AMD one", int(amd.sum()), SHIPPED_AMD)
+    if checkpoint is None and len(data):
+        from neusight.api import shipped_predictor_dir
+
+        shipped = {shipped_predictor_dir(load_device(d)) for d in data["device"].unique()}
+        if shipped == {SHIPPED_AMD}:
+            # AMD kernels only: the shipped AMD predictor, and (unless told otherwise) a GBR on the AMD sweeps
+            checkpoint = SHIPPED_AMD
+            if tuple(map(str, train_traces)) == TRAIN_TRACES and tuple(train_devices) == tuple(TRAINING_GPUS):
+                train_traces, train_devices = AMD_TRAIN_TRACES, AMD_TRAINING_GPUS
+        elif len(shipped) > 1:
+            log.warning("the AMD kernels are scored by the NVIDIA predictor; evaluate them on their own (or pass "
+                        "checkpoint=%s) for the AMD one", SHIPPED_AMD)
     predictor = Predictor.load(checkpoint)
     train_families = list(families) if families else None
     if not logo:  # the baseline only needs the families it is scored on

@@ -359,6 +359,7 @@ def _block_numbers(k: pd.DataFrame, index: dict[str, float]) -> pd.Series:
 
 _WORD_EMBEDDING = re.compile(r"(?:^|\.)(?:wte|embed_tokens|word_embeddings|shared)\.weight$")
 _OUTPUT_WEIGHT = re.compile(r"(?:^|\.)(?:lm_head|decoder)\.weight$")
+_EMBEDDINGS = re.compile(r"embed|(?:^|\.)(?:wte|wpe|shared)\.")      # word, position, token-type embeddings
 
 
 def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple[list[float], float]:
@@ -378,7 +379,7 @@ def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple
         m = _BLOCK.match(name)
         if m and m.group(1) in index and n:
             held[int(index[m.group(1)]) * pp // n] += size
-        elif "embed" in name or _WORD_EMBEDDING.search(name) or re.search(r"(?:^|\.)w[pt]e\.", name):
+        elif _EMBEDDINGS.search(name):
             held[0] += size
             if tied and _WORD_EMBEDDING.search(name):
                 word = float(size)
