@@ -35,8 +35,14 @@ __all__ = ["CNN_GPUS", "cnn_summary", "error_table", "gpu_order", "label_frame",
 # GPU names of the public benchmark CSVs -> device keys. NB: the DeepLearningExamples tables were measured
 # on DGX-1 (V100 SXM2). Lambda's "V100-16GB" is Lambda Cloud's V100 instance (SXM2); "V100-32GB" (era v0, a
 # Lambda server) is taken as SXM2 too: an assumption (a PCIe V100 clocks ~10 % lower).
+# The Turing cards of Lambda's FP32 table (TITAN RTX, Quadro RTX 5000/6000/8000) run true FP32 as well; none is
+# a training GPU of either predictor, and they are reported apart from the acceptance scope of issue 4.
 CNN_GPUS = {"V100-SXM2-16GB": "v100-sxm2-16gb", "V100-SXM2-32GB": "v100-sxm2-32gb", "T4-16GB": "t4",
-            "T4": "t4", "V100-16GB": "v100-sxm2-16gb", "V100-32GB": "v100-sxm2-32gb"}
+            "T4": "t4", "V100-16GB": "v100-sxm2-16gb", "V100-32GB": "v100-sxm2-32gb",
+            "TITAN RTX": "titan-rtx", "Quadro RTX 5000": "quadro-rtx-5000", "Quadro RTX 6000": "quadro-rtx-6000",
+            "Quadro RTX 8000": "quadro-rtx-8000"}
+CNN_ACCEPTANCE_GPUS = ("v100-sxm2-16gb", "v100-sxm2-32gb", "t4")   # issue 4: V100 and T4
+SCOPE_ACCEPTANCE, SCOPE_OTHER = "V100, T4 (issue 4)", "other FP32 GPUs"
 CNN_PRECISION = "fp32"          # the only precision in scope
 CNN_IMAGE_SIZE = 224
 
@@ -151,20 +157,21 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
                         models: Sequence[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
-    In scope: FP32; GPUs in :data:`CNN_GPUS`; models with a preset (``models``, default every ``resnet*``
-    preset); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per (GPU,
+    In scope: FP32; GPUs in :data:`CNN_GPUS` (column ``scope``: the V100 and T4 of issue 4's acceptance, or
+    the other true-FP32 GPUs); models with a preset (``models``, default every ResNet, ResNeXt
+    and SE-ResNeXt preset); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per (GPU,
     model, batch): the ``in_head`` row when there is one, else the newest container, never a SUSPECT row;
     DLE training (step = batch / throughput); Lambda training (``step_ms``).
 
     Returns
     -------
     selected : DataFrame
-        ``source_name, gpu_name, gpu, model, mode, precision, batch, measured_ms, measure, in_head, version,
-        source``.
+        ``source_name, gpu_name, gpu, scope, model, mode, precision, batch, measured_ms, measure, in_head,
+        version, source``.
     skipped : DataFrame
         ``source_name, gpu_name, model, mode, precision, batch, reason``.
     """
-    from neusight.graph.models import list_models
+    from neusight.graph import resnet as _resnet
 
     folder = Path(folder)
     files = {"DeepLearningExamples": folder / "cnn_dle.csv", "Lambda": folder / "cnn_lambda.csv"}
@@ -172,7 +179,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     if missing:
         raise DataError(f"{', '.join(missing)} not found; pass the public-benchmarks folder "
                         "(../shared/datasets/public-benchmarks) as cnn.dir")
-    presets = set(models) if models else {m for m in list_models() if m.startswith("resnet")}
+    presets = set(models) if models else set(_resnet.RESNET_LAYERS)
     keep_cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch"]
 
     dle = pd.read_csv(files["DeepLearningExamples"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
@@ -191,7 +198,9 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
         skipped.append(_skip(df[bad_prec], "precision not modelled (TF32/AMP/FP16): out of scope"))
         df = df[~bad_prec]
         no_gpu = ~df["gpu_name"].isin(CNN_GPUS)
-        skipped.append(_skip(df[no_gpu], "GPU outside the acceptance scope (V100, T4)"))
+        laptop = no_gpu & df["gpu_name"].str.contains("laptop", case=False)
+        skipped.append(_skip(df[laptop], "laptop part: clocks and power set by each laptop maker, no device spec"))
+        skipped.append(_skip(df[no_gpu & ~laptop], "GPU without a device spec"))
         df = df[~no_gpu]
         no_model = ~df["model"].isin(presets)
         skipped.append(_skip(df[no_model], "model without a preset"))
@@ -224,6 +233,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
             "version", "source"]
     sel = pd.concat([dle[cols], lam[cols]], ignore_index=True)
     sel.insert(2, "gpu", sel["gpu_name"].map(CNN_GPUS))
+    sel.insert(3, "scope", np.where(sel["gpu"].isin(CNN_ACCEPTANCE_GPUS), SCOPE_ACCEPTANCE, SCOPE_OTHER))
     sel = sel.sort_values(["source_name", "mode", "gpu", "model", "batch"]).reset_index(drop=True)
     skip = pd.concat([s[[*keep_cols, "reason"]] for s in skipped if not s.empty], ignore_index=True)
     return sel, skip
@@ -252,14 +262,20 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
 
 
 def cnn_summary(res: pd.DataFrame) -> pd.DataFrame:
-    """Per source (and mode): rows, mean and worst absolute % error of NeuSight and of the roofline baseline."""
+    """Per GPU scope, source and mode (and "all" modes): rows, mean and worst absolute % error of NeuSight and
+    of the roofline baseline. The acceptance scope (V100, T4) comes first."""
+    if "scope" not in res:
+        res = res.assign(scope=SCOPE_ACCEPTANCE)
+    by = ["scope", "source_name"]
     rows = []
-    for keys, g in [*res.groupby(["source_name", "mode"]), *(((s, "all"), g) for s, g in res.groupby("source_name"))]:
-        rows.append({"source": keys[0], "mode": keys[1], "rows": len(g),
+    for keys, g in [*res.groupby([*by, "mode"]), *(((*k, "all"), g) for k, g in res.groupby(by))]:
+        rows.append({"scope": keys[0], "source": keys[1], "mode": keys[2], "rows": len(g),
                      "gpus": ", ".join(sorted(g["gpu"].unique())),
                      "mean_abs_error_pct": g["error_pct"].abs().mean(), "worst_abs_error_pct": g["error_pct"].abs().max(),
                      "roofline_mean_abs_error_pct": g["roofline_error_pct"].abs().mean()})
-    return pd.DataFrame(rows).sort_values(["source", "mode"]).reset_index(drop=True)
+    out = pd.DataFrame(rows)
+    first = (out["scope"] != SCOPE_ACCEPTANCE).astype(int)
+    return out.assign(_first=first).sort_values(["_first", "source", "mode"]).drop(columns="_first").reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,9 +346,11 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
                          "x 100.\n\n")
             parts.append(markdown_table(t, signed=True))
     if cnn is not None and not cnn.empty:
-        parts.append("\n## ResNet: public CNN benchmarks (FP32)\n\nMean absolute % error per source. DLE inference: "
-                     "forward + loss + top-k, average latency per batch; training: the full SGD step "
-                     "(DLE: batch / throughput on DGX-1; Lambda: `step_ms`).\n\n")
+        parts.append("\n## ResNet: public CNN benchmarks (FP32)\n\nMean absolute % error per GPU scope and source. "
+                     "DLE inference: forward + loss + top-k, average latency per batch; training: the full SGD step "
+                     f"(DLE: batch / throughput on DGX-1; Lambda: `step_ms`). Scope \"{SCOPE_ACCEPTANCE}\" is issue 4's "
+                     f"acceptance; \"{SCOPE_OTHER}\": Lambda's Turing cards (TITAN RTX, Quadro RTX), none of which "
+                     "the predictor was trained on.\n\n")
         parts.append(markdown_table(cnn_summary(cnn).rename(columns={
             "mean_abs_error_pct": "mean abs err %", "worst_abs_error_pct": "worst abs err %",
             "roofline_mean_abs_error_pct": "roofline mean abs err %"}), index=False))

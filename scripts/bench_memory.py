@@ -5,7 +5,8 @@
 2. Korthikanti et al. 2022: saved activations per layer of GPT-2 Large (36 layers, FP32, dropout) vs
    s*b*h*(66 + 9*a*s/h) bytes (the 16-bit formula with the 2-byte tensors doubled, tests/test_memory.py).
 3. Fits: GPT-3 2.7B training (batch 8 x 2048, AdamW) on an L4; every single-GPU run NeuSight measured, on its GPU.
-4. Max batch examples; with --plots DIR the four charts for GPT-2 Large training on H100 and ResNet-50 training
+4. Max batch examples, and Lambda's largest ResNet-50 FP32 training batches per GPU against the forecast's
+   (with the label runs; needs ../shared/datasets/public-benchmarks); with --plots DIR the four charts for GPT-2 Large training on H100 and ResNet-50 training
    on A100 (latency made up as roofline / utilization until the predictor exists).
 
 Usage: python scripts/bench_memory.py [--skip-cpu] [--skip-labels] [--plots DIR] [--doc docs/memory.md]
@@ -156,6 +157,27 @@ def max_batches() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def lambda_batches() -> pd.DataFrame:
+    """Lambda's ResNet-50 FP32 training runs (DeepLearningExamples main.py, SGD) use "the largest batch that
+    fits" on each GPU (public-benchmarks README): the forecast should let that batch fit, and its own largest
+    batch shows how far the forecast per image is from the GPU's."""
+    from neusight.e2e_eval import load_cnn_benchmarks
+
+    sel, _ = load_cnn_benchmarks(REPO.parent / "shared" / "datasets" / "public-benchmarks")
+    runs = sel[sel["source_name"] == "Lambda"].drop_duplicates(["gpu", "model", "batch"])
+    rows = []
+    for r in runs.itertuples(index=False):
+        t0 = time.time()
+        m = estimate_memory(neusight.trace(r.model, batch_size=int(r.batch), mode="training", optimizer="sgd"), r.gpu)
+        best = find_max_batch(r.model, r.gpu, mode="training", optimizer="sgd")
+        rows.append({"GPU": r.gpu, "model": r.model, "Lambda batch": int(r.batch),
+                     "forecast GiB at that batch": f"{m.peak_gib:.1f}", "device GiB": f"{m.device_memory_bytes / GiB:.1f}",
+                     "fits": m.fits, "forecast max batch": best, "forecast max / Lambda": f"{best / r.batch:.2f}",
+                     "s": f"{time.time() - t0:.0f}"})
+        log.info("%s", rows[-1])
+    return pd.DataFrame(rows)
+
+
 def synthetic_prediction(kernels: pd.DataFrame, device, seed: int = 0) -> pd.DataFrame:
     """Stand-in for the predictor: roofline time / a random utilization in [0.35, 0.95] + 5 us launch."""
     k = kernels.copy()
@@ -207,6 +229,12 @@ def main() -> None:
         parts += [f"### NeuSight's measured single-GPU runs (no optimizer step): {int(labels['fits'].sum())} of "
                   f"{len(labels)} fit on their GPU per the forecast\n", table(label_summary(labels)), ""]
     parts += ["### Largest batch that fits\n", table(max_batches()), ""]
+    if not args.skip_labels:
+        lam = lambda_batches()
+        ratio = lam["forecast max / Lambda"].astype(float)
+        parts += [f"### Lambda's largest batches (ResNet-50 FP32 training, measured on the GPU): {int(lam['fits'].sum())} "
+                  f"of {len(lam)} fit per the forecast; forecast max batch {ratio.min():.2f}-{ratio.max():.2f} x "
+                  "Lambda's\n", table(lam), ""]
     if args.plots:
         log.info("charts: %s", ", ".join(str(p) for p in pictures(args.plots)))
     doc = args.doc.read_text() if args.doc.exists() else f"# Memory\n\n{BEGIN}\n{END}\n"

@@ -140,15 +140,34 @@ def forecast_cnn() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def render_cnn(df: pd.DataFrame) -> str:
+def measured_cnn_kin() -> pd.DataFrame:
+    """The same predictor on the public CNN rows it can be checked on (docs/evaluation.md's ResNet section):
+    mean signed error per GPU and mode, the hint for the left-out cards' kin (same die or generation)."""
+    from neusight.e2e_eval import load_cnn_benchmarks, predict_cnn
+
+    sel, _ = load_cnn_benchmarks(DATASET.parent / "public-benchmarks")
+    res = predict_cnn(sel)
+    return (res.groupby(["gpu", "mode"]).agg(rows=("error_pct", "size"), mean_signed_err_pct=("error_pct", "mean"),
+                                              worst_err_pct=("error_pct", lambda e: e[e.abs().idxmax()]))
+            .reset_index())
+
+
+CNN_KIN = {"rtx-2080-ti": "TU102, like TITAN RTX and Quadro RTX 6000/8000 (Quadro RTX 5000: TU104)",
+           "titan-v": "GV100, like the V100s", "gtx-1080-ti": "GP102: no measured kin (P100 is GP100, P4 GP104)"}
+
+
+def render_cnn(df: pd.DataFrame, kin: pd.DataFrame) -> str:
     t = df.rename(columns={"predicted_ms": "forecast ms", "images_per_s": "images/s", "fits": "fits in memory"})
+    k = kin.rename(columns={"mean_signed_err_pct": "mean err %", "worst_err_pct": "worst err %"})
     return "\n".join(["## Older cards: ResNet-50, FP32", "",
                       "Forecast of one training step (SGD) or inference pass at 224 x 224, FP32 (no tensor cores), "
                       "from the spec files; the measurements these can be checked against (Lambda, DeepLearningExamples "
-                      "tables of these cards) are left out of public-benchmarks. For reference, the same predictor "
-                      "is 5.8 % (DeepLearningExamples) and 10.7 % (Lambda) off on V100 and T4 (docs/evaluation.md), "
-                      "mostly too fast for training.", "",
-                      markdown_table(t, index=False), ""])
+                      "tables of these cards) are left out of public-benchmarks.", "",
+                      markdown_table(t, index=False), "",
+                      "Where the same predictor could be checked (the public CNN rows of docs/evaluation.md: "
+                      "ResNet-50, ResNeXt-101, SE-ResNeXt-101; signed error, predicted - measured):", "",
+                      markdown_table(k, index=False, signed=["mean err %", "worst err %"]), "",
+                      "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + ".", ""])
 
 
 def render(df: pd.DataFrame, seconds: float) -> str:
@@ -191,9 +210,10 @@ def main() -> None:
     df = forecast(args.dataset)
     meg = forecast_megatron(args.dataset)
     cnn = forecast_cnn()
+    kin = measured_cnn_kin()
     text = render(df, time.time() - t0).replace(
         " forecasts in ", f" + {len(meg)} multi-GPU + {len(cnn)} CNN forecasts in ", 1)
-    text += "\n" + render_megatron(meg) + "\n" + render_cnn(cnn)
+    text += "\n" + render_megatron(meg) + "\n" + render_cnn(cnn, kin)
     atomic_write_text(args.out, text + "\n")
     print(text)
 

@@ -20,7 +20,7 @@ REQUIRED_KEYS = [
     "p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "v100-sxm2-16gb", "a10", "a40", "a100-pcie-40gb",
     "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb", "l4", "l40s", "h100-pcie", "h100-sxm5-80gb",
     "h200", "b200", "rtx-3090", "rtx-4090", "rtx-2080-ti", "gtx-1080-ti", "titan-v", "titan-rtx",
-    "titan-xp", "mi100", "mi210", "mi250", "mi300x",
+    "titan-xp", "quadro-rtx-5000", "quadro-rtx-6000", "quadro-rtx-8000", "mi100", "mi210", "mi250", "mi300x",
 ]
 
 # exact torch.cuda.get_device_name() strings (old and new driver spellings) -> library key
@@ -60,6 +60,9 @@ REQUIRED_ALIASES = {
     "NVIDIA TITAN Xp": "titan-xp",
     "TITAN X (Pascal)": "titan-x-pascal",
     "Tesla M40": "m40",
+    "Quadro RTX 5000": "quadro-rtx-5000",
+    "Quadro RTX 6000": "quadro-rtx-6000",
+    "Quadro RTX 8000": "quadro-rtx-8000",
     "AMD Instinct MI100": "mi100",
     "AMD Instinct MI210": "mi210",
     "AMD Instinct MI250": "mi250",

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 import neusight
 from neusight.cli.common import CONF_DIR
-from neusight.e2e_eval import (error_table, load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn,
+from neusight.e2e_eval import (SCOPE_ACCEPTANCE, SCOPE_OTHER, cnn_summary, error_table, load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn,
                                write_doc_section)
 from tests.conftest import DATASET, SHARED, need_shared
 
@@ -133,15 +133,37 @@ def cnn_rows():
 def test_cnn_selection_keeps_to_scope(cnn_rows):
     sel, skipped = cnn_rows
     assert (sel["precision"] == "fp32").all()
-    assert set(sel["gpu"]) <= {"t4", "v100-sxm2-16gb", "v100-sxm2-32gb"}
-    assert not sel["model"].str.startswith(("resnext", "se-", "efficientnet")).any()
+    acceptance = {"t4", "v100-sxm2-16gb", "v100-sxm2-32gb"}
+    assert acceptance <= set(sel["gpu"]) <= acceptance | {"titan-rtx", "quadro-rtx-5000", "quadro-rtx-6000",
+                                                          "quadro-rtx-8000"}
+    assert (sel["scope"] == SCOPE_ACCEPTANCE).tolist() == sel["gpu"].isin(acceptance).tolist()
+    # Ampere rows are TF32 whatever the benchmark calls them: never in scope
+    assert not sel["gpu_name"].str.contains("A100|A40|A6000|RTX 30", regex=True).any()
+    # DLE's ResNet-50, ResNeXt-101 32x4d and SE-ResNeXt-101 32x4d have presets; EfficientNets do not
+    assert set(sel["model"]) == {"resnet50", "resnext101-32x4d", "se-resnext101-32x4d"}
+    assert set(skipped.loc[skipped["reason"] == "model without a preset", "model"].str[:12]) == {"efficientnet"}
     assert (sel.loc[sel["mode"] == "inference", "batch"] >= 32).all()
     assert {"DeepLearningExamples", "Lambda"} <= set(sel["source_name"])
-    assert not sel.duplicated(["source_name", "gpu", "model", "mode", "batch"]).any()
+    assert not sel.duplicated(["source_name", "gpu", "model", "mode", "batch", "version"]).any()   # Lambda: one per era
     assert (sel["measured_ms"] > 0).all()
     reasons = " ".join(skipped["reason"].unique())
     assert "TF32" in reasons and "SUSPECT" in reasons
+    laptops = skipped[skipped["gpu_name"].str.contains("laptop") & (skipped["precision"] == "fp32")]
+    assert len(laptops) and laptops["reason"].str.contains("laptop").all()
     assert set(skipped.loc[skipped["reason"].str.contains("precision"), "precision"]) >= {"tf32", "amp"}
+
+
+def test_cnn_summary_keeps_the_acceptance_scope_apart():
+    rows = pd.DataFrame({"source_name": ["Lambda"] * 3, "mode": ["training"] * 3,
+                         "gpu": ["v100-sxm2-16gb", "titan-rtx", "quadro-rtx-8000"],
+                         "scope": [SCOPE_ACCEPTANCE, SCOPE_OTHER, SCOPE_OTHER],
+                         "error_pct": [-10.0, 20.0, -40.0], "roofline_error_pct": [-20.0, -30.0, -50.0]})
+    s = cnn_summary(rows)
+    assert s["scope"].iloc[0] == SCOPE_ACCEPTANCE
+    acc = s[(s["scope"] == SCOPE_ACCEPTANCE) & (s["mode"] == "all")].iloc[0]
+    other = s[(s["scope"] == SCOPE_OTHER) & (s["mode"] == "all")].iloc[0]
+    assert (acc["rows"], acc["mean_abs_error_pct"], acc["gpus"]) == (1, 10.0, "v100-sxm2-16gb")
+    assert (other["rows"], other["mean_abs_error_pct"], other["worst_abs_error_pct"]) == (2, 30.0, 40.0)
 
 
 def test_cnn_prediction_of_one_row(cnn_rows):

@@ -41,6 +41,22 @@ def test_resnet50_forward_flops():
     assert g.flops(None, ("conv", "linear")) == pytest.approx(8.18e9, rel=0.02)
 
 
+def test_resnext50_forward_flops():
+    g = neusight.trace("resnext50-32x4d", batch_size=1, mode="inference")
+    # 4.23 GMACs at 224x224 (torchvision's resnext50_32x4d model card): the grouped 3x3 convs count per group
+    assert g.flops(None, ("conv", "linear")) == pytest.approx(2 * 4.23e9, rel=0.01)
+
+
+@pytest.mark.parametrize("name,params", [
+    ("resnet50", 25_557_032),              # torchvision resnet50
+    ("resnext50-32x4d", 25_028_904),       # torchvision resnext50_32x4d
+    ("resnext101-32x4d", 44_177_704),      # 44.18 M (ResNeXt-101 32x4d, e.g. DeepLearningExamples / timm)
+    ("se-resnext101-32x4d", 48_955_416),   # 48.96 M (SE-ResNeXt-101 32x4d)
+])
+def test_cnn_preset_parameter_counts(name, params):
+    assert sum(p.numel() for p in build_model(name).module.parameters()) == params
+
+
 def _flop_counter_total(name: str, mode: str, **kw) -> float:
     built = build_model(name)
     args, kwargs = built.make_inputs(kw["batch_size"], kw.get("seq_len"))
@@ -67,3 +83,13 @@ def test_gemm_flops_agree_with_flop_counter(name, kw, mode):
     # FlopCounterMode counts 2·M·N·K per GEMM and ignores the bias add that we charge to addmm (M·K per
     # call): the difference is below 0.5 % for these shapes.
     assert ours == pytest.approx(_flop_counter_total(name, mode, **kw), rel=0.01)
+
+
+def test_grouped_conv_flops():
+    # forward against FlopCounterMode; backward = data + weight gradient = 2 x forward. (FlopCounterMode itself
+    # counts a grouped conv's weight gradient without dividing by the groups: 33x the forward for 32 groups.)
+    g = neusight.trace("se-resnext101-32x4d", batch_size=2, mode="inference")
+    assert g.flops(None, GEMM) == pytest.approx(_flop_counter_total("se-resnext101-32x4d", "inference", batch_size=2),
+                                                rel=0.01)
+    t = neusight.trace("se-resnext101-32x4d", batch_size=2, mode="training", optimizer=None)
+    assert t.flops("backward", ("conv",)) == pytest.approx(2 * t.flops("forward", ("conv",)), rel=0.01)

@@ -58,7 +58,9 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                   feed_forward_proj="relu", dropout_rate=0.1, router_jitter_noise=0.01)),
 }
 PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
-                  "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4"}
+                  "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4",
+                  "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
+                  "se_resnext101_32x4d": "se-resnext101-32x4d"}
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq")
 
@@ -212,7 +214,9 @@ def _vision(name: str, image_size: int, dtype: torch.dtype) -> BuiltModel:
         return F.cross_entropy(out, target)
 
     return BuiltModel(name, module, "vision", make_inputs, loss, False, None,
-                      [f"{name} (torchvision v1.5 layout), {image_size}x{image_size} images, 1000 classes"])
+                      [f"{name} (torchvision v1.5 layout{'' if name.startswith('resnet') else '; grouped 3x3 convs'}"
+                       f"{'' if not name.startswith('se-') else ', squeeze-and-excitation'}), "
+                       f"{image_size}x{image_size} images, 1000 classes"])
 
 
 def _from_module(module: nn.Module, input_shapes: list[tuple[int, ...]] | None, dtype: torch.dtype) -> BuiltModel:
