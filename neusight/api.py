@@ -150,6 +150,9 @@ FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops betw
               "the memory forecast is the eager one")
 MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
                  "(neusight.graph.megatron); other kernels as Hugging Face runs them")
+DEPTHWISE_NOTE = ("{n} depthwise-convolution kernels are forecast as memory-bound window ops at the memory-bound model's "
+                  "speed; no kernel measurement covers them, and PyTorch's FP32 depthwise kernels run well below memory "
+                  "bandwidth, so expect this forecast to be too fast (EfficientNet rows of docs/evaluation.md)")
 
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
@@ -184,6 +187,9 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
+    n_dw = int(kernels["kernel"].astype(str).str.startswith("conv_dw_").sum())
+    if n_dw:
+        notes += (DEPTHWISE_NOTE.format(n=n_dw),)
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,
                       kernels, g, notes, None, pred.train_devices_)
 

@@ -44,7 +44,7 @@ CNN_GPUS = {"V100-SXM2-16GB": "v100-sxm2-16gb", "V100-SXM2-32GB": "v100-sxm2-32g
 CNN_ACCEPTANCE_GPUS = ("v100-sxm2-16gb", "v100-sxm2-32gb", "t4")   # issue 4: V100 and T4
 SCOPE_ACCEPTANCE, SCOPE_OTHER = "V100, T4 (issue 4)", "other FP32 GPUs"
 CNN_PRECISION = "fp32"          # the only precision in scope
-CNN_IMAGE_SIZE = 224
+CNN_IMAGE_SIZE = 224            # rows that do not state theirs (Lambda's ResNet-50 runs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,20 +158,20 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
     In scope: FP32; GPUs in :data:`CNN_GPUS` (column ``scope``: the V100 and T4 of issue 4's acceptance, or
-    the other true-FP32 GPUs); models with a preset (``models``, default every ResNet, ResNeXt
-    and SE-ResNeXt preset); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per (GPU,
+    the other true-FP32 GPUs); models with a preset (``models``, default every CNN preset:
+    ResNet, ResNeXt, SE-ResNeXt, EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per (GPU,
     model, batch): the ``in_head`` row when there is one, else the newest container, never a SUSPECT row;
     DLE training (step = batch / throughput); Lambda training (``step_ms``).
 
     Returns
     -------
     selected : DataFrame
-        ``source_name, gpu_name, gpu, scope, model, mode, precision, batch, measured_ms, measure, in_head,
-        version, source``.
+        ``source_name, gpu_name, gpu, scope, model, mode, precision, batch, image_size, measured_ms, measure,
+        in_head, version, source``.
     skipped : DataFrame
         ``source_name, gpu_name, model, mode, precision, batch, reason``.
     """
-    from neusight.graph import resnet as _resnet
+    from neusight.graph.models import CNN_PRESETS
 
     folder = Path(folder)
     files = {"DeepLearningExamples": folder / "cnn_dle.csv", "Lambda": folder / "cnn_lambda.csv"}
@@ -179,13 +179,14 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     if missing:
         raise DataError(f"{', '.join(missing)} not found; pass the public-benchmarks folder "
                         "(../shared/datasets/public-benchmarks) as cnn.dir")
-    presets = set(models) if models else set(_resnet.RESNET_LAYERS)
+    presets = set(models) if models else set(CNN_PRESETS)
     keep_cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch"]
 
     dle = pd.read_csv(files["DeepLearningExamples"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
     dle["source_name"] = "DeepLearningExamples"
     dle["version"] = dle["container"].astype(str)
     dle["in_head"] = dle["in_head"].astype(bool)
+    dle["image_size"] = dle["image_size"].fillna(CNN_IMAGE_SIZE).astype(int)
     lam = pd.read_csv(files["Lambda"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
     lam["source_name"] = "Lambda"
     lam["version"] = "era " + lam["era"].astype(str) + ", " + lam["data_backend"].astype(str)
@@ -227,10 +228,11 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     dle["measured_ms"] = np.where(inf, lat, dle["batch"] / dle["throughput_img_s"] * 1000)
     dle["measure"] = np.where(inf, "latency_avg_ms", "batch / throughput_img_s")
     lam["measured_ms"] = lam["step_ms"]
+    lam["image_size"] = CNN_IMAGE_SIZE
     lam["measure"] = "step_ms"
 
-    cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch", "measured_ms", "measure", "in_head",
-            "version", "source"]
+    cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch", "image_size", "measured_ms", "measure",
+            "in_head", "version", "source"]
     sel = pd.concat([dle[cols], lam[cols]], ignore_index=True)
     sel.insert(2, "gpu", sel["gpu_name"].map(CNN_GPUS))
     sel.insert(3, "scope", np.where(sel["gpu"].isin(CNN_ACCEPTANCE_GPUS), SCOPE_ACCEPTANCE, SCOPE_OTHER))
@@ -240,7 +242,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
 
 
 def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd") -> pd.DataFrame:
-    """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=224,
+    """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=s,
     mode=m, optimizer="sgd")`` returns, with each (model, batch, mode) traced once and shared by the GPUs."""
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
@@ -248,9 +250,10 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
     graphs: dict[tuple, Any] = {}
     out = []
     for r in rows.itertuples(index=False):
-        key = (r.model, int(r.batch), r.mode)
+        size = int(getattr(r, "image_size", CNN_IMAGE_SIZE))
+        key = (r.model, int(r.batch), r.mode, size)
         if key not in graphs:
-            graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=CNN_IMAGE_SIZE,
+            graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=size,
                                 optimizer=optimizer if r.mode == "training" else None)
         p = predict_graph(graphs[key], r.gpu, predictor)
         roof = float(p.kernels["roofline_ms"].sum())
@@ -354,9 +357,19 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
         parts.append(markdown_table(cnn_summary(cnn).rename(columns={
             "mean_abs_error_pct": "mean abs err %", "worst_abs_error_pct": "worst abs err %",
             "roofline_mean_abs_error_pct": "roofline mean abs err %"}), index=False))
-        rows = cnn[["source_name", "gpu", "model", "mode", "batch", "measured_ms", "predicted_ms", "error_pct",
-                    "roofline_error_pct", "version"]].rename(columns={"source_name": "source", "error_pct": "err %",
-                                                                       "roofline_error_pct": "roofline err %"})
+        per_model = (cnn.groupby(["model", "mode"])
+                     .agg(rows=("error_pct", "size"), gpus=("gpu", lambda g: ", ".join(sorted(set(g)))),
+                          mean_signed=("error_pct", "mean"), mean_abs=("error_pct", lambda e: e.abs().mean()),
+                          roofline_mean_abs=("roofline_error_pct", lambda e: e.abs().mean()))
+                     .reset_index().rename(columns={"mean_signed": "mean err %", "mean_abs": "mean abs err %",
+                                                    "roofline_mean_abs": "roofline mean abs err %"}))
+        parts.append("\nPer model (all sources and GPUs; EfficientNets' depthwise convolutions have no kernel "
+                     "measurement and are forecast at the memory-bound model's speed):\n\n"
+                     + markdown_table(per_model, index=False, signed=("mean err %",)))
+        cols = ["source_name", "gpu", "model", "mode", "batch", *(["image_size"] if "image_size" in cnn else []),
+                "measured_ms", "predicted_ms", "error_pct", "roofline_error_pct", "version"]
+        rows = cnn[cols].rename(columns={"source_name": "source", "error_pct": "err %", "roofline_error_pct": "roofline err %",
+                                         "image_size": "image"})
         parts.append("\nEvery row in scope (signed % error):\n\n"
                      + markdown_table(rows, index=False, signed=("err %", "roofline err %")))
         if cnn_skipped is not None and not cnn_skipped.empty:

@@ -141,11 +141,11 @@ def forecast_cnn() -> pd.DataFrame:
 
 
 def measured_cnn_kin() -> pd.DataFrame:
-    """The same predictor on the public CNN rows it can be checked on (docs/evaluation.md's ResNet section):
+    """The same predictor on the public ResNet-50 rows it can be checked on (docs/evaluation.md's CNN section):
     mean signed error per GPU and mode, the hint for the left-out cards' kin (same die or generation)."""
     from neusight.e2e_eval import load_cnn_benchmarks, predict_cnn
 
-    sel, _ = load_cnn_benchmarks(DATASET.parent / "public-benchmarks")
+    sel, _ = load_cnn_benchmarks(DATASET.parent / "public-benchmarks", models=["resnet50"])
     res = predict_cnn(sel)
     return (res.groupby(["gpu", "mode"]).agg(rows=("error_pct", "size"), mean_signed_err_pct=("error_pct", "mean"),
                                               worst_err_pct=("error_pct", lambda e: e[e.abs().idxmax()]))
@@ -164,8 +164,8 @@ def render_cnn(df: pd.DataFrame, kin: pd.DataFrame) -> str:
                       "from the spec files; the measurements these can be checked against (Lambda, DeepLearningExamples "
                       "tables of these cards) are left out of public-benchmarks.", "",
                       markdown_table(t, index=False), "",
-                      "Where the same predictor could be checked (the public CNN rows of docs/evaluation.md: "
-                      "ResNet-50, ResNeXt-101, SE-ResNeXt-101; signed error, predicted - measured):", "",
+                      "Where the same predictor could be checked on ResNet-50 (the public CNN rows of "
+                      "docs/evaluation.md; signed error, predicted - measured):", "",
                       markdown_table(k, index=False, signed=["mean err %", "worst err %"]), "",
                       "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + ".", ""])
 

@@ -139,9 +139,15 @@ def test_cnn_selection_keeps_to_scope(cnn_rows):
     assert (sel["scope"] == SCOPE_ACCEPTANCE).tolist() == sel["gpu"].isin(acceptance).tolist()
     # Ampere rows are TF32 whatever the benchmark calls them: never in scope
     assert not sel["gpu_name"].str.contains("A100|A40|A6000|RTX 30", regex=True).any()
-    # DLE's ResNet-50, ResNeXt-101 32x4d and SE-ResNeXt-101 32x4d have presets; EfficientNets do not
-    assert set(sel["model"]) == {"resnet50", "resnext101-32x4d", "se-resnext101-32x4d"}
-    assert set(skipped.loc[skipped["reason"] == "model without a preset", "model"].str[:12]) == {"efficientnet"}
+    # DLE's ResNet-50, ResNeXt-101 32x4d, SE-ResNeXt-101 32x4d and EfficientNet-B0/B4 have presets; the
+    # WideSE EfficientNets (a DLE variant) do not
+    assert set(sel["model"]) == {"resnet50", "resnext101-32x4d", "se-resnext101-32x4d", "efficientnet-b0",
+                                 "efficientnet-b4"}
+    assert set(skipped.loc[skipped["reason"] == "model without a preset", "model"]) == {"efficientnet-widese-b0",
+                                                                                        "efficientnet-widese-b4"}
+    # each row at its own resolution (EfficientNet-B4: 380)
+    assert set(sel.loc[sel["model"] == "efficientnet-b4", "image_size"]) == {380}
+    assert set(sel.loc[sel["model"] != "efficientnet-b4", "image_size"]) == {224}
     assert (sel.loc[sel["mode"] == "inference", "batch"] >= 32).all()
     assert {"DeepLearningExamples", "Lambda"} <= set(sel["source_name"])
     assert not sel.duplicated(["source_name", "gpu", "model", "mode", "batch", "version"]).any()   # Lambda: one per era

@@ -52,6 +52,9 @@ def test_resnext50_forward_flops():
     ("resnext50-32x4d", 25_028_904),       # torchvision resnext50_32x4d
     ("resnext101-32x4d", 44_177_704),      # 44.18 M (ResNeXt-101 32x4d, e.g. DeepLearningExamples / timm)
     ("se-resnext101-32x4d", 48_955_416),   # 48.96 M (SE-ResNeXt-101 32x4d)
+    ("efficientnet-b0", 5_288_548),        # torchvision efficientnet_b0
+    ("efficientnet-b4", 19_341_616),       # torchvision efficientnet_b4
+    ("efficientnet-b7", 66_347_960),       # torchvision efficientnet_b7
 ])
 def test_cnn_preset_parameter_counts(name, params):
     assert sum(p.numel() for p in build_model(name).module.parameters()) == params
@@ -93,3 +96,40 @@ def test_grouped_conv_flops():
                                                 rel=0.01)
     t = neusight.trace("se-resnext101-32x4d", batch_size=2, mode="training", optimizer=None)
     assert t.flops("backward", ("conv",)) == pytest.approx(2 * t.flops("forward", ("conv",)), rel=0.01)
+
+
+def test_depthwise_convs_are_memory_bound_window_ops():
+    g = neusight.trace("efficientnet-b0", batch_size=2, mode="training", optimizer=None)
+    assert g.image_size == 224
+    k = g.kernels
+    dw = k[k["kernel"].str.startswith("conv_dw_")]
+    # 16 MBConv blocks, one depthwise conv each: forward, data gradient, weight gradient
+    assert dw["kernel"].value_counts().to_dict() == {"conv_dw_fwd": 16, "conv_dw_dgrad": 16, "conv_dw_wgrad": 16}
+    assert set(dw.loc[dw["kernel"] != "conv_dw_wgrad", "family"]) == {"pooling"}
+    assert set(dw.loc[dw["kernel"] == "conv_dw_wgrad", "family"]) == {"reduction"}
+    # no depthwise layer is left as a GEMM: every conv-family kernel has more than one input channel per group
+    conv = k[k["family"] == "conv"]
+    assert all(d[2] > 1 for d in conv["dims"])
+    # the stem's first block: 32 channels at 112 x 112, 3 x 3 -> 2 x 9 FLOPs per output element
+    first = dw[dw["kernel"] == "conv_dw_fwd"].iloc[0]
+    assert first["dims"] == (2 * 32, 112 * 112)
+    assert first["flops"] == 2 * 9 * 2 * 32 * 112 * 112
+    assert first["bytes"] == 4 * (2 * 32 * 112 * 112 * 2 + 32 * 9)
+    fwd = dw.groupby("kernel")["flops"].sum()
+    assert fwd["conv_dw_dgrad"] == fwd["conv_dw_fwd"]
+
+
+def test_efficientnet_flops_agree_with_flop_counter():
+    g = neusight.trace("efficientnet-b0", batch_size=2, mode="inference")
+    k = g.kernels
+    ours = k.loc[k["family"].isin(GEMM) | k["kernel"].str.startswith("conv_dw_"), "flops"].sum()
+    assert ours == pytest.approx(_flop_counter_total("efficientnet-b0", "inference", batch_size=2), rel=0.01)
+    # 0.39 G multiply-adds per 224 x 224 image (Tan & Le 2019, Table 2)
+    assert ours / 2 / 2 == pytest.approx(0.39e9, rel=0.02)
+    assert neusight.trace("efficientnet-b4", batch_size=1, mode="inference").image_size == 380
+
+
+def test_depthwise_forecast_says_it_is_optimistic():
+    p = neusight.predict("efficientnet-b0", "t4", batch_size=4, memory=False)
+    assert any("depthwise" in n and "too fast" in n for n in p.notes)
+    assert not any("depthwise" in n for n in neusight.predict("resnet18", "t4", batch_size=4, memory=False).notes)

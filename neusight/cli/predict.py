@@ -59,7 +59,7 @@ class PredictConfig:
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
-    image_size: int = 224                # vision models
+    image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak

@@ -26,7 +26,7 @@ class TraceConfig:
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training only)
     attn_implementation: str = "eager"   # eager | sdpa
-    image_size: int = 224                # vision models
+    image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from neusight.errors import InputError, ModelError
+from neusight.graph import efficientnet as _efficientnet
 from neusight.graph import resnet as _resnet
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,14 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq")
 
+# vision presets: name -> (builder, native image size, description)
+CNN_PRESETS: dict[str, tuple[Callable[[str], nn.Module], int, str]] = {
+    **{n: (_resnet.resnet, 224, "torchvision v1.5 layout" + ("" if n.startswith("resnet") else "; grouped 3x3 convs")
+           + (", squeeze-and-excitation" if n.startswith("se-") else "")) for n in _resnet.RESNET_LAYERS},
+    **{n: (_efficientnet.efficientnet, _efficientnet.RESOLUTION[n],
+           "MBConv blocks: depthwise convs, squeeze-and-excitation, SiLU") for n in _efficientnet.SCALING},
+}
+
 
 @dataclass
 class BuiltModel:
@@ -77,15 +86,16 @@ class BuiltModel:
     needs_seq_len: bool
     max_seq_len: int | None = None
     notes: list[str] = field(default_factory=list)
+    image_size: int | None = None               # vision models: the side of the square input images
 
 
 def list_models() -> list[str]:
     """Preset names, sorted."""
-    return sorted(list(HF_PRESETS) + list(_resnet.RESNET_LAYERS))
+    return sorted(list(HF_PRESETS) + list(CNN_PRESETS))
 
 
 def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
-                image_size: int = 224, input_shapes: list[tuple[int, ...]] | None = None,
+                image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
                 dtype: torch.dtype = torch.float32) -> BuiltModel:
     """Build a model on the meta device from a preset name, an HF config JSON path or an nn.Module."""
     if head is not None and head not in HEADS:
@@ -96,7 +106,7 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return _from_module(model, input_shapes, dtype)
     name = str(model)
     key = PRESET_ALIASES.get(name.lower(), name.lower())
-    if key in _resnet.RESNET_LAYERS:
+    if key in CNN_PRESETS:
         return _vision(key, image_size, dtype)
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
@@ -200,11 +210,14 @@ def _hf_class(config: Any, model_type: str, head: str | None, architectures: lis
 # vision and arbitrary modules
 
 
-def _vision(name: str, image_size: int, dtype: torch.dtype) -> BuiltModel:
-    if image_size < 32:
-        raise InputError(f"image_size={image_size} is too small for {name} (5 stride-2 stages); use >= 32, e.g. 224")
+def _vision(name: str, image_size: int | None, dtype: torch.dtype) -> BuiltModel:
+    builder, native, note = CNN_PRESETS[name]
+    image_size = native if image_size is None else image_size
+    if not isinstance(image_size, int) or image_size < 32:
+        raise InputError(f"image_size={image_size!r} is too small for {name} (5 stride-2 stages); use >= 32, "
+                         f"e.g. {native} (its native resolution)")
     with torch.device("meta"):
-        module = _resnet.resnet(name).to(dtype)
+        module = builder(name).to(dtype)
 
     def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
         return (torch.zeros(batch, 3, image_size, image_size, dtype=dtype, device="meta"),), {}
@@ -214,9 +227,7 @@ def _vision(name: str, image_size: int, dtype: torch.dtype) -> BuiltModel:
         return F.cross_entropy(out, target)
 
     return BuiltModel(name, module, "vision", make_inputs, loss, False, None,
-                      [f"{name} (torchvision v1.5 layout{'' if name.startswith('resnet') else '; grouped 3x3 convs'}"
-                       f"{'' if not name.startswith('se-') else ', squeeze-and-excitation'}), "
-                       f"{image_size}x{image_size} images, 1000 classes"])
+                      [f"{name} ({note}), {image_size}x{image_size} images, 1000 classes"], image_size)
 
 
 def _from_module(module: nn.Module, input_shapes: list[tuple[int, ...]] | None, dtype: torch.dtype) -> BuiltModel:

@@ -158,7 +158,7 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
 
 def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
-          image_size: int = 224, input_shapes: list[tuple[int, ...]] | None = None,
+          image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
@@ -261,7 +261,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), notes=tuple(built.notes), ops=rec.ops,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
-                 image_size=image_size if built.kind == "vision" else None, param_names=[n for n, _ in named],
+                 image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None))
 
 
