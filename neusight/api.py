@@ -91,6 +91,17 @@ class Prediction:
         agg["share"] = agg["latency_ms"] / max(self.latency_ms, 1e-12)
         return agg.sort_values("latency_ms", ascending=False)
 
+    @property
+    def throughput(self) -> tuple[float, str]:
+        """What one pass or step processes per second: images/s for vision models (a batch of images),
+        tokens/s for sequence models (batch x sequence length), else samples/s."""
+        seconds = max(self.latency_ms, 1e-12) / 1e3
+        if self.graph is not None and self.graph.image_size is not None:
+            return self.batch_size / seconds, "images/s"
+        if self.seq_len:
+            return self.batch_size * self.seq_len / seconds, "tokens/s"
+        return self.batch_size / seconds, "samples/s"
+
     def by_family(self) -> pd.DataFrame:
         k = self.kernels
         agg = k.groupby("family").agg(kernels=("latency_ms", "size"), latency_ms=("latency_ms", "sum"),
@@ -102,7 +113,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         d = {"model": self.model, "device": self.device.key, "device_name": self.device.name, "mode": self.mode,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "latency_ms": self.latency_ms,
-             "phases": self.phases, "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
+             "throughput": self.throughput[0], "throughput_unit": self.throughput[1], "phases": self.phases, "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
              "families": self.by_family().reset_index().to_dict(orient="records")}
         if self.memory is not None and hasattr(self.memory, "to_dict"):
             d["memory"] = self.memory.to_dict()

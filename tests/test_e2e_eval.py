@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch import nn
 
 import neusight
 from neusight.cli.common import CONF_DIR
@@ -302,3 +303,12 @@ def test_option_runs_are_their_own_mode_with_the_eager_baseline_beside_them():
     assert "### NeuSight (this predictor): inference+fusion, signed % error" in md
     assert "### Without the fusion model (the same runs as eager kernels): inference+fusion" in md
     assert "+40.0" in md and "Without the fusion model (the same runs as eager kernels): inference," not in md
+
+
+def test_throughput_unit_follows_the_model_kind():
+    img = neusight.predict("resnet18", "t4", batch_size=8, memory=False)
+    assert img.throughput == (pytest.approx(8 / (img.latency_ms / 1e3)), "images/s")
+    lm = neusight.predict("gpt2", "t4", batch_size=2, seq_len=32, memory=False)
+    assert lm.throughput == (pytest.approx(64 / (lm.latency_ms / 1e3)), "tokens/s")
+    mod = neusight.predict(nn.Linear(16, 4), "t4", batch_size=3, input_shapes=[(16,)], memory=False)
+    assert mod.throughput[1] == "samples/s"

@@ -133,3 +133,4 @@ def test_depthwise_forecast_says_it_is_optimistic():
     p = neusight.predict("efficientnet-b0", "t4", batch_size=4, memory=False)
     assert any("depthwise" in n and "too fast" in n for n in p.notes)
     assert not any("depthwise" in n for n in neusight.predict("resnet18", "t4", batch_size=4, memory=False).notes)
+

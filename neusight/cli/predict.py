@@ -154,7 +154,7 @@ def format_summary(p: Prediction, top: int = 10) -> str:
     import pandas as pd
 
     lines = [_run_line(p), f"device: {p.device.name} ({p.device.key}), {trained_on(p)}",
-             f"total: {p.latency_ms:,.2f} ms"]
+             f"total: {p.latency_ms:,.2f} ms ({p.throughput[0]:,.0f} {p.throughput[1]})"]
     lines.append("phases: " + " | ".join(f"{ph} {ms:,.2f} ms ({100 * ms / max(p.latency_ms, 1e-12):.1f} %)"
                                          for ph, ms in p.phases.items()))
     b = bound_shares(p)
@@ -189,6 +189,8 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     cols = {}
     for r in rows:
         col = {"total ms": f"{r['latency_ms']:,.2f}"}
+        if r.get("throughput") is not None:
+            col[r["throughput_unit"]] = f"{r['throughput']:,.0f}"
         for ph in phases:
             col[f"{ph} ms"] = f"{r['phases'][ph]:,.2f}" if ph in r["phases"] else "-"
         col[f"speed-up vs {rows[0]['label']}"] = f"{base / r['latency_ms']:.2f}x"
@@ -205,6 +207,7 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
     m = p.memory
     peak = getattr(m, "peak_bytes", None) if m is not None else None
     return {"label": label or p.device.key, "device": p.device.key, "latency_ms": p.latency_ms,
+            "throughput": p.throughput[0], "throughput_unit": p.throughput[1],
             "phases": dict(p.phases), "memory_peak_gib": None if peak is None else peak / GIB,
             "fits": getattr(m, "fits", None) if m is not None else None,
             "trained_on": p.device.key in tuple(p.predictor_devices)}
