@@ -234,6 +234,15 @@ def test_unseen_device_combination_stays_within_the_training_gpus_envelope(seed)
     np.testing.assert_allclose(rowwise, q.numpy(), rtol=1e-9, atol=1e-9)
 
 
+def test_a_model_without_device_features_has_no_envelope():
+    model = UtilizationMLP(4, (8,), n_mono=4).double()
+    x = torch.randn(20, 4, dtype=torch.float64)
+    before = model.log_excess(x).detach()
+    model.fit_device_range(x)
+    assert int(model.n_device_rows) == 0
+    torch.testing.assert_close(model.log_excess(x).detach(), before)
+
+
 @settings(max_examples=30, deadline=None, derandomize=True, database=None)
 @given(st.tuples(st.integers(1, 64), dim, dim, dim), st.sampled_from(("B", "M", "N", "K")),
        st.sampled_from(("t4", "a100-pcie-40gb", "l4", "mi250")))

@@ -126,9 +126,12 @@ class UtilizationMLP(nn.Module):
         """Keep the distinct device-feature vectors of training rows ``x`` (raw features) for the envelope;
         none (no envelope) when there are more than MAX_DEVICE_ROWS of them. They are inputs, not weights: the
         training loop sets them once per fit."""
-        rows = torch.unique(x[:, self.n_mono:], dim=0)
-        n = len(rows) if 0 < len(rows) <= MAX_DEVICE_ROWS and self.in_features > self.n_mono else 0
         self.device_rows.zero_()
+        if self.in_features <= self.n_mono:   # no device features (torch.unique refuses zero-width rows)
+            self.n_device_rows.fill_(0)
+            return
+        rows = torch.unique(x[:, self.n_mono:], dim=0)
+        n = len(rows) if 0 < len(rows) <= MAX_DEVICE_ROWS else 0
         self.device_rows[:n] = rows[:n]
         self.n_device_rows.fill_(n)
 
