@@ -113,7 +113,8 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         d = {"model": self.model, "device": self.device.key, "device_name": self.device.name, "mode": self.mode,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "latency_ms": self.latency_ms,
-             "throughput": self.throughput[0], "throughput_unit": self.throughput[1], "phases": self.phases, "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
+             "throughput": self.throughput[0], "throughput_unit": self.throughput[1], "phases": self.phases,
+             "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
              "families": self.by_family().reset_index().to_dict(orient="records")}
         if self.memory is not None and hasattr(self.memory, "to_dict"):
             d["memory"] = self.memory.to_dict()

@@ -158,9 +158,9 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
     In scope: FP32; GPUs in :data:`CNN_GPUS` (column ``scope``: the V100 and T4 of issue 4's acceptance, or
-    the other true-FP32 GPUs); models with a preset (``models``, default every CNN preset:
-    ResNet, ResNeXt, SE-ResNeXt, EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per (GPU,
-    model, batch): the ``in_head`` row when there is one, else the newest container, never a SUSPECT row;
+    the other true-FP32 GPUs); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt,
+    SE-ResNeXt, EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one
+    row per (GPU, model, batch): the ``in_head`` row when there is one, else the newest container, never a SUSPECT row;
     DLE training (step = batch / throughput); Lambda training (``step_ms``).
 
     Returns
@@ -243,7 +243,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
 
 def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd") -> pd.DataFrame:
     """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=s,
-    mode=m, optimizer="sgd")`` returns, with each (model, batch, mode) traced once and shared by the GPUs."""
+    mode=m, optimizer="sgd")`` returns (``s`` = the row's ``image_size``), with each (model, batch, mode,
+    image size) traced once and shared by the GPUs."""
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
 
@@ -349,7 +350,7 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
                          "x 100.\n\n")
             parts.append(markdown_table(t, signed=True))
     if cnn is not None and not cnn.empty:
-        parts.append("\n## ResNet: public CNN benchmarks (FP32)\n\nMean absolute % error per GPU scope and source. "
+        parts.append("\n## CNNs: public benchmarks (FP32)\n\nMean absolute % error per GPU scope and source. "
                      "DLE inference: forward + loss + top-k, average latency per batch; training: the full SGD step "
                      f"(DLE: batch / throughput on DGX-1; Lambda: `step_ms`). Scope \"{SCOPE_ACCEPTANCE}\" is issue 4's "
                      f"acceptance; \"{SCOPE_OTHER}\": Lambda's Turing cards (TITAN RTX, Quadro RTX), none of which "
@@ -368,8 +369,8 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
                      + markdown_table(per_model, index=False, signed=("mean err %",)))
         cols = ["source_name", "gpu", "model", "mode", "batch", *(["image_size"] if "image_size" in cnn else []),
                 "measured_ms", "predicted_ms", "error_pct", "roofline_error_pct", "version"]
-        rows = cnn[cols].rename(columns={"source_name": "source", "error_pct": "err %", "roofline_error_pct": "roofline err %",
-                                         "image_size": "image"})
+        rows = cnn[cols].rename(columns={"source_name": "source", "error_pct": "err %",
+                                         "roofline_error_pct": "roofline err %", "image_size": "image"})
         parts.append("\nEvery row in scope (signed % error):\n\n"
                      + markdown_table(rows, index=False, signed=("err %", "roofline err %")))
         if cnn_skipped is not None and not cnn_skipped.empty:

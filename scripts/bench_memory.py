@@ -6,8 +6,9 @@
    s*b*h*(66 + 9*a*s/h) bytes (the 16-bit formula with the 2-byte tensors doubled, tests/test_memory.py).
 3. Fits: GPT-3 2.7B training (batch 8 x 2048, AdamW) on an L4; every single-GPU run NeuSight measured, on its GPU.
 4. Max batch examples, and Lambda's largest ResNet-50 FP32 training batches per GPU against the forecast's
-   (with the label runs; needs ../shared/datasets/public-benchmarks); with --plots DIR the four charts for GPT-2 Large training on H100 and ResNet-50 training
-   on A100 (latency made up as roofline / utilization until the predictor exists).
+   (skipped with the label runs; reads ../shared/datasets/public-benchmarks).
+5. With --plots DIR the four charts for GPT-2 Large training on H100 and ResNet-50 training on A100 (latency
+   made up as roofline / utilization until the predictor exists).
 
 Usage: python scripts/bench_memory.py [--skip-cpu] [--skip-labels] [--plots DIR] [--doc docs/memory.md]
 """

@@ -5,8 +5,8 @@ squeeze-and-excitation on a quarter of the block's input channels, 1x1 projectio
 allows), between a 3x3 stride-2 stem of 32 channels and a 1x1 head of 1280 channels. B1-B7 scale the widths
 (rounded to multiples of 8) and the block counts (rounded up) by the compound coefficients of the paper; each
 variant has its own training resolution (``RESOLUTION``). SiLU activations; in training mode every residual
-block drops its branch per sample (stochastic depth, survival 0.8 at the last block, linearly less deep) and
-dropout precedes the classifier, as torchvision's and NVIDIA DeepLearningExamples' models do.
+block drops its branch per sample (stochastic depth: drop probability rising linearly from 0 at the first block
+to 0.2 at the last) and dropout precedes the classifier, as torchvision's models do.
 Parameter counts match torchvision's ``efficientnet_b0`` ... ``efficientnet_b7``.
 """
 

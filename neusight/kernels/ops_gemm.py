@@ -84,7 +84,7 @@ def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups
     return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype, k2.flops * d_out)
 
 
-def _is_depthwise(x: TensorMeta, w: TensorMeta, groups: int, transposed: bool = False) -> bool:
+def _is_depthwise(x: TensorMeta, groups: int, transposed: bool = False) -> bool:
     """A 2-D convolution with one input channel per group (MobileNet / EfficientNet depthwise layers)."""
     return len(x.shape) == 4 and groups > 1 and x.shape[1] == groups and not transposed
 
@@ -95,25 +95,21 @@ def _depthwise_kernels(x: TensorMeta, w: TensorMeta, y: TensorMeta, stride, padd
     channel (1 x R x S "GEMM" per pixel), which PyTorch runs as direct CUDA kernels (FP32 NCHW:
     ``conv_depthwise2d``). So its forward and data gradient are window ops over the channel planes (the
     pooling family: memory-bound kernels, predicted by the elementwise model on their bytes) and its weight
-    gradient a reduction of x * dy over batch and pixels per weight. FLOPs as the implicit GEMM: 2 x R x S per
-    output element (x the channel multiplier)."""
-    fwd = _conv_kernel(x, w, stride, padding, dilation, groups, "conv")
+    gradient a reduction of x * dy over batch and pixels per weight. ``parts``: any of fwd, dgrad, wgrad.
+    Each has the implicit GEMM's FLOPs: 2 x R x S per output element (x the channel multiplier)."""
+    flops = _conv_kernel(x, w, stride, padding, dilation, groups, "conv").flops
     size = formulas.itemsize(x.dtype)
-    n, c = x.shape[0], x.shape[1]
-    taps = math.prod(w.shape[1:])
-    ks = []
-    if "fwd" in parts:
-        ks.append(formulas.rowwise(Family.POOLING, "conv_dw_fwd", n * y.shape[1], math.prod(y.shape[2:]),
-                                   flops_per_elem=fwd.flops / max(1, y.numel), bytes_total=float(size * (x.numel + w.numel + y.numel)),
-                                   dtype=x.dtype))
-    if "dgrad" in parts:
-        ks.append(formulas.rowwise(Family.POOLING, "conv_dw_dgrad", n * c, math.prod(x.shape[2:]),
-                                   flops_per_elem=fwd.flops / max(1, x.numel), bytes_total=float(size * (y.numel + w.numel + x.numel)),
-                                   dtype=x.dtype))
-    if "wgrad" in parts:
-        ks.append(formulas.rowwise(Family.REDUCTION, "conv_dw_wgrad", w.shape[0] * taps, n * math.prod(y.shape[2:]),
-                                   flops_per_elem=2.0, bytes_total=float(size * (x.numel + y.numel + w.numel)), dtype=x.dtype))
-    return ks
+    nbytes = float(size * (x.numel + w.numel + y.numel))   # every part reads two of x, w, y and writes the third
+    n, taps = x.shape[0], math.prod(w.shape[1:])
+    shapes = {"fwd": (Family.POOLING, n * y.shape[1], math.prod(y.shape[2:])),
+              "dgrad": (Family.POOLING, n * x.shape[1], math.prod(x.shape[2:])),
+              "wgrad": (Family.REDUCTION, w.shape[0] * taps, n * math.prod(y.shape[2:]))}
+    out = []
+    for part in parts:
+        family, rows, cols = shapes[part]
+        out.append(formulas.rowwise(family, f"conv_dw_{part}", rows, cols, flops_per_elem=flops / max(1, rows * cols),
+                                    bytes_total=nbytes, dtype=x.dtype))
+    return out
 
 
 @register(aten.convolution, aten._convolution, aten.cudnn_convolution)
@@ -125,7 +121,7 @@ def _convolution(c: OpCall) -> list[Kernel]:
         y = c.outputs[0]
         wt = TensorMeta(( w.shape[1] * groups, w.shape[0] // groups) + w.shape[2:], w.dtype, w.stride, w.storage, w.nbytes)
         ks = [_conv_kernel(y, wt, stride, padding, dilation, groups, "conv_transpose")]
-    elif _is_depthwise(x, w, groups):
+    elif _is_depthwise(x, groups):
         ks = _depthwise_kernels(x, w, c.outputs[0], stride, padding, dilation, groups, ("fwd",))
     else:
         ks = [_conv_kernel(x, w, stride, padding, dilation, groups, "conv_fwd")]
@@ -142,7 +138,7 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     dy, x, w = c.args[0], c.args[1], c.args[2]
     stride, padding, dilation, transposed, groups = tuple(c.args[4]), tuple(c.args[5]), tuple(c.args[6]), bool(c.args[7]), int(c.args[9])
     mask = c.args[10] if len(c.args) > 10 else (True, True, True)
-    if _is_depthwise(x, w, groups, transposed):
+    if _is_depthwise(x, groups, transposed):
         parts = tuple(name for name, on in zip(("dgrad", "wgrad"), mask[:2]) if on)
         ks = _depthwise_kernels(x, w, dy, stride, padding, dilation, groups, parts)
         return ks + ([_bias_grad(dy)] if len(mask) > 2 and mask[2] else [])
