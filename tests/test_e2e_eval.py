@@ -21,8 +21,8 @@ from torch import nn
 
 import neusight
 from neusight.cli.common import CONF_DIR
-from neusight.e2e_eval import (SCOPE_ACCEPTANCE, SCOPE_OTHER, cnn_summary, error_table, load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn,
-                               write_doc_section)
+from neusight.e2e_eval import (SCOPE_ACCEPTANCE, SCOPE_OTHER, cnn_summary, error_table, load_cnn_benchmarks,
+                               markdown_table, per_gpu_summary, predict_cnn, write_doc_section)
 from tests.conftest import DATASET, SHARED, need_shared
 
 # the schemas register themselves in the ConfigStore on import

@@ -107,10 +107,11 @@ def test_depthwise_convs_are_memory_bound_window_ops():
     assert dw["kernel"].value_counts().to_dict() == {"conv_dw_fwd": 16, "conv_dw_dgrad": 16, "conv_dw_wgrad": 16}
     assert set(dw.loc[dw["kernel"] != "conv_dw_wgrad", "family"]) == {"pooling"}
     assert set(dw.loc[dw["kernel"] == "conv_dw_wgrad", "family"]) == {"reduction"}
-    # no depthwise layer is left as a GEMM: every conv-family kernel has more than one input channel per group
+    # no depthwise layer is left as a GEMM: EfficientNet's only grouped convs are its depthwise ones, so every
+    # conv-family kernel left is a single GEMM (dims (groups, M, N, K) with groups 1)
     conv = k[k["family"] == "conv"]
-    assert all(d[2] > 1 for d in conv["dims"])
-    # the stem's first block: 32 channels at 112 x 112, 3 x 3 -> 2 x 9 FLOPs per output element
+    assert len(conv) and all(d[0] == 1 for d in conv["dims"])
+    # the first MBConv block (after the stem): 32 channels at 112 x 112, 3 x 3 -> 2 x 9 FLOPs per output element
     first = dw[dw["kernel"] == "conv_dw_fwd"].iloc[0]
     assert first["dims"] == (2 * 32, 112 * 112)
     assert first["flops"] == 2 * 9 * 2 * 32 * 112 * 112
@@ -133,4 +134,3 @@ def test_depthwise_forecast_says_it_is_optimistic():
     p = neusight.predict("efficientnet-b0", "t4", batch_size=4, memory=False)
     assert any("depthwise" in n and "too fast" in n for n in p.notes)
     assert not any("depthwise" in n for n in neusight.predict("resnet18", "t4", batch_size=4, memory=False).notes)
-
