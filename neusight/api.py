@@ -18,6 +18,7 @@ from neusight.graph.fusion import fused_kernels
 from neusight.graph.graph import Graph
 from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
+from neusight.kernels.ops_gemm import DEPTHWISE_PREFIX
 from neusight.memory import estimate_memory
 from neusight.predictor.model import SHIPPED, SHIPPED_AMD, Predictor
 from neusight.tiles import GEMM_FAMILIES
@@ -111,9 +112,10 @@ class Prediction:
         return agg.sort_values("latency_ms", ascending=False)
 
     def to_dict(self) -> dict[str, Any]:
+        rate, unit = self.throughput
         d = {"model": self.model, "device": self.device.key, "device_name": self.device.name, "mode": self.mode,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "latency_ms": self.latency_ms,
-             "throughput": self.throughput[0], "throughput_unit": self.throughput[1], "phases": self.phases,
+             "throughput": rate, "throughput_unit": unit, "phases": self.phases,
              "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
              "families": self.by_family().reset_index().to_dict(orient="records")}
         if self.memory is not None and hasattr(self.memory, "to_dict"):
@@ -199,7 +201,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
-    n_dw = int(kernels["kernel"].astype(str).str.startswith("conv_dw_").sum())
+    n_dw = int(kernels["kernel"].astype(str).str.startswith(DEPTHWISE_PREFIX).sum())
     if n_dw:
         notes += (DEPTHWISE_NOTE.format(n=n_dw),)
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,

@@ -268,8 +268,6 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
 def cnn_summary(res: pd.DataFrame) -> pd.DataFrame:
     """Per GPU scope, source and mode (and "all" modes): rows, mean and worst absolute % error of NeuSight and
     of the roofline baseline. The acceptance scope (V100, T4) comes first."""
-    if "scope" not in res:
-        res = res.assign(scope=SCOPE_ACCEPTANCE)
     by = ["scope", "source_name"]
     rows = []
     for keys, g in [*res.groupby([*by, "mode"]), *(((*k, "all"), g) for k, g in res.groupby(by))]:

@@ -133,4 +133,7 @@ def test_efficientnet_flops_agree_with_flop_counter():
 def test_depthwise_forecast_says_it_is_optimistic():
     p = neusight.predict("efficientnet-b0", "t4", batch_size=4, memory=False)
     assert any("depthwise" in n and "too fast" in n for n in p.notes)
+    # the law holds for the new window-op and reduction kernels too: never below their bound
+    dw = p.kernels[p.kernels["kernel"].str.startswith("conv_dw_")]
+    assert len(dw) and (dw["latency_ms"] >= dw["roofline_ms"]).all() and (p.kernels["latency_ms"] >= p.kernels["roofline_ms"]).all()
     assert not any("depthwise" in n for n in neusight.predict("resnet18", "t4", batch_size=4, memory=False).notes)

@@ -154,7 +154,7 @@ def format_summary(p: Prediction, top: int = 10) -> str:
     import pandas as pd
 
     lines = [_run_line(p), f"device: {p.device.name} ({p.device.key}), {trained_on(p)}",
-             f"total: {p.latency_ms:,.2f} ms ({p.throughput[0]:,.0f} {p.throughput[1]})"]
+             "total: {:,.2f} ms ({:,.0f} {})".format(p.latency_ms, *p.throughput)]
     lines.append("phases: " + " | ".join(f"{ph} {ms:,.2f} ms ({100 * ms / max(p.latency_ms, 1e-12):.1f} %)"
                                          for ph, ms in p.phases.items()))
     b = bound_shares(p)
@@ -206,8 +206,9 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
     """What the comparison table needs of one forecast (JSON-safe)."""
     m = p.memory
     peak = getattr(m, "peak_bytes", None) if m is not None else None
+    rate, unit = p.throughput
     return {"label": label or p.device.key, "device": p.device.key, "latency_ms": p.latency_ms,
-            "throughput": p.throughput[0], "throughput_unit": p.throughput[1],
+            "throughput": rate, "throughput_unit": unit,
             "phases": dict(p.phases), "memory_peak_gib": None if peak is None else peak / GIB,
             "fits": getattr(m, "fits", None) if m is not None else None,
             "trained_on": p.device.key in tuple(p.predictor_devices)}

@@ -84,6 +84,9 @@ def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups
     return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype, k2.flops * d_out)
 
 
+DEPTHWISE_PREFIX = "conv_dw_"   # kernel names of depthwise convolutions: conv_dw_fwd, conv_dw_dgrad, conv_dw_wgrad
+
+
 def _is_depthwise(x: TensorMeta, groups: int, transposed: bool = False) -> bool:
     """A 2-D convolution with one input channel per group (MobileNet / EfficientNet depthwise layers)."""
     return len(x.shape) == 4 and groups > 1 and x.shape[1] == groups and not transposed
@@ -107,7 +110,7 @@ def _depthwise_kernels(x: TensorMeta, w: TensorMeta, y: TensorMeta, stride, padd
     out = []
     for part in parts:
         family, rows, cols = shapes[part]
-        out.append(formulas.rowwise(family, f"conv_dw_{part}", rows, cols, flops_per_elem=flops / max(1, rows * cols),
+        out.append(formulas.rowwise(family, f"{DEPTHWISE_PREFIX}{part}", rows, cols, flops_per_elem=flops / max(1, rows * cols),
                                     bytes_total=nbytes, dtype=x.dtype))
     return out
 
