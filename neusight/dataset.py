@@ -30,8 +30,8 @@ from neusight.errors import DataError, DeviceError, InputError
 from neusight.kernels import formulas
 from neusight.kernels.base import Family
 
-__all__ = ["COLUMNS", "ELEMENTWISE_FLOPS_PER_ELEM", "SKIP_REASONS", "load_deepbench_gemm", "load_kernel_traces",
-           "parse_tile"]
+__all__ = ["COLUMNS", "DEEPBENCH_CONV_PASSES", "ELEMENTWISE_FLOPS_PER_ELEM", "SKIP_REASONS", "load_deepbench_conv",
+           "load_deepbench_gemm", "load_kernel_traces", "parse_tile"]
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,90 @@ def load_deepbench_gemm(path: str | Path, *, precisions: Iterable[str] = ("fp32"
         raise DataError(f"{path}: no usable rows for precisions {sorted(wanted)} (skipped: {dict(counts)}); "
                         "check the precision filter and the device library")
     return _finish(std.reset_index(drop=True), cache, counts, {str(path): dict(counts)} if counts else {})
+
+
+# DeepBench conv columns -> ours (its N and K are batch and filters, not GEMM dims)
+_DEEPBENCH_CONV_SHAPE = {"N": "conv_n", "C": "conv_c", "H": "conv_h", "W": "conv_w", "K": "conv_k", "R": "conv_r",
+                         "S": "conv_s", "pad_h": "pad_h", "pad_w": "pad_w", "stride_h": "stride_h", "stride_w": "stride_w"}
+DEEPBENCH_CONV_PASSES = {"fwd": "fwd_ms", "dgrad": "bwd_data_ms", "wgrad": "bwd_filter_ms"}
+
+
+def load_deepbench_conv(path: str | Path, *, precisions: Iterable[str] = ("fp32",)) -> pd.DataFrame:
+    """Load Baidu DeepBench convolution times: one row per (shape, pass), with the kernel a traced model
+    gets for that pass (:func:`neusight.kernels.ops_gemm.conv2d_pass_kernels`).
+
+    DeepBench times cuDNN's forward, backward-data and backward-filter kernels (the fastest algorithm of
+    its cuDNN version) of the same shape: input ``N x C x H x W``, ``K`` filters of ``R x S``, padding and
+    stride per axis, one group, no bias.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``device, device_name, source, shape, pass, family, kernel, B, M, N, K, rows, cols, flops,
+        algo_flops, bytes, dtype, latency_ms`` plus the shape as ``conv_n, conv_c, conv_h, conv_w, conv_k,
+        conv_r, conv_s, pad_h, pad_w, stride_h, stride_w``; ``shape`` numbers the DeepBench row, ``pass`` is
+        fwd, dgrad or wgrad. A pass without a time, a GPU the device library lacks, a non-positive time or
+        an impossible shape is skipped, counted per :data:`SKIP_REASONS` in the log.
+    """
+    from neusight.kernels.ops_gemm import conv2d_pass_kernels
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass the path of deepbench_conv.csv")
+    wanted = set(precisions)
+    if unknown := wanted - set(_DEEPBENCH_DTYPES):
+        raise InputError(f"unknown DeepBench precision(s) {sorted(unknown)}; "
+                         f"expected some of {sorted(_DEEPBENCH_DTYPES)}")
+    raw = _read_csv(path)
+    _require(raw, ("gpu", "precision", *_DEEPBENCH_CONV_SHAPE, *DEEPBENCH_CONV_PASSES.values()), path,
+             schema="DeepBench conv")
+    raw = raw[raw["precision"].isin(wanted)].reset_index(drop=True)
+    shape = raw[list(_DEEPBENCH_CONV_SHAPE)].apply(pd.to_numeric, errors="coerce").astype(float)
+    shape.columns = list(_DEEPBENCH_CONV_SHAPE.values())
+    cache: dict[str, Device | None] = {}
+    device = raw["gpu"].map(lambda g: _resolve(_DEEPBENCH_GPUS.get(g, g), cache))
+    kernels: dict[int, dict | None] = {}
+    for i, v in shape.iterrows():
+        ints = v.to_numpy()
+        if not (np.isfinite(ints).all() and (ints == np.round(ints)).all()):
+            kernels[i] = None
+            continue
+        try:
+            kernels[i] = conv2d_pass_kernels(*(int(v[c]) for c in ("conv_n", "conv_c", "conv_h", "conv_w", "conv_k",
+                                                                   "conv_r", "conv_s")),
+                                             stride=(int(v["stride_h"]), int(v["stride_w"])),
+                                             padding=(int(v["pad_h"]), int(v["pad_w"])),
+                                             dtype=_DEEPBENCH_DTYPES[raw.at[i, "precision"]])
+        except ValueError:
+            kernels[i] = None
+    parts = []
+    for name, col in DEEPBENCH_CONV_PASSES.items():
+        lat = pd.to_numeric(raw[col], errors="coerce").astype(float)
+        ks = [None if kernels[i] is None else kernels[i][name] for i in raw.index]
+        part = pd.DataFrame({"device": device.map(lambda d: None if d is None else d.key), "device_name": raw["gpu"],
+                             "source": str(path), "shape": raw.index, "pass": name, "family": Family.CONV.value,
+                             "kernel": [k.name if k else None for k in ks], "latency_ms": lat,
+                             "dtype": raw["precision"].map(_DEEPBENCH_DTYPES)})
+        part[["B", "M", "N", "K"]] = np.array([k.dims if k else (np.nan,) * 4 for k in ks], dtype=float)
+        part["rows"], part["cols"] = np.nan, np.nan
+        part["flops"] = [k.flops if k else np.nan for k in ks]
+        part["algo_flops"] = [k.algo_flops if k else np.nan for k in ks]
+        part["bytes"] = [k.bytes if k else np.nan for k in ks]
+        reasons = pd.Series(None, index=part.index, dtype=object)
+        for mask, reason in ((lat.isna() | ~np.isfinite(lat) | shape.isna().any(axis=1), "missing_value"),
+                             (part["device"].isna(), "unknown_device"), (~(lat > 0), "non_positive_latency"),
+                             (part["kernel"].isna(), "non_positive_dims")):
+            reasons[mask.to_numpy(dtype=bool) & reasons.isna().to_numpy()] = reason
+        parts.append(pd.concat([part, shape], axis=1).assign(_skip=reasons))
+    out = pd.concat(parts, ignore_index=True)
+    counts = Counter(out["_skip"].dropna())
+    if counts:
+        log.warning("%s: skipped %d of %d (shape, pass) rows: %s", path, sum(counts.values()), len(out), dict(counts))
+    out = out[out["_skip"].isna()].drop(columns="_skip").reset_index(drop=True)
+    if out.empty:
+        raise DataError(f"{path}: no usable rows for precisions {sorted(wanted)} (skipped: {dict(counts)}); "
+                        "check the precision filter and the device library")
+    return out
 
 
 # --- reading and validating one file ---------------------------------------------------------------

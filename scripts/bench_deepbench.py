@@ -1,4 +1,4 @@
-"""Benchmark: GEMM kernels of GPUs the predictor never saw, from Baidu DeepBench. Writes docs/deepbench.md.
+"""Benchmark: GEMM and convolution kernels of GPUs the predictor never saw, from Baidu DeepBench. Writes docs/deepbench.md.
 
     python scripts/bench_deepbench.py               # a few seconds
     python scripts/bench_deepbench.py --out /tmp/deepbench.md
@@ -11,6 +11,12 @@ no launch or timing overhead each, like kernels inside a model, so the forecast 
 prediction (one kernel timed alone, as in the NeuSight sweeps) and the roofline are shown beside it.
 FP32 rows are the main table; FP16 rows (tensor cores, V100 and T4 only) test a precision the predictor was
 never trained on. DeepBench's libraries are older (CUDA 7.5 to 10.1) than the NeuSight sweeps' (CUDA 12.1).
+
+Convolutions (FP32): DeepBench also timed cuDNN's forward, data-gradient and weight-gradient kernels of the
+same shapes. The shipped predictor's convolution-gradient factors are fitted on these rows
+(neusight.conv_backward, by neusight-train, on the GPUs its manifest names); the tables show each pass's
+in-model forecast without and with the factors, and the gradient-over-forward time ratio the factors are
+fitted to, per GPU: without factors, with the shipped ones, and with factors fitted without that GPU.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ import pandas as pd
 
 from neusight.api import e2e_kernel_ms
 from neusight.cli.common import quiet_third_party_logs
-from neusight.dataset import load_deepbench_gemm
+from neusight.conv_backward import base_forecast, fit_conv_backward, fit_factors, forecast, summed_error_pct
+from neusight.dataset import load_deepbench_conv, load_deepbench_gemm
 from neusight.e2e_eval import markdown_table
 from neusight.predictor.model import Predictor
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 CSV = REPO.parent / "shared" / "datasets" / "public-benchmarks" / "deepbench_gemm.csv"
+CONV_CSV = CSV.with_name("deepbench_conv.csv")
 
 
 def _errors(pred: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
@@ -55,6 +63,39 @@ def evaluate(precision: str, predictor: Predictor) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def evaluate_conv(predictor: Predictor) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(per GPU and pass: forecast errors without / with the factors; per GPU: ratio errors; per class: factor)."""
+    df = load_deepbench_conv(CONV_CSV)
+    base = base_forecast(df, predictor)
+    preds = {"no factors": forecast(base, predictor, {}), "factors": forecast(base, predictor, predictor.conv_backward_)}
+    m = df["latency_ms"].to_numpy(float)
+    rows = []
+    for (dev, part), d in df.groupby(["device", "pass"], sort=True):
+        i = df.index.get_indexer(d.index)
+        row = {"gpu": dev, "pass": part, "rows": len(d)}
+        for name, pred in preds.items():
+            row[f"{name} MAPE"], row[f"{name} median"] = _errors(pred[i], m[i])
+            row[f"{name} sum"] = (pred[i].sum() / m[i].sum() - 1) * 100   # what a model of these kernels would see
+        rows.append(row)
+    cal = predictor.manifest_.get("conv_backward_calibration") or {}
+    fit_on = list(cal.get("devices") or [])
+    fit = fit_conv_backward(df, predictor, fit_on, source=CONV_CSV)
+    ratio = []
+    for dev in sorted(df["device"].unique()):
+        held = fit_factors(df, base, predictor, [d for d in fit_on if d != dev]) if dev in fit_on else fit["factors"]
+        for part in ("dgrad", "wgrad", "both"):
+            mine = (df["device"] == dev).to_numpy() & df["pass"].isin(["dgrad", "wgrad"] if part == "both" else [part]).to_numpy()
+            ratio.append({"gpu": dev, "factors fitted on it": "yes" if dev in fit_on else "no", "gradient": part,
+                          **{name: summed_error_pct(df, base, predictor, f, mine)
+                             for name, f in (("no factors", {}), ("shipped factors", predictor.conv_backward_),
+                                             ("fitted without this GPU", held))}})
+    ratio = pd.DataFrame(ratio)
+    classes = pd.DataFrame([{"class": name, "shipped factor": f"{f:.3f}",
+                             "refitted here": f"{fit['factors'][name]:.3f}" if name in fit["factors"] else "",
+                             "rows": fit["rows"].get(name, 0)} for name, f in predictor.conv_backward_.items()])
+    return pd.DataFrame(rows), ratio, classes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "deepbench.md")
@@ -64,13 +105,33 @@ def main() -> None:
     predictor = Predictor.load()
     tables = {p: evaluate(p, predictor) for p in ("fp32", "fp16")}
     signed = [c for c in tables["fp32"].columns if c.endswith("median")]
+    conv, ratio, classes = evaluate_conv(predictor)
+    conv_signed = [c for c in conv.columns if c.endswith(("median", "sum"))]
     text = "\n".join([
-        "# DeepBench GEMMs: kernels of GPUs the predictor never saw", "",
+        "# DeepBench GEMMs and convolutions: kernels of GPUs the predictor never saw", "",
         f"Generated by `python scripts/bench_deepbench.py` in {time.time() - t0:.1f} s (its docstring says what is "
         "compared and why); regenerate it, do not edit it. Shipped predictor, trained on the NeuSight sweeps of "
         f"{', '.join(predictor.train_devices_)}. MAPE and median signed error in % (positive: predicted too slow).",
         "", "## FP32", "", markdown_table(tables["fp32"], index=False, signed=signed),
-        "## FP16 (never trained on)", "", markdown_table(tables["fp16"], index=False, signed=signed)])
+        "## FP16 (never trained on)", "", markdown_table(tables["fp16"], index=False, signed=signed),
+        "## Convolutions (FP32): forward, data gradient, weight gradient", "",
+        "cuDNN's fastest algorithm per pass (DeepBench's cuDNN 5 to 7.6). In-model forecast of each pass, without "
+        "and with the shipped predictor's convolution-gradient factors (forward kernels have none). The conv "
+        "model was trained on forward 3x3 stride-1 sweeps only; every other pass and shape is forecast by the GEMM "
+        "model on its implicit-GEMM shape. `sum`: error of the summed time of the rows (what a model made of "
+        "these kernels would see), signed.", "",
+        markdown_table(conv, index=False, signed=conv_signed),
+        "### Gradient-over-forward time ratio", "",
+        "What the factors are fitted to: each shape's measured forward time x the forecast gradient / forward "
+        "ratio, summed over a GPU's rows, against the summed measured gradient time; signed % error (positive: "
+        "gradients forecast too slow relative to the forward). The ratio cancels what a GPU's speed and a "
+        "library version do to both passes alike.", "",
+        markdown_table(ratio, index=False, signed=["no factors", "shipped factors", "fitted without this GPU"]),
+        "### Factors per class", "",
+        "A class's factor multiplies the work (time beyond the launch overhead) of its gradient kernels; "
+        "`refitted here` repeats the fit of `neusight-train` on the same GPUs (it matches the shipped factor "
+        "unless the data or the code changed since the predictor was trained).", "",
+        markdown_table(classes, index=False)])
     atomic_write_text(args.out, text)
     print(text)
 

@@ -31,10 +31,21 @@ class DataConfig:
 
 
 @dataclass
+class ConvBackwardConfig:
+    # Baidu DeepBench conv times (forward, data and weight gradient of the same shapes); "" = no factors
+    csv: str = str(REPO.parent / "shared/datasets/public-benchmarks/deepbench_conv.csv")
+    # GPUs the factors are fitted on: DeepBench's FP32 GPUs but the V100 and T4, whose CNN rows issue 4 scores
+    devices: list[str] = field(default_factory=lambda: ["gtx-titan-x", "m40", "p100-pcie-16gb", "titan-x-pascal",
+                                                        "titan-xp"])
+
+
+@dataclass
 class CalibrateConfig:
     enabled: bool = True
     # NeuSight dataset folder (labels/, models/): plain end-to-end runs of the training GPUs only
     dataset: str = str(REPO.parent / "shared/datasets/neusight-asplos25")
+    # convolution-gradient factors (neusight.conv_backward), NVIDIA predictors only: they describe cuDNN
+    conv_backward: ConvBackwardConfig = field(default_factory=ConvBackwardConfig)
 
 
 @dataclass
@@ -61,6 +72,30 @@ def data_hash(paths: list[str]) -> str:
         h.update(f.name.encode())
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()
+
+
+def _fit_conv_backward(cfg: TrainConfig, pred: Any, df: Any) -> dict | None:
+    """Fit the convolution-gradient factors into ``pred`` (after the end-to-end scale: they are fitted on
+    in-model forecasts). Skipped when disabled or when the predictor is not for NVIDIA GPUs."""
+    from neusight.devices import load_device
+
+    spec = cfg.calibrate.conv_backward
+    if not cfg.calibrate.enabled or not spec.csv:
+        return None
+    vendors = {load_device(d).vendor for d in df["device"].unique()}
+    if vendors != {"nvidia"}:
+        log.info("no convolution-gradient factors: they are fitted on cuDNN kernels, this predictor is for %s",
+                 sorted(vendors))
+        return None
+    from neusight.conv_backward import fit_conv_backward
+    from neusight.dataset import load_deepbench_conv
+
+    rows = load_deepbench_conv(spec.csv)
+    result = fit_conv_backward(rows, pred, list(spec.devices), source=spec.csv)
+    pred.conv_backward_ = dict(result["factors"])
+    log.info("convolution-gradient factors %s from DeepBench rows of %s; summed gradient/forward ratio error %% per "
+             "GPU (none, fitted, GPU held out): %s", result["factors"], result["devices"], result["summed_ratio_error_pct"])
+    return result
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
@@ -92,12 +127,14 @@ def _app(cfg: TrainConfig) -> float:
         log.info("end-to-end scale %.4f, launch floor %.2f x overhead, from %d label runs of %s; leave-one-GPU-out: %s",
                  calibration["scale"], calibration["floor"], calibration["runs"], calibration["devices"],
                  calibration["leave_one_gpu_out"])
+    conv_backward = _fit_conv_backward(cfg, pred, df)
     command = "neusight-train " + " ".join(sys.argv[1:])
     pred.save(cfg.out, manifest_extra={
         "command": command.strip(), "data": {"traces": traces, "devices": list(cfg.data.devices), "rows": int(len(df)),
                                              "sha256": digest},
         "trained_on": "kernel sweeps of " + ", ".join(sorted(df["device"].unique())),
-        "e2e_calibration": calibration, "created_s": round(time.time() - t0, 1)})
+        "e2e_calibration": calibration, "conv_backward_calibration": conv_backward,
+        "created_s": round(time.time() - t0, 1)})
     if resume_dir is not None:
         import shutil
 

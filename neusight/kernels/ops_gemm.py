@@ -84,6 +84,7 @@ def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups
     return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype, k2.flops * d_out)
 
 
+STRIDED_SUFFIX = "_strided"   # conv_dgrad_strided, conv_wgrad_strided: gradients of a conv with stride > 1
 DEPTHWISE_PREFIX = "conv_dw_"   # kernel names of depthwise convolutions: conv_dw_fwd, conv_dw_dgrad, conv_dw_wgrad
 
 
@@ -148,14 +149,17 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     fwd = _conv_kernel(x, w, stride, padding, dilation, groups, "conv")
     g, m, n, k = fwd.dims
     size = formulas.itemsize(x.dtype)
+    # A strided convolution's gradients are kernels of their own in cuDNN (the data gradient scatters into
+    # an input larger than the output): named apart so the predictor can tell them (CONV_BACKWARD_CLASSES).
+    suffix = STRIDED_SUFFIX if max(stride) > 1 else ""
     ks = []
     # NB: cuDNN has Winograd variants for the data and the weight gradient of 3x3 stride-1 layers too.
     if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K
-        ks.append(Kernel(Family.CONV, "conv_dgrad", (g, m, k, n), fwd.flops, float(size * (dy.numel + w.numel + x.numel)),
-                         x.dtype, fwd.algo_flops))
+        ks.append(Kernel(Family.CONV, "conv_dgrad" + suffix, (g, m, k, n), fwd.flops,
+                         float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops))
     if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
-        ks.append(Kernel(Family.CONV, "conv_wgrad", (g, n, m, k), fwd.flops, float(size * (dy.numel + x.numel + w.numel)),
-                         x.dtype, fwd.algo_flops))
+        ks.append(Kernel(Family.CONV, "conv_wgrad" + suffix, (g, n, m, k), fwd.flops,
+                         float(size * (dy.numel + x.numel + w.numel)), x.dtype, fwd.algo_flops))
     if len(mask) > 2 and mask[2]:
         ks.append(_bias_grad(dy))
     return ks
@@ -203,3 +207,26 @@ def _sdpa_bwd(c: OpCall) -> list[Kernel]:
     causal = bool(c.kwargs.get("is_causal", False)) or any(a is True for a in c.args[6:])
     extra = [do] + [t for t in c.args[4:] if isinstance(t, TensorMeta)]
     return [_attention(q, k, v, causal, extra, list(c.outputs), True, "attention_bwd")]
+
+
+def conv2d_pass_kernels(batch: int, c_in: int, h: int, w: int, c_out: int, r: int, s: int, *,
+                        stride: tuple[int, int] = (1, 1), padding: tuple[int, int] = (0, 0),
+                        dtype: str = "float32") -> dict[str, Kernel]:
+    """The forward, data-gradient and weight-gradient kernels of one 2-D convolution (no bias, dilation 1,
+    one group), exactly as a traced model gets them: {"fwd": ..., "dgrad": ..., "wgrad": ...}. For kernel
+    benchmarks that time the three passes of a shape (Baidu DeepBench)."""
+    def meta(shape: tuple[int, ...]) -> TensorMeta:
+        numel = math.prod(shape)
+        return TensorMeta(tuple(shape), dtype, (), 0, numel * formulas.itemsize(dtype))
+
+    p = (h + 2 * padding[0] - (r - 1) - 1) // stride[0] + 1
+    q = (w + 2 * padding[1] - (s - 1) - 1) // stride[1] + 1
+    if min(batch, c_in, h, w, c_out, r, s, *stride) <= 0 or min(padding) < 0 or p <= 0 or q <= 0:
+        raise ValueError(f"impossible convolution: input {batch}x{c_in}x{h}x{w}, {c_out} filters of {r}x{s}, "
+                         f"stride {stride}, padding {padding} (output {p}x{q})")
+    x, wt, y = meta((batch, c_in, h, w)), meta((c_out, c_in, r, s)), meta((batch, c_out, p, q))
+    conv = ([*stride], [*padding], [1, 1], False, [0, 0], 1)
+    fwd = _convolution(OpCall("aten.convolution.default", torch.ops.aten.convolution, (x, wt, None, *conv), {}, (y,)))
+    bwd = _convolution_backward(OpCall("aten.convolution_backward.default", torch.ops.aten.convolution_backward,
+                                       (y, x, wt, None, *conv, (True, True, False)), {}, (x, wt)))
+    return {"fwd": fwd[0], "dgrad": bwd[0], "wgrad": bwd[1]}

@@ -107,6 +107,32 @@ def n_work_features(family: str) -> int:
     return len(GEMM_WORK if model_family(family) in GEMM_FAMILIES else ROW_WORK)
 
 
+# Convolution gradients (conv_dgrad / conv_wgrad, "_strided" for a stride > 1) are predicted by the GEMM
+# model on their implicit-GEMM shape, which no gradient kernel was measured for. cuDNN's gradient kernels
+# run slower than a GEMM of that shape, by a factor that depends on the kind of convolution: Baidu
+# DeepBench timed forward, data- and weight-gradient kernels of the same shapes, from which
+# neusight.conv_backward fits one factor per class (stored in the checkpoint, applied by Predictor.predict).
+CONV_BACKWARD_CLASSES = ("dgrad", "dgrad_strided", "dgrad_winograd", "wgrad", "wgrad_strided", "wgrad_winograd")
+
+
+def conv_backward_class(df: pd.DataFrame) -> pd.Series:
+    """The CONV_BACKWARD_CLASSES label of every convolution-gradient row ("" for any other row): the pass
+    (dgrad, wgrad) and the kind of convolution: strided, a Winograd-capable 3x3 stride-1 shape, or neither."""
+    out = pd.Series("", index=df.index, dtype=object)
+    if "kernel" not in df:
+        return out
+    kern = df["kernel"].astype(str)
+    conv = df["family"] == Family.CONV.value
+    for part in ("dgrad", "wgrad"):
+        base = conv & (kern == f"conv_{part}")
+        strided = conv & (kern == f"conv_{part}_strided")
+        fast = (df["flops"] > df["algo_flops"].fillna(df["flops"]) * 1.0001) if "algo_flops" in df else False
+        out[base & ~fast] = part
+        out[base & fast] = f"{part}_winograd"
+        out[strided] = f"{part}_strided"
+    return out
+
+
 def decompose(df: pd.DataFrame, device: Device, table: TileTable) -> pd.DataFrame:
     """Tiles, waves, roofline and features of every row of ``df`` on ``device``.
 

@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
@@ -19,8 +19,8 @@ import torch
 
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
-from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, MODEL_FAMILIES, decompose,
-                                         feature_names, n_work_features)
+from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES, MODEL_FAMILIES,
+                                         conv_backward_class, decompose, feature_names, n_work_features)
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP
 from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp
 from neusight.tile_table import TileTable
@@ -34,6 +34,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "data" / "predictor"
 # for AMD GPUs: the same model trained on the AMD kernel sweeps (MI100, MI210), NeuSight's protocol for AMD
 SHIPPED_AMD = SHIPPED.with_name("predictor-amd")
 FILES = ("weights.pt", "tile_table.pt", "manifest.json")
+CONV_BACKWARD_RANGE = (0.2, 10.0)   # plausible convolution-gradient factors (fitted within it, checked on load)
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Predictor:
 
     def __init__(self, config: PredictorConfig | None = None) -> None:
         self.config = config or PredictorConfig()
+        # class (CONV_BACKWARD_CLASSES) -> how much longer cuDNN's convolution-gradient kernels work than the
+        # GEMM model predicts for their shape; fitted by neusight.conv_backward, {} = none
+        self.conv_backward_: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------ fit
     def fit(self, df: pd.DataFrame, *, progress: bool = False, resume_dir: str | os.PathLike | None = None) -> "Predictor":
@@ -154,8 +158,22 @@ class Predictor:
             out.loc[rows.index, "latency_ms"] = lat
             out.loc[rows.index, "utilization"] = u
             out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
+        self._apply_conv_backward(uniq, out)
         merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
         return merged.loc[df.index, out.columns]
+
+    def _apply_conv_backward(self, rows: pd.DataFrame, out: pd.DataFrame) -> None:
+        """Convolution gradients work ``factor`` x as long as the GEMM model predicts (launch overhead
+        unchanged), never less than their roofline: utilization / factor, capped at 1."""
+        if not self.conv_backward_:
+            return
+        cls = conv_backward_class(rows)
+        for name, factor in self.conv_backward_.items():
+            hit = (cls == name).to_numpy()
+            if hit.any():
+                lat, util = scale_work(out.loc[hit, "latency_ms"].to_numpy(float), out.loc[hit, "overhead_ms"].to_numpy(float),
+                                       out.loc[hit, "roofline_ms"].to_numpy(float), factor)
+                out.loc[hit, "latency_ms"], out.loc[hit, "utilization"] = lat, util
 
     def _model_for(self, fam: str) -> tuple[UtilizationMLP, str]:
         """The MLP for a family and the family whose features it takes: its own; a GEMM family without a
@@ -195,6 +213,7 @@ class Predictor:
                 "metrics": self.metrics_,
                 "e2e_scale": float(getattr(self, "e2e_scale_", 1.0)),
                 "e2e_floor": float(getattr(self, "e2e_floor_", 1.0)),
+                "conv_backward_factors": dict(sorted(getattr(self, "conv_backward_", {}).items())),
                 "torch_version": torch.__version__,
                 **(manifest_extra or {}),
             }
@@ -233,7 +252,7 @@ class Predictor:
         if manifest.get("weights_sha256") not in (None, _sha256(path / "weights.pt")):
             raise CheckpointError(f"{path}/weights.pt does not match the hash in its manifest; the file was changed "
                                   f"or truncated: regenerate it with `neusight-train`")
-        pred = cls()
+        pred = cls(_saved_config(manifest, path))
         pred.models_ = {}
         for fam, spec in manifest.get("families", {}).items():
             if fam not in MODEL_FAMILIES:
@@ -265,7 +284,53 @@ class Predictor:
         if not 0.0 <= pred.e2e_floor_ <= 1.0:
             raise CheckpointError(f"{path}/manifest.json: e2e_floor={pred.e2e_floor_} is not a fraction of the launch "
                                   f"overhead (0-1); regenerate the checkpoint with `neusight-train`")
+        pred.conv_backward_ = _conv_backward_factors(manifest.get("conv_backward_factors") or {}, path)
         return pred
+
+
+def _saved_config(manifest: dict, path: Path) -> PredictorConfig:
+    """The PredictorConfig a checkpoint was fitted with, so that saving a loaded predictor writes it again."""
+    families = {}
+    for fam, spec in (manifest.get("families") or {}).items():
+        raw = dict(spec.get("config") or {})
+        raw["hidden"] = tuple(spec.get("hidden") or raw.get("hidden") or MLPConfig().hidden)
+        try:
+            families[fam] = MLPConfig(**raw)
+        except TypeError as e:
+            raise CheckpointError(f"{path}/manifest.json: family {fam!r} has a config this code cannot read ({e}); "
+                                  f"regenerate the checkpoint with `neusight-train`") from None
+    return PredictorConfig(families=families, val_devices=tuple(manifest.get("val_devices") or ("logo",)),
+                           seed=int(manifest.get("seed", 0)))
+
+
+def scale_work(latency_ms: np.ndarray, overhead_ms: np.ndarray, roofline_ms: np.ndarray,
+               factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, utilization) of kernels whose work (latency minus launch overhead) takes ``factor`` x as
+    long, never less than the roofline. Non-decreasing in the factor and in the latency."""
+    work = np.maximum(factor * (latency_ms - overhead_ms), roofline_ms)
+    return work + overhead_ms, roofline_ms / work
+
+
+def _conv_backward_factors(raw: Any, path: Path) -> dict[str, float]:
+    """The manifest's conv_backward_factors, checked: known classes, plausible factors."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}/manifest.json: conv_backward_factors={raw!r} is not a mapping of class to factor; "
+                              f"regenerate the checkpoint with `neusight-train`")
+    out = {}
+    for name, value in raw.items():
+        if name not in CONV_BACKWARD_CLASSES:
+            raise CheckpointError(f"{path}/manifest.json: conv_backward_factors has class {name!r}, this code knows "
+                                  f"{', '.join(CONV_BACKWARD_CLASSES)}; regenerate the checkpoint with `neusight-train`")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            f = float("nan")
+        lo, hi = CONV_BACKWARD_RANGE
+        if not lo <= f <= hi:
+            raise CheckpointError(f"{path}/manifest.json: conv_backward_factors[{name!r}]={value!r} is not a plausible "
+                                  f"factor ({lo:g}-{hi:g}); regenerate the checkpoint with `neusight-train`")
+        out[name] = f
+    return out
 
 
 def _code_fingerprint() -> str:
