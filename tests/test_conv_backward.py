@@ -58,6 +58,16 @@ def test_pass_kernels_are_the_traced_ones():
             assert tuple(row["dims"]) == k.dims and row["flops"] == k.flops and row["bytes"] == k.bytes
 
 
+def test_transposed_conv_data_gradient_is_not_a_strided_gradient():
+    """A strided transposed conv's data gradient is an ordinary strided forward conv (no strided-gradient
+    factor); its weight gradient is a strided conv's."""
+    m = torch.nn.Sequential(torch.nn.Conv2d(8, 64, 1), torch.nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1))
+    g = neusight.trace(m, batch_size=4, mode="training", input_shapes=[(8, 16, 16)], optimizer=None)
+    back = g.kernels[(g.kernels["family"] == "conv") & (g.kernels["phase"] == "backward")]
+    big = back[back["flops"] == back["flops"].max()]
+    assert sorted(big["kernel"]) == ["conv_dgrad", "conv_wgrad_strided"]
+
+
 def test_impossible_pass_kernels_are_refused():
     with pytest.raises(ValueError, match="impossible convolution"):
         conv2d_pass_kernels(1, 3, 4, 4, 8, 7, 7)   # a 7x7 filter on a 4x4 input without padding

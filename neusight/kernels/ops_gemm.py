@@ -151,11 +151,12 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     size = formulas.itemsize(x.dtype)
     # A strided convolution's gradients are kernels of their own in cuDNN (the data gradient scatters into
     # an input larger than the output): named apart so the predictor can tell them (CONV_BACKWARD_CLASSES).
+    # A transposed conv's data gradient is an ordinary strided forward convolution: no strided-gradient kernel.
     suffix = STRIDED_SUFFIX if max(stride) > 1 else ""
     ks = []
     # NB: cuDNN has Winograd variants for the data and the weight gradient of 3x3 stride-1 layers too.
     if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K
-        ks.append(Kernel(Family.CONV, "conv_dgrad" + suffix, (g, m, k, n), fwd.flops,
+        ks.append(Kernel(Family.CONV, "conv_dgrad" + ("" if transposed else suffix), (g, m, k, n), fwd.flops,
                          float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops))
     if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
         ks.append(Kernel(Family.CONV, "conv_wgrad" + suffix, (g, n, m, k), fwd.flops,
