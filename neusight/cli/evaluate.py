@@ -98,6 +98,11 @@ def _predictor_line(checkpoint: str | None, shipped: list[Path] | None = None) -
                 extra += (f"; plus an end-to-end scale on the excess over the roofline ({float(m['e2e_scale']):.4g}) "
                           f"and a launch floor ({float(m.get('e2e_floor', 1.0)):.2g} x the isolated launch overhead), "
                           "fitted on the training GPUs' labels (their rows below are in-sample for them)")
+            cal = m.get("conv_backward_calibration") or {}
+            if m.get("conv_backward_factors"):
+                extra += ("; convolution gradients slowed by per-kind factors "
+                          f"({', '.join(f'{k} {float(v):.3g}' for k, v in sorted(m['conv_backward_factors'].items()))}) "
+                          f"fitted on DeepBench's conv kernel times of {', '.join(cal.get('devices') or ['(not stated)'])}")
             trained = ", ".join(m.get("train_devices") or []) or trained
         lines.append(f"Predictor: {where}{extra}; trained on kernel sweeps of {trained}.")
     if len(lines) > 1:
