@@ -153,7 +153,9 @@ def measured_cnn_kin() -> pd.DataFrame:
 
 
 CNN_KIN = {"rtx-2080-ti": "TU102, like TITAN RTX and Quadro RTX 6000/8000 (Quadro RTX 5000: TU104)",
-           "titan-v": "GV100, like the V100s", "gtx-1080-ti": "GP102: no measured kin (P100 is GP100, P4 GP104)"}
+           "titan-v": "GV100, like the V100s", "gtx-1080-ti": "GP102: no end-to-end kin (P100 is GP100, P4 GP104); DeepBench's TITAN Xp and TITAN X "
+                                          "Pascal are GP102 too, measured per kernel only (GEMMs and convolutions, "
+                                          "docs/deepbench.md)"}
 
 
 def render_cnn(df: pd.DataFrame, kin: pd.DataFrame) -> str:
