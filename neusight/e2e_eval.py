@@ -28,9 +28,9 @@ from neusight.errors import DataError, InputError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CNN_GPUS", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
-           "markdown_table", "per_gpu_summary", "predict_cnn", "render_markdown", "scatter_plot", "select_labels",
-           "write_doc_section"]
+__all__ = ["CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "HALF_PRECISIONS", "cnn_summary", "error_table", "gpu_order", "label_frame",
+           "load_cnn_benchmarks", "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn",
+           "render_markdown", "scatter_plot", "select_labels", "write_doc_section"]
 
 # GPU names of the public benchmark CSVs -> device keys. NB: the DeepLearningExamples tables were measured
 # on DGX-1 (V100 SXM2). Lambda's "V100-16GB" is Lambda Cloud's V100 instance (SXM2); "V100-32GB" (era v0, a
@@ -41,9 +41,18 @@ CNN_GPUS = {"V100-SXM2-16GB": "v100-sxm2-16gb", "V100-SXM2-32GB": "v100-sxm2-32g
             "T4": "t4", "V100-16GB": "v100-sxm2-16gb", "V100-32GB": "v100-sxm2-32gb",
             "TITAN RTX": "titan-rtx", "Quadro RTX 5000": "quadro-rtx-5000", "Quadro RTX 6000": "quadro-rtx-6000",
             "Quadro RTX 8000": "quadro-rtx-8000"}
+# In half precision the Ampere and Ada cards run what the rows say (FP16 tensor cores), unlike their "float"
+# rows (TF32): their AMP / FP16 rows are forecast too, for the cards with a spec file.
+CNN_HALF_GPUS = {**CNN_GPUS, "A10": "a10", "A40": "a40", "A100-PCIe-40GB": "a100-pcie-40gb",
+                 "A100-SXM4-40GB": "a100-sxm4-40gb", "RTX 3090": "rtx-3090", "RTX 4090": "rtx-4090"}
 CNN_ACCEPTANCE_GPUS = ("v100-sxm2-16gb", "v100-sxm2-32gb", "t4")   # issue 4: V100 and T4
 SCOPE_ACCEPTANCE, SCOPE_OTHER = "V100, T4 (issue 4)", "other FP32 GPUs"
-CNN_PRECISION = "fp32"          # the only precision in scope
+CNN_PRECISION = "fp32"          # the only precision in issue 4's scope
+# benchmark precision -> the dtype a row is traced in. AMP and FP16 rows are forecast as pure FP16 (GEMMs and
+# convolutions at the dense FP16 tensor peak, every tensor half the bytes): AMP's FP32 master weights and FP32
+# ops are ignored. TF32 (Ampere's default for float convolutions) is not modelled: its rows are not forecast.
+CNN_DTYPES = {"fp32": "float32", "amp": "float16", "fp16": "float16"}
+HALF_PRECISIONS = ("amp", "fp16")
 CNN_IMAGE_SIZE = 224            # rows that do not state theirs (Lambda's ResNet-50 runs)
 
 
@@ -153,21 +162,23 @@ def _skip(df: pd.DataFrame, reason: str) -> pd.DataFrame:
     return df.assign(reason=reason)
 
 
-def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
-                        models: Sequence[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, models: Sequence[str] | None = None,
+                        precisions: Sequence[str] = (CNN_PRECISION,)) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
-    In scope: FP32; GPUs in :data:`CNN_GPUS` (column ``scope``: the V100 and T4 of issue 4's acceptance, or
-    the other true-FP32 GPUs); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt,
-    SE-ResNeXt, EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one
-    row per (GPU, model, batch): the ``in_head`` row when there is one, else the newest container, never a SUSPECT row;
+    In scope: ``precisions`` (default FP32, issue 4's; any of :data:`CNN_DTYPES`); GPUs in :data:`CNN_GPUS`
+    (half-precision rows: :data:`CNN_HALF_GPUS`; column ``scope``: the V100 and T4 of issue 4's acceptance, or
+    the others); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
+    EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per
+    (GPU, model, precision, batch): the ``in_head`` row when there is one, else the newest container, never a
+    SUSPECT row;
     DLE training (step = batch / throughput); Lambda training (``step_ms``).
 
     Returns
     -------
     selected : DataFrame
-        ``source_name, gpu_name, gpu, scope, model, mode, precision, batch, image_size, measured_ms, measure,
-        in_head, version, source``.
+        ``source_name, gpu_name, gpu, scope, model, mode, precision, dtype, batch, image_size, measured_ms,
+        measure, in_head, version, source``.
     skipped : DataFrame
         ``source_name, gpu_name, model, mode, precision, batch, reason``.
     """
@@ -180,6 +191,9 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
         raise DataError(f"{', '.join(missing)} not found; pass the public-benchmarks folder "
                         "(../shared/datasets/public-benchmarks) as cnn.dir")
     presets = set(models) if models else set(CNN_PRESETS)
+    if unknown := sorted(set(precisions) - set(CNN_DTYPES)):
+        raise InputError(f"CNN precisions {unknown} are not forecast; choose among {sorted(CNN_DTYPES)} "
+                         "(TF32 is not modelled)")
     keep_cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch"]
 
     dle = pd.read_csv(files["DeepLearningExamples"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
@@ -195,10 +209,14 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
 
     skipped, kept = [], []
     for df in (dle, lam):
-        bad_prec = df["precision"] != CNN_PRECISION
-        skipped.append(_skip(df[bad_prec], "precision not modelled (TF32/AMP/FP16): out of scope"))
-        df = df[~bad_prec]
-        no_gpu = ~df["gpu_name"].isin(CNN_GPUS)
+        modelled = df["precision"].isin(list(CNN_DTYPES))
+        skipped.append(_skip(df[~modelled], "precision not modelled (TF32): out of scope"))
+        other = modelled & ~df["precision"].isin(list(precisions))
+        skipped.append(_skip(df[other], f"precision not in this selection ({', '.join(precisions)})"))
+        df = df[modelled & ~other]
+        df = df.assign(gpu=[(CNN_HALF_GPUS if p in HALF_PRECISIONS else CNN_GPUS).get(g)
+                            for g, p in zip(df["gpu_name"], df["precision"])])
+        no_gpu = df["gpu"].isna()
         laptop = no_gpu & df["gpu_name"].str.contains("laptop", case=False)
         skipped.append(_skip(df[laptop], "laptop part: clocks and power set by each laptop maker, no device spec"))
         skipped.append(_skip(df[no_gpu & ~laptop], "GPU without a device spec"))
@@ -218,8 +236,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     ranks = [_container_rank(c) for c in dle["container"]]
     dle = dle.assign(_stated=[r[0] for r in ranks], _container=[r[1] for r in ranks])
     dle = dle.sort_values(["in_head", "_stated", "_container"], ascending=False, kind="stable")
-    dup = dle.duplicated(["gpu_name", "model", "mode", "batch"], keep="first")
-    skipped.append(_skip(dle[dup], "superseded by a newer or in_head row of the same GPU, model and batch"))
+    dup = dle.duplicated(["gpu_name", "model", "mode", "precision", "batch"], keep="first")
+    skipped.append(_skip(dle[dup], "superseded by a newer or in_head row of the same GPU, model, precision and batch"))
     dle = dle[~dup].drop(columns=["_stated", "_container"])
     # inference: the table's average latency per batch (p50 in the 2019 tables without an average);
     # training: throughput only, step = batch / (images/s)
@@ -231,11 +249,11 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
     lam["image_size"] = CNN_IMAGE_SIZE
     lam["measure"] = "step_ms"
 
-    cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch", "image_size", "measured_ms", "measure",
-            "in_head", "version", "source"]
+    cols = ["source_name", "gpu_name", "gpu", "model", "mode", "precision", "batch", "image_size", "measured_ms",
+            "measure", "in_head", "version", "source"]
     sel = pd.concat([dle[cols], lam[cols]], ignore_index=True)
-    sel.insert(2, "gpu", sel["gpu_name"].map(CNN_GPUS))
     sel.insert(3, "scope", np.where(sel["gpu"].isin(CNN_ACCEPTANCE_GPUS), SCOPE_ACCEPTANCE, SCOPE_OTHER))
+    sel.insert(sel.columns.get_loc("precision") + 1, "dtype", sel["precision"].map(CNN_DTYPES))
     sel = sel.sort_values(["source_name", "mode", "gpu", "model", "batch"]).reset_index(drop=True)
     skip = pd.concat([s[[*keep_cols, "reason"]] for s in skipped if not s.empty], ignore_index=True)
     return sel, skip
@@ -243,8 +261,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32,
 
 def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd") -> pd.DataFrame:
     """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=s,
-    mode=m, optimizer="sgd")`` returns (``s`` = the row's ``image_size``), with each (model, batch, mode,
-    image size) traced once and shared by the GPUs."""
+    mode=m, optimizer="sgd", dtype=d)`` returns (``s`` = the row's ``image_size``, ``d`` its ``dtype``,
+    default float32), with each (model, batch, mode, image size, dtype) traced once and shared by the GPUs."""
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
 
@@ -252,10 +270,11 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
     out = []
     for r in rows.itertuples(index=False):
         size = int(getattr(r, "image_size", CNN_IMAGE_SIZE))
-        key = (r.model, int(r.batch), r.mode, size)
+        dtype = str(getattr(r, "dtype", "float32"))
+        key = (r.model, int(r.batch), r.mode, size, dtype)
         if key not in graphs:
             graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=size,
-                                optimizer=optimizer if r.mode == "training" else None)
+                                optimizer=optimizer if r.mode == "training" else None, dtype=dtype)
         p = predict_graph(graphs[key], r.gpu, predictor)
         roof = float(p.kernels["roofline_ms"].sum())
         out.append({"predicted_ms": p.latency_ms, "roofline_predicted_ms": roof})
@@ -278,6 +297,19 @@ def cnn_summary(res: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     first = (out["scope"] != SCOPE_ACCEPTANCE).astype(int)
     return out.assign(_first=first).sort_values(["_first", "source", "mode"]).drop(columns="_first").reset_index(drop=True)
+
+
+def precision_summary(res: pd.DataFrame) -> pd.DataFrame:
+    """Per source, precision and mode (and "all" modes): rows, GPUs, mean signed, mean and worst absolute %
+    error and the roofline's mean absolute error (for the half-precision rows, which have no acceptance scope)."""
+    rows = []
+    by = ["source_name", "precision"]
+    for keys, g in [*res.groupby([*by, "mode"]), *(((*k, "all"), g) for k, g in res.groupby(by))]:
+        rows.append({"source": keys[0], "precision": keys[1], "mode": keys[2], "rows": len(g),
+                     "gpus": ", ".join(sorted(g["gpu"].unique())), "mean err %": g["error_pct"].mean(),
+                     "mean abs err %": g["error_pct"].abs().mean(), "worst abs err %": g["error_pct"].abs().max(),
+                     "roofline mean abs err %": g["roofline_error_pct"].abs().mean()})
+    return pd.DataFrame(rows).sort_values(["source", "precision", "mode"]).reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,8 +354,9 @@ def _summary_md(summary: pd.DataFrame) -> str:
 
 def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.DataFrame | None = None,
                     cnn_skipped: pd.DataFrame | None = None, header: str = "", footer: str = "",
-                    targets: tuple[float, float] | None = None) -> str:
-    """The evaluation report: per-GPU summary, NeuSight-layout error tables (NeuSight and roofline), ResNet."""
+                    targets: tuple[float, float] | None = None, cnn_half: pd.DataFrame | None = None) -> str:
+    """The evaluation report: per-GPU summary, NeuSight-layout error tables (NeuSight and roofline), CNNs in
+    FP32 and, apart, in half precision."""
     gpus = gpu_order(labels["gpu"].unique(), trained_on) if not labels.empty else []
     parts = [header.rstrip() + "\n\n" if header else ""]
     parts.append("## NeuSight labels: per GPU\n\nMean and worst absolute % error per GPU, inference and training "
@@ -356,12 +389,7 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
         parts.append(markdown_table(cnn_summary(cnn).rename(columns={
             "mean_abs_error_pct": "mean abs err %", "worst_abs_error_pct": "worst abs err %",
             "roofline_mean_abs_error_pct": "roofline mean abs err %"}), index=False))
-        per_model = (cnn.groupby(["model", "mode"])
-                     .agg(rows=("error_pct", "size"), gpus=("gpu", lambda g: ", ".join(sorted(set(g)))),
-                          mean_signed=("error_pct", "mean"), mean_abs=("error_pct", lambda e: e.abs().mean()),
-                          roofline_mean_abs=("roofline_error_pct", lambda e: e.abs().mean()))
-                     .reset_index().rename(columns={"mean_signed": "mean err %", "mean_abs": "mean abs err %",
-                                                    "roofline_mean_abs": "roofline mean abs err %"}))
+        per_model = _per_model(cnn)
         parts.append("\nPer model (all sources and GPUs; EfficientNets' depthwise convolutions have no kernel "
                      "measurement and are forecast at the memory-bound model's speed):\n\n"
                      + markdown_table(per_model, index=False, signed=("mean err %",)))
@@ -374,9 +402,39 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
         if cnn_skipped is not None and not cnn_skipped.empty:
             counts = cnn_skipped.groupby(["source_name", "reason"]).size().rename("rows").reset_index()
             parts.append("\nRows not evaluated, by reason (never fitted to):\n\n" + markdown_table(counts, index=False))
+    if cnn_half is not None and not cnn_half.empty:
+        parts.append(_half_md(cnn_half))
     if footer:
         parts.append("\n" + footer.rstrip() + "\n")
     return "".join(parts)
+
+
+def _per_model(res: pd.DataFrame) -> pd.DataFrame:
+    return (res.groupby(["model", "mode"])
+            .agg(rows=("error_pct", "size"), gpus=("gpu", lambda g: ", ".join(sorted(set(g)))),
+                 mean_signed=("error_pct", "mean"), mean_abs=("error_pct", lambda e: e.abs().mean()),
+                 roofline_mean_abs=("roofline_error_pct", lambda e: e.abs().mean()))
+            .reset_index().rename(columns={"mean_signed": "mean err %", "mean_abs": "mean abs err %",
+                                           "roofline_mean_abs": "roofline mean abs err %"}))
+
+
+def _half_md(res: pd.DataFrame) -> str:
+    cols = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size", "measured_ms", "predicted_ms",
+            "error_pct", "roofline_error_pct", "version"]
+    rows = res[cols].rename(columns={"source_name": "source", "error_pct": "err %", "roofline_error_pct": "roofline err %",
+                                     "image_size": "image"})
+    return ("\n## CNNs in half precision (AMP, FP16): measured, never fitted\n\n"
+            "Outside issue 4's scope. The rows the benchmarks time with automatic mixed precision (`amp`) or in FP16 "
+            "(`fp16`), forecast as pure FP16 (`dtype=\"float16\"`): GEMMs and convolutions bounded by the spec "
+            "sheet's dense FP16 tensor-core peak, every tensor half the bytes. AMP's FP32 master weights and the ops it "
+            "keeps in FP32 are ignored, and no FP16 kernel trains the predictor (it learned FP32 kernels); nothing "
+            "here was fitted. TF32 rows (Ampere's default for float convolutions) are not forecast: TF32 is not "
+            "modelled.\n\n"
+            + markdown_table(precision_summary(res), index=False, signed=("mean err %",))
+            + "\nPer model (all sources and GPUs):\n\n"
+            + markdown_table(_per_model(res), index=False, signed=("mean err %",))
+            + "\nEvery row (signed % error):\n\n"
+            + markdown_table(rows, index=False, signed=("err %", "roofline err %")))
 
 
 # ---------------------------------------------------------------------------------------------------------

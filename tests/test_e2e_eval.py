@@ -21,8 +21,9 @@ from torch import nn
 
 import neusight
 from neusight.cli.common import CONF_DIR
-from neusight.e2e_eval import (SCOPE_ACCEPTANCE, SCOPE_OTHER, cnn_summary, error_table, load_cnn_benchmarks,
-                               markdown_table, per_gpu_summary, predict_cnn, write_doc_section)
+from neusight.e2e_eval import (HALF_PRECISIONS, SCOPE_ACCEPTANCE, SCOPE_OTHER, cnn_summary, error_table,
+                               load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn, write_doc_section)
+from neusight.errors import InputError
 from tests.conftest import DATASET, SHARED, need_shared
 
 # the schemas register themselves in the ConfigStore on import
@@ -180,6 +181,27 @@ def test_cnn_prediction_of_one_row(cnn_rows):
     p = neusight.predict("resnet50", "t4", batch_size=32, image_size=224, mode="inference", memory=False)
     assert res["predicted_ms"].iloc[0] == p.latency_ms
     assert res["roofline_predicted_ms"].iloc[0] <= res["predicted_ms"].iloc[0]
+
+
+def test_half_precision_rows_are_selected_apart_and_forecast_in_fp16():
+    sel, skipped = load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"),
+                                       precisions=HALF_PRECISIONS)
+    assert set(sel["precision"]) == {"amp", "fp16"} and (sel["dtype"] == "float16").all()
+    # FP16 runs as FP16 on Ampere too (unlike its "float" rows, which are TF32): those cards are in
+    assert {"a100-sxm4-40gb", "rtx-3090"} <= set(sel["gpu"])
+    assert set(skipped.loc[skipped["reason"].str.contains("TF32"), "precision"]) == {"tf32"}
+    assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32"}
+    row = sel[(sel["gpu"] == "t4") & (sel["model"] == "resnet50") & (sel["batch"] == 64)]
+    res = predict_cnn(row)
+    p = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", dtype="float16",
+                         memory=False)
+    assert len(res) == 1 and res["predicted_ms"].iloc[0] == p.latency_ms
+    assert (p.kernels["dtype"] == "float16").all()
+
+
+def test_unknown_cnn_precision_is_refused():
+    with pytest.raises(InputError, match=r"\['tf32'\] are not forecast"):
+        load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"), precisions=("tf32",))
 
 
 # ---------------------------------------------------------------------------------------------------------

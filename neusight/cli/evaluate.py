@@ -1,9 +1,11 @@
 """``neusight-evaluate``: predict the measured end-to-end runs and report the errors.
 
 Default: every plain (no -fusion/-dp/-tp/-pp) label run of an NVIDIA GPU in ``../shared/datasets/neusight-asplos25``
-with the shipped predictor, plus the ResNet rows of ``../shared/datasets/public-benchmarks`` in scope (FP32,
-V100/T4). Writes into Hydra's run directory: ``results.csv`` (one row per label run), ``per_gpu.csv``,
-``cnn_results.csv`` / ``cnn_skipped.csv``, ``evaluation.md`` (the tables) and ``predicted_vs_measured.png``.
+with the shipped predictor, plus the CNN rows of ``../shared/datasets/public-benchmarks`` in FP32 (issue 4's scope:
+V100/T4; other FP32 GPUs apart) and, in a section of their own, their AMP / FP16 rows forecast as pure FP16
+(``cnn.half=false`` leaves them out). Writes into Hydra's run directory: ``results.csv`` (one row per label run),
+``per_gpu.csv``, ``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_half_results.csv``, ``evaluation.md`` (the
+tables) and ``predicted_vs_measured.png``.
 
 Examples::
 
@@ -59,6 +61,7 @@ class CnnConfig:
     enabled: bool = True
     dir: str = str(DATASETS / "public-benchmarks")      # cnn_dle.csv and cnn_lambda.csv
     min_batch: int = 32                    # DLE inference rows below this batch are launch-bound: skipped
+    half: bool = True                      # also the AMP / FP16 rows, forecast as pure FP16 (a section of their own)
 
 
 @dataclass
@@ -144,12 +147,16 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     per_gpu = ev.per_gpu_summary(labels, trained_on, targets)
     atomic_write_text(out / "per_gpu.csv", per_gpu.to_csv(index=False))
 
-    cnn = skipped = None
+    cnn = skipped = half = None
     if cfg.cnn.enabled:
         sel, skipped = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch)
         cnn = ev.predict_cnn(sel, pred)
         atomic_write_text(out / "cnn_results.csv", cnn.to_csv(index=False))
         atomic_write_text(out / "cnn_skipped.csv", skipped.to_csv(index=False))
+        if cfg.cnn.half:
+            half_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS)
+            half = ev.predict_cnn(half_sel, pred)
+            atomic_write_text(out / "cnn_half_results.csv", half.to_csv(index=False))
     t_all = time.perf_counter() - t0
 
     plain = int((~labels["mode"].str.contains("+", regex=False)).sum()) if len(labels) else 0
@@ -171,7 +178,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     footer = ("The predicted-vs-measured log-log plot (NeuSight and roofline side by side) is written to the run "
               "directory as `predicted_vs_measured.png`.")
     md = ev.render_markdown(labels, trained_on, cnn=cnn, cnn_skipped=skipped, header=header, footer=footer,
-                            targets=targets)
+                            targets=targets, cnn_half=half)
     atomic_write_text(out / "evaluation.md", md)
     if out_md:
         atomic_write_text(out_md, md)
@@ -181,16 +188,21 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     summary = {"runs": len(labels), "mean_abs_error_pct": float(labels["error_pct"].abs().mean()),
                "roofline_mean_abs_error_pct": float(labels["roofline_error_pct"].abs().mean()),
                "labels_wall_s": t_labels, "total_wall_s": t_all,
-               "cnn_mean_abs_error_pct": None, "cnn_other_gpus_mean_abs_error_pct": None}
+               "cnn_mean_abs_error_pct": None, "cnn_other_gpus_mean_abs_error_pct": None,
+               "cnn_half_mean_abs_error_pct": None}
     if cnn is not None:   # issue 4's scope (V100, T4) and the other FP32 GPUs apart; NaN when a scope has no row
         acc = cnn["scope"] == ev.SCOPE_ACCEPTANCE
         summary["cnn_mean_abs_error_pct"] = float(cnn.loc[acc, "error_pct"].abs().mean())
         summary["cnn_other_gpus_mean_abs_error_pct"] = float(cnn.loc[~acc, "error_pct"].abs().mean())
+    if half is not None:   # AMP / FP16 rows, forecast as pure FP16: measured, never fitted, outside issue 4
+        summary["cnn_half_mean_abs_error_pct"] = float(half["error_pct"].abs().mean())
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     with pd.option_context("display.width", 200, "display.float_format", "{:,.1f}".format):
         print(per_gpu.to_string(index=False))
         if cnn is not None:
             print(ev.cnn_summary(cnn).to_string(index=False))
+        if half is not None:
+            print(ev.precision_summary(half).to_string(index=False))
     print(f"{len(labels)} label runs: mean |error| {summary['mean_abs_error_pct']:.1f} % (roofline "
           f"{summary['roofline_mean_abs_error_pct']:.1f} %); labels in {t_labels:.1f} s, all in {t_all:.1f} s; "
           f"files in {out}" + (f"; report {out_md}" if out_md else ""))
