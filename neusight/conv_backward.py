@@ -40,12 +40,8 @@ def base_forecast(df: pd.DataFrame, predictor: Predictor) -> pd.DataFrame:
     """Per row of :func:`neusight.dataset.load_deepbench_conv`: ``roofline_ms, isolated_ms, overhead_ms``
     of the predictor without any gradient factor, and the row's ``cls`` (CONV_BACKWARD_CLASSES, "" for a
     forward kernel)."""
-    saved = predictor.conv_backward_
-    predictor.conv_backward_ = {}
-    try:
-        parts = [predictor.predict(g, dev)[["roofline_ms", "latency_ms", "overhead_ms"]] for dev, g in df.groupby("device")]
-    finally:
-        predictor.conv_backward_ = saved
+    parts = [predictor.predict(g, dev, conv_backward=False)[["roofline_ms", "latency_ms", "overhead_ms"]]
+             for dev, g in df.groupby("device")]
     out = pd.concat(parts).loc[df.index].rename(columns={"latency_ms": "isolated_ms"})
     out["cls"] = conv_backward_class(df)
     return out

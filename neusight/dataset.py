@@ -232,15 +232,7 @@ def load_deepbench_gemm(path: str | Path, *, precisions: Iterable[str] = ("fp32"
         Rows of GPUs the device library lacks are skipped as ``unknown_device``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file; pass the path of deepbench_gemm.csv")
-    wanted = set(precisions)
-    if unknown := wanted - set(_DEEPBENCH_DTYPES):
-        raise InputError(f"unknown DeepBench precision(s) {sorted(unknown)}; "
-                         f"expected some of {sorted(_DEEPBENCH_DTYPES)}")
-    raw = _read_csv(path)
-    _require(raw, ("gpu", "precision", "M", "N", "K", "latency_ms"), path, schema="DeepBench GEMM")
-    raw = raw[raw["precision"].isin(wanted)]
+    raw, wanted = _read_deepbench(path, precisions, ("M", "N", "K", "latency_ms"), "GEMM")
     num = raw[["M", "N", "K", "latency_ms"]].apply(pd.to_numeric, errors="coerce").astype(float)
     cache: dict[str, Device | None] = {}
     device = raw["gpu"].map(lambda g: _resolve(_DEEPBENCH_GPUS.get(g, g), cache))
@@ -259,6 +251,20 @@ def load_deepbench_gemm(path: str | Path, *, precisions: Iterable[str] = ("fp32"
         raise DataError(f"{path}: no usable rows for precisions {sorted(wanted)} (skipped: {dict(counts)}); "
                         "check the precision filter and the device library")
     return _finish(std.reset_index(drop=True), cache, counts, {str(path): dict(counts)} if counts else {})
+
+
+def _read_deepbench(path: Path, precisions: Iterable[str], columns: tuple[str, ...],
+                    kind: str) -> tuple[pd.DataFrame, set[str]]:
+    """The rows of a DeepBench table (deepbench_gemm.csv / deepbench_conv.csv) of the wanted precisions."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass the path of deepbench_{kind.lower()}.csv")
+    wanted = set(precisions)
+    if unknown := wanted - set(_DEEPBENCH_DTYPES):
+        raise InputError(f"unknown DeepBench precision(s) {sorted(unknown)}; "
+                         f"expected some of {sorted(_DEEPBENCH_DTYPES)}")
+    raw = _read_csv(path)
+    _require(raw, ("gpu", "precision", *columns), path, schema=f"DeepBench {kind}")
+    return raw[raw["precision"].isin(wanted)], wanted
 
 
 # DeepBench conv columns -> ours (its N and K are batch and filters, not GEMM dims)
@@ -287,24 +293,16 @@ def load_deepbench_conv(path: str | Path, *, precisions: Iterable[str] = ("fp32"
     from neusight.kernels.ops_gemm import conv2d_pass_kernels
 
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file; pass the path of deepbench_conv.csv")
-    wanted = set(precisions)
-    if unknown := wanted - set(_DEEPBENCH_DTYPES):
-        raise InputError(f"unknown DeepBench precision(s) {sorted(unknown)}; "
-                         f"expected some of {sorted(_DEEPBENCH_DTYPES)}")
-    raw = _read_csv(path)
-    _require(raw, ("gpu", "precision", *_DEEPBENCH_CONV_SHAPE, *DEEPBENCH_CONV_PASSES.values()), path,
-             schema="DeepBench conv")
-    raw = raw[raw["precision"].isin(wanted)].reset_index(drop=True)
+    raw, wanted = _read_deepbench(path, precisions, (*_DEEPBENCH_CONV_SHAPE, *DEEPBENCH_CONV_PASSES.values()), "conv")
+    raw = raw.reset_index(drop=True)
     shape = raw[list(_DEEPBENCH_CONV_SHAPE)].apply(pd.to_numeric, errors="coerce").astype(float)
     shape.columns = list(_DEEPBENCH_CONV_SHAPE.values())
     cache: dict[str, Device | None] = {}
     device = raw["gpu"].map(lambda g: _resolve(_DEEPBENCH_GPUS.get(g, g), cache))
     kernels: dict[int, dict | None] = {}
     for i, v in shape.iterrows():
-        ints = v.to_numpy()
-        if not (np.isfinite(ints).all() and (ints == np.round(ints)).all()):
+        dims = v.to_numpy()
+        if not (np.isfinite(dims).all() and (dims == np.round(dims)).all()):
             kernels[i] = None
             continue
         try:

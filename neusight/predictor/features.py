@@ -14,6 +14,7 @@ import pandas as pd
 
 from neusight.devices import Device
 from neusight.kernels.base import Family
+from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
 from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tiles, sizes_of
 
@@ -82,12 +83,14 @@ CONV_MODEL_KERNELS = ("conv_fwd",)
 def conv_as_gemm(df: pd.DataFrame) -> pd.Series:
     """Conv rows outside the conv sweeps' domain (see CONV_MODEL_KERNELS), routed to the GEMM model."""
     conv = df["family"] == Family.CONV.value
-    if "algo_flops" in df:
-        fast = (df["flops"] > df["algo_flops"] * 1.0001)   # a Winograd-capable 3x3 stride-1 shape
-    else:
-        fast = pd.Series(True, index=df.index)
+    fast = _winograd_capable(df) if "algo_flops" in df else pd.Series(True, index=df.index)
     fwd = df["kernel"].isin(CONV_MODEL_KERNELS) if "kernel" in df else pd.Series(True, index=df.index)
     return conv & ~(fast & fwd)
+
+
+def _winograd_capable(df: pd.DataFrame) -> pd.Series:
+    """Rows whose fast algorithm needs fewer FLOPs than the direct one (3x3 stride-1 convolutions)."""
+    return df["flops"] > df["algo_flops"].fillna(df["flops"]) * 1.0001
 
 
 def feature_names(family: str) -> tuple[str, ...]:
@@ -123,13 +126,12 @@ def conv_backward_class(df: pd.DataFrame) -> pd.Series:
         return out
     kern = df["kernel"].astype(str)
     conv = df["family"] == Family.CONV.value
+    fast = _winograd_capable(df) if "algo_flops" in df else pd.Series(False, index=df.index)
     for part in ("dgrad", "wgrad"):
         base = conv & (kern == f"conv_{part}")
-        strided = conv & (kern == f"conv_{part}_strided")
-        fast = (df["flops"] > df["algo_flops"].fillna(df["flops"]) * 1.0001) if "algo_flops" in df else False
         out[base & ~fast] = part
         out[base & fast] = f"{part}_winograd"
-        out[strided] = f"{part}_strided"
+        out[conv & (kern == f"conv_{part}{STRIDED_SUFFIX}")] = f"{part}_strided"
     return out
 
 

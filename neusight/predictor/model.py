@@ -123,9 +123,10 @@ class Predictor:
         return pd.concat(parts).loc[df.index]
 
     # ------------------------------------------------------------------------------------ predict
-    def predict(self, df: pd.DataFrame, device: Device | str) -> pd.DataFrame:
+    def predict(self, df: pd.DataFrame, device: Device | str, *, conv_backward: bool = True) -> pd.DataFrame:
         """Predict every kernel row of ``df`` (columns ``family, B, M, N, K, rows, cols, flops, bytes, dtype``)
         on one device. Identical shapes are decomposed and predicted once (one MLP call per family).
+        ``conv_backward=False`` leaves out the convolution-gradient factors (used when fitting them).
 
         Returns a frame indexed like ``df``: tile_m, tile_n, elems_per_block, threads_per_block, tiles,
         waves, bound, roofline_ms, utilization, overhead_ms, latency_ms, model_family.
@@ -158,7 +159,8 @@ class Predictor:
             out.loc[rows.index, "latency_ms"] = lat
             out.loc[rows.index, "utilization"] = u
             out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
-        self._apply_conv_backward(uniq, out)
+        if conv_backward:
+            self._apply_conv_backward(uniq, out)
         merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
         return merged.loc[df.index, out.columns]
 
