@@ -168,6 +168,25 @@ DEPTHWISE_NOTE = ("{n} depthwise-convolution kernels are forecast as memory-boun
                   "speed; no kernel measurement covers them, and PyTorch's FP32 depthwise kernels run well below memory "
                   "bandwidth, so expect this forecast to be too fast (EfficientNet rows of docs/evaluation.md)")
 
+# Eager PyTorch spends host (CPU) time on every kernel it launches: Python, the dispatcher, the launch itself,
+# roughly 10-50 us depending on the host and the training loop around the model. Kernels are queued
+# asynchronously, so while each takes longer on the GPU than that, the host runs ahead and only GPU time counts,
+# which is what is forecast. Below it, the host issuing kernels is the bottleneck and the run takes longer
+# than forecast whatever the GPU (docs/evaluation.md, "Small batches": DeepLearningExamples' batch-1 ResNets
+# take the same time on a T4 and a V100). The host is not modelled; such a forecast says so.
+HOST_BOUND_US = 50.0
+HOST_BOUND_NOTE = ("{n} kernel launches averaging {avg:.0f} us of GPU time each: eager PyTorch spends roughly "
+                   "10-50 us of host (CPU) time per launch, so this run may be bound by the host issuing kernels, "
+                   "which is not modelled: then it takes longer than forecast, on any GPU")
+
+
+def host_bound_note(latency_ms: float, launches: int) -> str | None:
+    """The HOST_BOUND_NOTE for a forecast whose kernels average less GPU time than HOST_BOUND_US, else None."""
+    if launches <= 0:
+        return None
+    avg_us = latency_ms * 1000.0 / launches
+    return HOST_BOUND_NOTE.format(n=launches, avg=avg_us) if avg_us < HOST_BOUND_US else None
+
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
                   calibrated: bool = True, fused: bool = False, megatron: bool = False) -> Prediction:
@@ -204,7 +223,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     n_dw = int(kernels["kernel"].astype(str).str.startswith(DEPTHWISE_PREFIX).sum())
     if n_dw:
         notes += (DEPTHWISE_NOTE.format(n=n_dw),)
-    return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, float(kernels["latency_ms"].sum()), phases,
+    total = float(kernels["latency_ms"].sum())
+    if host := host_bound_note(total, len(kernels)):
+        notes += (host,)
+    return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, total, phases,
                       kernels, g, notes, None, pred.train_devices_)
 
 

@@ -334,3 +334,15 @@ def test_throughput_unit_follows_the_model_kind():
     assert lm.throughput == (pytest.approx(64 / (lm.latency_ms / 1e3)), "tokens/s")
     mod = neusight.predict(nn.Linear(16, 4), "t4", batch_size=3, input_shapes=[(16,)], memory=False)
     assert mod.throughput[1] == "samples/s"
+
+
+def test_host_bound_note_fires_below_the_threshold_only():
+    from neusight.api import HOST_BOUND_US, host_bound_note
+
+    assert host_bound_note(100 * HOST_BOUND_US / 1000 * 0.99, 100) is not None
+    assert host_bound_note(100 * HOST_BOUND_US / 1000 * 1.01, 100) is None
+    assert host_bound_note(1.0, 0) is None
+    small = neusight.predict("resnet50", "v100-sxm2-16gb", batch_size=1, memory=False)
+    big = neusight.predict("resnet50", "v100-sxm2-16gb", batch_size=64, memory=False)
+    assert any("host" in n and "not modelled" in n for n in small.notes)
+    assert not any("host (CPU)" in n for n in big.notes)

@@ -3,9 +3,10 @@
 Default: every plain (no -fusion/-dp/-tp/-pp) label run of an NVIDIA GPU in ``../shared/datasets/neusight-asplos25``
 with the shipped predictor, plus the CNN rows of ``../shared/datasets/public-benchmarks`` in FP32 (issue 4's scope:
 V100/T4; other FP32 GPUs apart) and, in a section of their own, their AMP / FP16 rows forecast as pure FP16
-(``cnn.half=false`` leaves them out). Writes into Hydra's run directory: ``results.csv`` (one row per label run),
-``per_gpu.csv``, ``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_half_results.csv``, ``evaluation.md`` (the
-tables) and ``predicted_vs_measured.png``.
+(``cnn.half=false`` leaves them out), and their FP32 inference rows at batches below ``cnn.min_batch``
+(host-bound; ``cnn.small_batches=false`` leaves them out). Writes into Hydra's run directory: ``results.csv``
+(one row per label run), ``per_gpu.csv``, ``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_half_results.csv`` /
+``cnn_small_batch_results.csv``, ``evaluation.md`` (the tables) and ``predicted_vs_measured.png``.
 
 Examples::
 
@@ -62,6 +63,7 @@ class CnnConfig:
     dir: str = str(DATASETS / "public-benchmarks")      # cnn_dle.csv and cnn_lambda.csv
     min_batch: int = 32                    # DLE inference rows below this batch are launch-bound: skipped
     half: bool = True                      # also the AMP / FP16 rows, forecast as pure FP16 (a section of their own)
+    small_batches: bool = True             # also the FP32 inference rows below min_batch (host-bound; a section of their own)
 
 
 @dataclass
@@ -147,7 +149,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     per_gpu = ev.per_gpu_summary(labels, trained_on, targets)
     atomic_write_text(out / "per_gpu.csv", per_gpu.to_csv(index=False))
 
-    cnn = skipped = half = None
+    cnn = skipped = half = small = None
     if cfg.cnn.enabled:
         sel, skipped = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch)
         cnn = ev.predict_cnn(sel, pred)
@@ -157,6 +159,11 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
             half_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS)
             half = ev.predict_cnn(half_sel, pred)
             atomic_write_text(out / "cnn_half_results.csv", half.to_csv(index=False))
+        if cfg.cnn.small_batches:
+            small_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=1)
+            small_sel = small_sel[(small_sel["mode"] == "inference") & (small_sel["batch"] < cfg.cnn.min_batch)]
+            small = ev.predict_cnn(small_sel, pred)
+            atomic_write_text(out / "cnn_small_batch_results.csv", small.to_csv(index=False))
     t_all = time.perf_counter() - t0
 
     plain = int((~labels["mode"].str.contains("+", regex=False)).sum()) if len(labels) else 0
@@ -178,7 +185,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     footer = ("The predicted-vs-measured log-log plot (NeuSight and roofline side by side) is written to the run "
               "directory as `predicted_vs_measured.png`.")
     md = ev.render_markdown(labels, trained_on, cnn=cnn, cnn_skipped=skipped, header=header, footer=footer,
-                            targets=targets, cnn_half=half)
+                            targets=targets, cnn_half=half, cnn_small=small)
     atomic_write_text(out / "evaluation.md", md)
     if out_md:
         atomic_write_text(out_md, md)
