@@ -227,3 +227,27 @@ def test_checkpoint_factors_round_trip(ckpt):
     assert p.conv_backward_ == {"wgrad": 1.25}
     out = p.save(ckpt.with_name("again"))
     assert Predictor.load(out).conv_backward_ == {"wgrad": 1.25}
+
+
+def test_training_fits_factors_only_for_nvidia_and_when_asked(shipped):
+    """neusight-train's step: an AMD predictor gets no cuDNN factors, and csv='' turns the step off."""
+    from omegaconf import OmegaConf
+
+    from neusight.cli.train import TrainConfig, _fit_conv_backward
+
+    cfg = OmegaConf.structured(TrainConfig)
+    pred = Predictor.load()
+    pred.conv_backward_ = {}
+    assert _fit_conv_backward(cfg, pred, pd.DataFrame({"device": ["mi100", "mi210"]})) is None
+    cfg.calibrate.conv_backward.csv = ""
+    assert _fit_conv_backward(cfg, pred, pd.DataFrame({"device": ["t4"]})) is None
+    assert pred.conv_backward_ == {}
+
+
+def test_shipped_factors_are_what_the_code_fits(deepbench, shipped):
+    """The manifest's factors regenerate: fitting again on the same GPUs gives them back."""
+    from neusight.conv_backward import fit_conv_backward
+
+    cal = shipped.manifest_["conv_backward_calibration"]
+    again = fit_conv_backward(deepbench, shipped, cal["devices"])
+    assert again["factors"] == shipped.conv_backward_
