@@ -169,7 +169,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     In scope: ``precisions`` (default FP32, issue 4's; any of :data:`CNN_DTYPES`); GPUs in :data:`CNN_GPUS`
     (half-precision rows: :data:`CNN_HALF_GPUS`; column ``scope``: the V100 and T4 of issue 4's acceptance, or
     the others); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
-    EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are launch-bound), one row per
+    EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are host-bound), one row per
     (GPU, model, precision, batch): the ``in_head`` row when there is one, else the newest container, never a
     SUSPECT row;
     DLE training (step = batch / throughput); Lambda training (``step_ms``).
@@ -212,7 +212,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
         modelled = df["precision"].isin(list(CNN_DTYPES))
         skipped.append(_skip(df[~modelled], "precision not modelled (TF32): out of scope"))
         other = modelled & ~df["precision"].isin(list(precisions))
-        skipped.append(_skip(df[other], f"precision not in this selection ({', '.join(precisions)})"))
+        skipped.append(_skip(df[other], "AMP / FP16: the half-precision section" if set(precisions) == {CNN_PRECISION}
+                             else f"precision not in this selection ({', '.join(precisions)})"))
         df = df[modelled & ~other]
         df = df.assign(gpu=[(CNN_HALF_GPUS if p in HALF_PRECISIONS else CNN_GPUS).get(g)
                             for g, p in zip(df["gpu_name"], df["precision"])])
@@ -228,7 +229,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
         skipped.append(_skip(df[suspect], "SUSPECT in the source note"))
         df = df[~suspect]
         small = (df["mode"] == "inference") & (df["batch"] < min_batch)
-        skipped.append(_skip(df[small], f"inference batch < {min_batch} (launch-bound)"))
+        skipped.append(_skip(df[small], f"inference batch < {min_batch} (host-bound; FP32 rows: the small-batch section)"))
         kept.append(df[~small])
 
     dle, lam = kept
