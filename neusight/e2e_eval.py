@@ -436,9 +436,9 @@ def _small_md(res: pd.DataFrame) -> str:
             if noted.any() and (~noted).any() else "")
     return ("\n## CNNs at small inference batches (host-bound; not modelled)\n\n"
             "Outside issue 4's scope (batch >= 32). DeepLearningExamples' FP32 inference rows at batches below 32, "
-            "forecast as every other row. At batch 1 a model takes about the same time on a T4 and a V100: the host "
-            "issuing kernels (Python, dispatcher, launches; its loop times forward, loss and top-k) is the "
-            "bottleneck, which is not modelled. A forecast whose kernels average less than "
+            "forecast as every other row. When kernels are short, the host issuing them (Python, dispatcher, "
+            "launches; the benchmark's loop times forward, loss and top-k) becomes the bottleneck, which is not "
+            "modelled: compare a model's batch-1 times across GPUs below. A forecast whose kernels average less than "
             f"{HOST_BOUND_US:g} us of GPU time each says so in a note (`host-bound note`).\n\n" + line
             + markdown_table(rows, index=False, signed=("err %",)))
 

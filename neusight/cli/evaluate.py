@@ -61,7 +61,7 @@ class LabelsConfig:
 class CnnConfig:
     enabled: bool = True
     dir: str = str(DATASETS / "public-benchmarks")      # cnn_dle.csv and cnn_lambda.csv
-    min_batch: int = 32                    # DLE inference rows below this batch are launch-bound: skipped
+    min_batch: int = 32                    # DLE inference rows below this batch are host-bound: their own section
     half: bool = True                      # also the AMP / FP16 rows, forecast as pure FP16 (a section of their own)
     small_batches: bool = True             # also the FP32 inference rows below min_batch (host-bound; a section of their own)
 
