@@ -14,7 +14,8 @@ time equals the measured forward time x the forecast gradient / forward ratio. S
 step is a sum of kernel times: a long kernel weighs more than a short one (an equal weight per shape, a
 median of per-shape ratios, was tried first and over-shot the summed time on the GPUs it never saw: T4 +55 %,
 V100 +18 %). Forecasts are the in-model ones (:func:`neusight.api.e2e_kernel_ms`), as the kernels run
-inside a training step; DeepBench calls each kernel back to back, as a model does.
+inside a training step; DeepBench calls each kernel back to back, as a model does. ``neusight-train`` fits
+them on DeepBench's rows of the predictor's own training GPUs (P100, T4); its other five GPUs check them.
 """
 
 from __future__ import annotations
