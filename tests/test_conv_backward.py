@@ -251,3 +251,18 @@ def test_shipped_factors_are_what_the_code_fits(deepbench, shipped):
     cal = shipped.manifest_["conv_backward_calibration"]
     again = fit_conv_backward(deepbench, shipped, cal["devices"])
     assert again["factors"] == shipped.conv_backward_
+
+
+def test_training_fits_on_its_own_training_gpus_by_default(deepbench):
+    """Default devices: the predictor's training GPUs that DeepBench has; none of them -> no factors."""
+    from omegaconf import OmegaConf
+
+    from neusight.cli.train import TrainConfig, _fit_conv_backward
+
+    cfg = OmegaConf.structured(TrainConfig)
+    pred = Predictor.load()
+    pred.conv_backward_ = {}
+    assert _fit_conv_backward(cfg, pred, pd.DataFrame({"device": ["a100-pcie-40gb", "p4"]})) is None
+    assert pred.conv_backward_ == {}
+    res = _fit_conv_backward(cfg, pred, pd.DataFrame({"device": ["p4", "t4", "p100-pcie-16gb"]}))
+    assert res["devices"] == ["p100-pcie-16gb", "t4"] and pred.conv_backward_ == Predictor.load().conv_backward_

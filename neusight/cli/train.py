@@ -34,9 +34,9 @@ class DataConfig:
 class ConvBackwardConfig:
     # Baidu DeepBench conv times (forward, data and weight gradient of the same shapes); "" = no factors
     csv: str = str(REPO.parent / "shared/datasets/public-benchmarks/deepbench_conv.csv")
-    # GPUs the factors are fitted on: the predictor's training GPUs among DeepBench's (P100, T4), so that the
-    # shipped predictor learns from the five training GPUs only; DeepBench's other five GPUs check the factors
-    devices: list[str] = field(default_factory=lambda: ["p100-pcie-16gb", "t4"])
+    # GPUs the factors are fitted on; null = the predictor's own training GPUs that DeepBench has (shipped: P100,
+    # T4), so that a predictor learns from its training GPUs only; DeepBench's other GPUs check the factors
+    devices: Optional[list[str]] = None
 
 
 @dataclass
@@ -91,7 +91,12 @@ def _fit_conv_backward(cfg: TrainConfig, pred: Any, df: Any) -> dict | None:
     from neusight.dataset import load_deepbench_conv
 
     rows = load_deepbench_conv(spec.csv)
-    result = fit_conv_backward(rows, pred, list(spec.devices), source=spec.csv)
+    devices = list(spec.devices) if spec.devices is not None else sorted(set(rows["device"]) & set(df["device"]))
+    if not devices:
+        log.info("no convolution-gradient factors: DeepBench has none of the training GPUs %s; name GPUs in "
+                 "calibrate.conv_backward.devices to fit them on others", sorted(df["device"].unique()))
+        return None
+    result = fit_conv_backward(rows, pred, devices, source=spec.csv)
     pred.conv_backward_ = dict(result["factors"])
     log.info("convolution-gradient factors %s from DeepBench rows of %s; summed gradient/forward ratio error %% per "
              "GPU (none, fitted, GPU held out): %s", result["factors"], result["devices"], result["summed_ratio_error_pct"])
