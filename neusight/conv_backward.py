@@ -29,13 +29,10 @@ import pandas as pd
 
 from neusight.errors import DataError
 from neusight.predictor.features import CONV_BACKWARD_CLASSES, conv_backward_class
-from neusight.predictor.model import CONV_BACKWARD_RANGE, Predictor, scale_work
+from neusight.predictor.model import CONV_BACKWARD_RANGE, Predictor, apply_conv_backward
 
-__all__ = ["FACTOR_RANGE", "base_forecast", "fit_conv_backward", "fit_factors", "forecast", "ratio_sums",
+__all__ = ["base_forecast", "fit_conv_backward", "fit_factors", "forecast", "ratio_sums",
            "summed_error_pct"]
-
-FACTOR_RANGE = CONV_BACKWARD_RANGE   # what a checkpoint may hold (Predictor.load checks it)
-
 
 def base_forecast(df: pd.DataFrame, predictor: Predictor) -> pd.DataFrame:
     """Per row of :func:`neusight.dataset.load_deepbench_conv`: ``roofline_ms, isolated_ms, overhead_ms``
@@ -52,12 +49,8 @@ def forecast(base: pd.DataFrame, predictor: Predictor, factors: dict[str, float]
     """In-model forecast (ms) of every row of ``base`` with the gradient factors ``factors``."""
     from neusight.api import e2e_kernel_ms
 
-    iso = base["isolated_ms"].to_numpy(float).copy()
-    for name, f in factors.items():
-        hit = (base["cls"] == name).to_numpy()
-        if hit.any():
-            iso[hit] = scale_work(iso[hit], base["overhead_ms"].to_numpy(float)[hit],
-                                  base["roofline_ms"].to_numpy(float)[hit], f)[0]
+    iso, _ = apply_conv_backward(base["cls"].to_numpy(), base["isolated_ms"].to_numpy(float),
+                                 base["overhead_ms"].to_numpy(float), base["roofline_ms"].to_numpy(float), factors)
     return e2e_kernel_ms(base["roofline_ms"].to_numpy(float), iso, base["overhead_ms"].to_numpy(float),
                          float(getattr(predictor, "e2e_scale_", 1.0)), float(getattr(predictor, "e2e_floor_", 1.0)))
 
@@ -85,16 +78,16 @@ def summed_error_pct(df: pd.DataFrame, base: pd.DataFrame, predictor: Predictor,
 
 def _fit_one(base: pd.DataFrame, df: pd.DataFrame, predictor: Predictor, name: str, rows: np.ndarray) -> float:
     """Bisection on log f: the estimated summed time is non-decreasing in f."""
-    lo, hi = np.log(FACTOR_RANGE[0]), np.log(FACTOR_RANGE[1])
+    lo, hi = np.log(CONV_BACKWARD_RANGE[0]), np.log(CONV_BACKWARD_RANGE[1])
 
     def excess(log_f: float) -> float:
         measured, estimated = ratio_sums(df, forecast(base, predictor, {name: float(np.exp(log_f))}), rows)
         return estimated - measured
 
     if excess(lo) >= 0:
-        return FACTOR_RANGE[0]
+        return CONV_BACKWARD_RANGE[0]
     if excess(hi) <= 0:
-        return FACTOR_RANGE[1]
+        return CONV_BACKWARD_RANGE[1]
     for _ in range(40):   # |hi - lo| = 3.9 / 2^40: far below any digit reported
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)

@@ -169,13 +169,11 @@ class Predictor:
         unchanged), never less than their roofline: utilization / factor, capped at 1."""
         if not self.conv_backward_:
             return
-        cls = conv_backward_class(rows)
-        for name, factor in self.conv_backward_.items():
-            hit = (cls == name).to_numpy()
-            if hit.any():
-                lat, util = scale_work(out.loc[hit, "latency_ms"].to_numpy(float), out.loc[hit, "overhead_ms"].to_numpy(float),
-                                       out.loc[hit, "roofline_ms"].to_numpy(float), factor)
-                out.loc[hit, "latency_ms"], out.loc[hit, "utilization"] = lat, util
+        lat, util = apply_conv_backward(conv_backward_class(rows).to_numpy(), out["latency_ms"].to_numpy(float),
+                                        out["overhead_ms"].to_numpy(float), out["roofline_ms"].to_numpy(float),
+                                        self.conv_backward_)
+        hit = lat != out["latency_ms"].to_numpy(float)
+        out.loc[hit, "latency_ms"], out.loc[hit, "utilization"] = lat[hit], util[hit]
 
     def _model_for(self, fam: str) -> tuple[UtilizationMLP, str]:
         """The MLP for a family and the family whose features it takes: its own; a GEMM family without a
@@ -311,6 +309,19 @@ def scale_work(latency_ms: np.ndarray, overhead_ms: np.ndarray, roofline_ms: np.
     long, never less than the roofline. Non-decreasing in the factor and in the latency."""
     work = np.maximum(factor * (latency_ms - overhead_ms), roofline_ms)
     return work + overhead_ms, roofline_ms / work
+
+
+def apply_conv_backward(classes: np.ndarray, latency_ms: np.ndarray, overhead_ms: np.ndarray, roofline_ms: np.ndarray,
+                        factors: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, utilization) of kernels of CONV_BACKWARD_CLASSES ``classes`` ("" for none) with each class's
+    work scaled by its factor (:func:`scale_work`); rows of a class without a factor keep their latency, and
+    their utilization is recomputed from it."""
+    lat = np.asarray(latency_ms, float).copy()
+    for name, factor in factors.items():
+        hit = np.asarray(classes) == name
+        if hit.any():
+            lat[hit] = scale_work(lat[hit], overhead_ms[hit], roofline_ms[hit], factor)[0]
+    return lat, roofline_ms / np.maximum(lat - overhead_ms, roofline_ms)
 
 
 def _conv_backward_factors(raw: Any, path: Path) -> dict[str, float]:
