@@ -3,6 +3,7 @@ the five training GPUs (never by the evaluation GPUs). Writes docs/features.md.
 
     python scripts/bench_features.py                     # every family and variant below (~15 min, 2 cores)
     python scripts/bench_features.py --families linear   # some families (the document then lists only those)
+    python scripts/bench_features.py --families linear --only weighted --size-weights 1 --seeds 0 1 2 --out /tmp/f.md
 
 For each family, variant and training GPU: fit the family's model on the other four GPUs' sweep rows (the
 shipped work features of neusight/predictor/features.py plus the variant's device features, the family's
@@ -11,7 +12,9 @@ GPU on its sweep rows and on its rows of the large-shape files (kernels far bigg
 models). A variant replaces the shipped one only when it lowers the mean of the two by more than
 MARGIN points (refits with another seed move these numbers by about a point); "shipped" marks what the code uses.
 NB: early stopping sees the held-out GPU here (the shipped fit picks one epoch count for all folds), so the
-numbers are a little optimistic; the comparison between variants is what this is for.
+numbers are a little optimistic; the comparison between variants is what this is for. Besides device
+descriptors, two training choices are scored the same way: adding the other GPUs' large-shape rows, and the
+loss weighted by waves^p (--size-weights).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ PER_KERNEL_TYPE = ("log2_algo_speedup", "native")
 # not a device descriptor but a choice of training rows: the shipped features, fitted on the other GPUs' sweep
 # rows and their large-shape rows too (the held-out GPU's large-shape rows stay out)
 WITH_LARGE = "shipped features + the other GPUs' large-shape rows in training"
+# not a device descriptor but a loss: the shipped features, each training row weighted by waves ** p
+# (neusight.predictor.train.size_weights; conf/predictor size_weight), for each p of --size-weights
+WEIGHTED = "shipped features, loss weighted by waves^{p:g}"
+UNWEIGHTED = "shipped features, unweighted loss"
 MARGIN = 1.0
 
 
@@ -70,6 +77,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="*", default=list(VARIANTS))
     ap.add_argument("--out", default=str(REPO / "docs" / "features.md"))
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="run only the variants whose name contains one of these strings (e.g. 'board power' weighted)")
+    ap.add_argument("--size-weights", nargs="*", type=float, default=[0.0, 0.5, 1.0],
+                    help="powers p of the waves-weighted loss variant (one row each; the shipped power is in "
+                         "conf/predictor/default.yaml)")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0],
                     help="fit seeds; each cell is the mean over them (the shipped fit uses seed 0)")
     args = ap.parse_args()
@@ -79,7 +91,7 @@ def main() -> None:
     from neusight.predictor.features import BORROW_FRACTION, BORROWS_ELEMENTWISE, feature_names, n_work_features
     from neusight.predictor.mlp import MLPConfig
     from neusight.predictor.model import TRAINING_GPUS, Predictor
-    from neusight.predictor.train import fit_mlp, mape, predict_mlp
+    from neusight.predictor.train import fit_mlp, mape, predict_mlp, size_weights
     from neusight.tile_table import TileTable
     from neusight.util import atomic_write_text
 
@@ -109,10 +121,14 @@ def main() -> None:
         cfg = MLPConfig(**{**spec, "hidden": tuple(spec["hidden"])})
         if len(lg) and "native" in d and "native" not in lg:
             lg = lg.assign(native=1.0)
-        variants = [(name, extra, False) for name, extra in VARIANTS[fam].items()]
+        variants = [(name, extra, False, cfg.size_weight) for name, extra in VARIANTS[fam].items()]
         if len(lg):   # the shipped features, also trained on the other GPUs' large-shape rows
-            variants.append((WITH_LARGE, shipped, True))
-        for name, extra, with_large in variants:
+            variants.append((WITH_LARGE, shipped, True, cfg.size_weight))
+        variants += [(WEIGHTED.format(p=p) if p else UNWEIGHTED, shipped, False, p)
+                     for p in args.size_weights if p != cfg.size_weight]
+        if args.only:
+            variants = [v for v in variants if any(w in v[0] for w in args.only)]
+        for name, extra, with_large, power in variants:
             feats = work + list(extra) + kind
             t0 = time.time()
             scores: dict[tuple[str, str], float] = {}
@@ -121,7 +137,8 @@ def main() -> None:
                 for seed in args.seeds:
                     fit = fit_mlp(tr[feats].to_numpy(float), tr["roofline_ms"].to_numpy(float),
                                   tr["latency_ms"].to_numpy(float), tr["device"].to_numpy(),
-                                  dataclasses.replace(cfg, seed=seed), (gpu,), refit_all=False, n_mono=len(work))
+                                  dataclasses.replace(cfg, seed=seed, size_weight=power), (gpu,), refit_all=False,
+                                  n_mono=len(work), weights=size_weights(tr["log2_waves_ref"].to_numpy(float), power))
                     for split, frame in (("sweep", d[(d["device"] == gpu) & native]),
                                          ("large", lg[lg["device"] == gpu] if len(lg) else lg)):
                         if len(frame):
@@ -130,7 +147,8 @@ def main() -> None:
                                                     + mape(p, frame["latency_ms"].to_numpy(float)) / len(args.seeds))
             sweep = np.mean([v for (s, _), v in scores.items() if s == "sweep"])
             big = [v for (s, _), v in scores.items() if s == "large"]
-            rows.append({"family": fam, "variant": name + (" (shipped)" if tuple(extra) == shipped and not with_large else ""),
+            is_shipped = tuple(extra) == shipped and not with_large and power == cfg.size_weight
+            rows.append({"family": fam, "variant": name + (" (shipped)" if is_shipped else ""),
                          "scores": scores, "sweep": sweep, "large": np.mean(big) if big else np.nan,
                          "score": np.mean([sweep, np.mean(big)]) if big else sweep, "s": time.time() - t0})
             r = rows[-1]
@@ -151,7 +169,10 @@ def main() -> None:
              "conf/predictor/default.yaml). The evaluation GPUs (L4, AMD) play no part in the choice. The last "
              f"row of a family with large-shape files (\"{WITH_LARGE}\") keeps the shipped features and adds the "
              "four training GPUs' large-shape rows to their sweep rows (never the held-out GPU's): whether training "
-             "on real-model-sized kernels as well helps a GPU not trained on.", "",
+             "on real-model-sized kernels as well helps a GPU not trained on. The \"loss\" rows keep the shipped "
+             "features and change the training loss's weight per row to waves^p (`size_weight` in "
+             "conf/predictor/default.yaml; p = 0 weighs every row the same): the early-stopping MAPE is weighted "
+             "the same way, the scores here are not.", "",
              f"Fit seeds: {', '.join(map(str, args.seeds))} (each cell is their mean). Run time: "
              f"{time.time() - t_start:.0f} s on this machine.", "",
              "| family | device features | " + " | ".join(gpus) + " | sweep | large | score |",

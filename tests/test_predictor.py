@@ -19,6 +19,7 @@ import random
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -515,3 +516,56 @@ def test_failed_save_leaves_nothing_behind(small_fit, tmp_path, monkeypatch, fai
     assert _snapshot(target) == before                         # the old checkpoint, untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or partial directory
     assert Predictor.load(target).manifest_["run"] == "first"
+
+
+# ------------------------------------------------------------------------------------ size-weighted loss
+def test_size_weights_grow_with_waves_and_are_clipped():
+    from neusight.predictor.train import SIZE_WEIGHT_MAX_WAVES, size_weights
+
+    assert size_weights(np.array([0.0, 5.0]), 0.0) is None          # power 0: unweighted
+    w = size_weights(np.log2([0.25, 1.0, 4.0, 64.0, SIZE_WEIGHT_MAX_WAVES, 16 * SIZE_WEIGHT_MAX_WAVES]), 1.0)
+    np.testing.assert_allclose(w, [1.0, 1.0, 4.0, 64.0, SIZE_WEIGHT_MAX_WAVES, SIZE_WEIGHT_MAX_WAVES])
+    np.testing.assert_allclose(size_weights(np.log2([16.0]), 0.5), [4.0])
+    with pytest.raises(ValueError, match="size_weight=-1"):
+        size_weights(np.zeros(3), -1.0)
+
+
+def test_fit_rejects_weights_that_do_not_fit_the_rows():
+    from neusight.predictor.train import fit_mlp
+
+    rng = np.random.default_rng(0)
+    x, roof = rng.normal(size=(40, 3)), np.full(40, 0.1)
+    y, groups = roof * 2, np.array(["a", "b"] * 20)
+    for bad in (np.ones(39), np.r_[np.ones(39), 0.0], np.r_[np.ones(39), np.nan]):
+        with pytest.raises(ValueError, match="weights: expected 40 finite positive values"):
+            fit_mlp(x, roof, y, groups, TINY, n_mono=1, weights=bad)
+
+
+def test_weighted_loss_fits_the_heavy_rows_better():
+    """Two kinds of rows the model cannot both fit (same features, latencies 2x apart): the fit lands
+    nearer the kind the weights favour, whichever that is."""
+    from neusight.predictor.train import fit_mlp, predict_mlp
+
+    rng = np.random.default_rng(0)
+    roof = np.repeat(rng.uniform(0.05, 0.2, 100), 2)
+    x = np.c_[np.log2(roof), rng.normal(size=(len(roof), 2))]
+    y = roof * np.where(np.arange(len(x)) % 2 == 0, 2.0, 4.0)          # even rows 2x roofline, odd rows 4x
+    cfg = MLPConfig(hidden=(8,), lr=0.03, epochs=150, patience=150, batch_size=64)
+    groups = np.array(["a"] * len(x))
+    means = {}
+    for heavy in (0, 1):
+        w = np.where(np.arange(len(x)) % 2 == heavy, 50.0, 1.0)
+        fit = fit_mlp(x, roof, y, groups, cfg, n_mono=1, weights=w)
+        means[heavy] = float(np.mean(predict_mlp(fit.model, x, roof)[0] / roof))
+    assert means[0] < 2.8 < 3.2 < means[1], means
+
+
+def test_size_weight_reaches_the_fit_and_the_manifest(small_df, small_fit):
+    cfg = PredictorConfig(families={"linear": replace(TINY, size_weight=1.0), "elementwise": TINY}, val_devices=("logo",))
+    weighted = Predictor(cfg).fit(small_df)
+    assert "waves^1" in weighted.metrics_["linear"]["loss_weight"]
+    assert "loss_weight" not in weighted.metrics_["elementwise"] and "loss_weight" not in small_fit.metrics_["linear"]
+    d = small_df[(small_df["device"] == "t4") & (small_df["family"] == "linear")]
+    assert not np.array_equal(weighted.predict(d, "t4")["latency_ms"], small_fit.predict(d, "t4")["latency_ms"])
+    pd.testing.assert_frame_equal(weighted.predict(d, "t4"), Predictor(cfg).fit(small_df).predict(d, "t4"),
+                                  check_exact=True)

@@ -43,6 +43,10 @@ class MLPConfig:
     patience: int = 10                      # early-stopping epochs without validation improvement
     init_overhead_ms: float = 0.01          # launch overhead before training (the data floor is ~0.01-0.03 ms)
     seed: int = 0
+    # Loss weight per training row: (waves of the reference tile, clipped to [1, SIZE_WEIGHT_MAX_WAVES]) ** this.
+    # 0 = every row counts the same. The sweeps are mostly small kernels; the kernels that make up a model's
+    # time run hundreds of waves, so a positive power leans the fit towards them (neusight.predictor.train).
+    size_weight: float = 0.0
     extra: dict = field(default_factory=dict)
 
 

@@ -22,7 +22,7 @@ from neusight.errors import CheckpointError
 from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES, MODEL_FAMILIES,
                                          conv_backward_class, decompose, feature_names, n_work_features)
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP
-from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp
+from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
 from neusight.tiles import GEMM_FAMILIES
 
@@ -93,10 +93,13 @@ class Predictor:
             if res is None:
                 args = (d[feats].to_numpy(float), d["roofline_ms"].to_numpy(float), d["latency_ms"].to_numpy(float),
                         d["device"].to_numpy(), cfg)
+                weights = size_weights(d["log2_waves_ref"].to_numpy(float), cfg.size_weight)
                 if self.config.val_devices == ("logo",):
-                    res, logo = fit_mlp_logo(*args, progress=progress, desc=fam, n_mono=n_work_features(fam))
+                    res, logo = fit_mlp_logo(*args, progress=progress, desc=fam, n_mono=n_work_features(fam),
+                                             weights=weights)
                 else:
-                    res, logo = fit_mlp(*args, val, progress=progress, desc=fam, n_mono=n_work_features(fam)), {}
+                    res, logo = fit_mlp(*args, val, progress=progress, desc=fam, n_mono=n_work_features(fam),
+                                        weights=weights), {}
                 _save_partial(resume_dir, fam, feats, cfg, res, logo)
             else:
                 log.info("%s: resumed from %s", fam, resume_dir)
@@ -109,6 +112,8 @@ class Predictor:
             self.metrics_[fam] = {"rows": int(native.sum()), "borrowed_rows": int((~native).sum()),
                                   "best_epoch": res.best_epoch, "val_devices": list(res.val_groups),
                                   "leave_one_gpu_out_mape": logo,
+                                  **({"loss_weight": f"waves^{cfg.size_weight:g} (the leave-one-GPU-out MAPE is "
+                                                     f"weighted the same way)"} if cfg.size_weight else {}),
                                   "fit_s": round(time.time() - t0, 1), "train_mape_per_device": per_dev,
                                   "overhead_ms": round(float(res.model.overhead_ms.detach()), 5)}
             log.info("%s: %d rows, best epoch %d, MAPE per GPU %s", fam, len(d), res.best_epoch, per_dev)

@@ -22,21 +22,41 @@ class FitResult:
     val_groups: tuple[str, ...] = ()
 
 
-def _loss(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Relative error as a symmetric log ratio (|log pred - log y|, smoothed near 0)."""
-    return torch.nn.functional.smooth_l1_loss(torch.log(pred), torch.log(y), beta=0.05)
+SIZE_WEIGHT_MAX_WAVES = 1024.0
 
 
-def mape(pred: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean(np.abs(pred - y) / y) * 100)
+def _loss(pred: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """Relative error as a symmetric log ratio (|log pred - log y|, smoothed near 0); weighted mean with ``w``."""
+    if w is None:
+        return torch.nn.functional.smooth_l1_loss(torch.log(pred), torch.log(y), beta=0.05)
+    err = torch.nn.functional.smooth_l1_loss(torch.log(pred), torch.log(y), beta=0.05, reduction="none")
+    return (err * w).sum() / w.sum()
+
+
+def mape(pred: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """Mean absolute % error; with ``weights``, their weighted mean."""
+    return float(np.average(np.abs(pred - y) / y, weights=weights) * 100)
+
+
+def size_weights(log2_waves: np.ndarray, power: float) -> np.ndarray | None:
+    """Per-row loss weights ``waves ** power`` (waves clipped to [1, SIZE_WEIGHT_MAX_WAVES]), or None for
+    power 0 (every row the same). Waves of the reference tile grow with the work on any GPU, so the weight says
+    "how big is this kernel for its device" the same way on every GPU."""
+    if not power:
+        return None
+    if power < 0:
+        raise ValueError(f"size_weight={power}: the loss-weight power must be >= 0 (0 = unweighted)")
+    waves = np.clip(np.exp2(np.asarray(log2_waves, dtype=float)), 1.0, SIZE_WEIGHT_MAX_WAVES)
+    return waves ** float(power)
 
 
 def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
             val_groups: tuple[str, ...] = (), progress: bool = False, desc: str = "", refit_all: bool = True,
-            n_mono: int | None = None) -> FitResult:
+            n_mono: int | None = None, weights: np.ndarray | None = None) -> FitResult:
     """Fit one family's MLP (the first ``n_mono`` columns of ``x`` are work features, the first of them
     log2 roofline). Rows of ``val_groups`` (whole GPUs) are held out for early stopping; with ``refit_all``
-    the model is then refitted on all rows for the chosen number of epochs."""
+    the model is then refitted on all rows for the chosen number of epochs. ``weights`` (per row, e.g.
+    :func:`size_weights`) weight both the training loss and the early-stopping MAPE."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     val = np.isin(groups, list(val_groups))
@@ -46,6 +66,9 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     X = torch.as_tensor(x, dtype=torch.float32)
     R = torch.as_tensor(np.asarray(roofline_ms, dtype=np.float32))
     Y = torch.as_tensor(np.asarray(y_ms, dtype=np.float32))
+    W = None if weights is None else torch.as_tensor(np.asarray(weights, dtype=np.float32))
+    if W is not None and (W.shape != Y.shape or not bool(torch.isfinite(W).all()) or bool((W <= 0).any())):
+        raise ValueError(f"weights: expected {len(Y)} finite positive values, got shape {tuple(W.shape)}")
     model = UtilizationMLP(x.shape[1], cfg.hidden, cfg.dropout, cfg.init_overhead_ms, n_mono=n_mono)
     model.mean.copy_(X[tr].mean(0))
     model.std.copy_(X[tr].std(0).clamp_min(1e-3))
@@ -71,7 +94,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
         for i in range(0, len(perm), cfg.batch_size):
             b = perm[i:i + cfg.batch_size]
             opt.zero_grad(set_to_none=True)
-            loss = _loss(model(X[b], R[b]), Y[b])
+            loss = _loss(model(X[b], R[b]), Y[b], None if W is None else W[b])
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(b)
@@ -80,7 +103,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
         with torch.no_grad():
             check = idx_val if len(idx_val) else idx_tr
             pred = model(X[check], R[check]).numpy()
-            score = mape(pred, Y[check].numpy())
+            score = mape(pred, Y[check].numpy(), None if W is None else W[check].numpy())
         history.append({"epoch": epoch, "train_loss": total / len(perm), "val_mape": score})
         if progress:
             epochs.set_postfix(loss=f"{total / len(perm):.4f}", val_mape=f"{score:.1f}")
@@ -97,7 +120,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
         # Early stopping chose the epoch count on held-out GPUs; refit on every GPU for that many epochs,
         # so the validation GPUs' measurements are not lost to the final model.
         full = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best_epoch + 1, patience=cfg.epochs + 1), (),
-                       progress=progress, desc=desc, refit_all=False, n_mono=n_mono)
+                       progress=progress, desc=desc, refit_all=False, n_mono=n_mono, weights=weights)
         return FitResult(full.model, history + full.history, best_epoch, tuple(val_groups))
     return FitResult(model, history, best_epoch, tuple(val_groups))
 
@@ -124,7 +147,8 @@ def _predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) 
 
 
 def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
-                 progress: bool = False, desc: str = "", n_mono: int | None = None) -> tuple[FitResult, dict[str, float]]:
+                 progress: bool = False, desc: str = "", n_mono: int | None = None,
+                 weights: np.ndarray | None = None) -> tuple[FitResult, dict[str, float]]:
     """Leave-one-GPU-out early stopping, then a refit on every GPU.
 
     For each GPU (scikit-learn's ``LeaveOneGroupOut``), train on the others and record the held-out MAPE
@@ -135,19 +159,20 @@ def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, group
 
     uniq = np.unique(groups)
     if len(uniq) < 2:
-        res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc, n_mono=n_mono)
+        res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc, n_mono=n_mono,
+                      weights=weights)
         return res, {}
     curves: dict[str, list[float]] = {}
     for _, held in LeaveOneGroupOut().split(x, y_ms, groups):
         g = str(groups[held[0]])
         res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (g,), progress=progress, desc=f"{desc} [-{g}]",
-                      refit_all=False, n_mono=n_mono)
+                      refit_all=False, n_mono=n_mono, weights=weights)
         c = [h["val_mape"] for h in res.history]
         curves[g] = c + [c[-1]] * (cfg.epochs - len(c))
     mean = np.mean(np.array(list(curves.values())), axis=0)
     best = int(np.argmin(mean))
     final = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best + 1, patience=cfg.epochs + 1), (),
-                    progress=progress, desc=desc, n_mono=n_mono)
+                    progress=progress, desc=desc, n_mono=n_mono, weights=weights)
     final.best_epoch = best
     final.val_groups = tuple(curves)
     return final, {g: round(float(c[best]), 2) for g, c in curves.items()}
