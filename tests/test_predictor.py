@@ -569,3 +569,44 @@ def test_size_weight_reaches_the_fit_and_the_manifest(small_df, small_fit):
     assert not np.array_equal(weighted.predict(d, "t4")["latency_ms"], small_fit.predict(d, "t4")["latency_ms"])
     pd.testing.assert_frame_equal(weighted.predict(d, "t4"), Predictor(cfg).fit(small_df).predict(d, "t4"),
                                   check_exact=True)
+
+
+# ------------------------------------------------------------------------------------ without early stopping
+def _three_gpus(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    roof = rng.uniform(0.05, 0.5, 90)
+    x = np.c_[np.log2(roof), rng.normal(size=(90, 2))]
+    groups = np.repeat(np.array(["a", "b", "c"]), 30)
+    y = roof * (1.5 + (groups == "c") * 0.5 + rng.uniform(0, 0.2, 90))
+    return x, roof, y, groups
+
+
+def test_full_schedule_folds_never_see_their_held_out_gpu():
+    """early_stopping=False: the final model is the plain full-schedule fit on every GPU, and each GPU's score
+    is that of a model fitted without its rows (its labels cannot change its own fold's predictions)."""
+    from neusight.predictor.train import fit_mlp, fit_mlp_logo, mape, predict_mlp
+
+    x, roof, y, groups = _three_gpus()
+    cfg = replace(TINY, epochs=5, early_stopping=False)
+    final, scores = fit_mlp_logo(x, roof, y, groups, cfg, n_mono=1)
+    assert set(scores) == {"a", "b", "c"} and final.val_groups == ("a", "b", "c")
+    plain = fit_mlp(x, roof, y, groups, replace(cfg, patience=cfg.epochs + 1), (), n_mono=1)
+    np.testing.assert_array_equal(predict_mlp(final.model, x, roof)[0], predict_mlp(plain.model, x, roof)[0])
+    held = groups == "c"
+    alone = fit_mlp(x[~held], roof[~held], y[~held], groups[~held], replace(cfg, patience=cfg.epochs + 1), (), n_mono=1)
+    pred = predict_mlp(alone.model, x[held], roof[held])[0]
+    assert scores["c"] == round(mape(pred, y[held]), 2)
+    y2 = np.where(held, y * 3, y)                      # GPU c's labels change: its fold model does not
+    _, scores2 = fit_mlp_logo(x, roof, y2, groups, cfg, n_mono=1)
+    assert scores2["c"] == round(mape(pred, y2[held]), 2)
+    assert scores2["c"] != scores["c"]
+
+
+def test_early_stopping_flag_reaches_the_fit_and_is_deterministic(small_df, small_fit):
+    cfg = PredictorConfig(families={"linear": replace(TINY, early_stopping=False), "elementwise": TINY},
+                          val_devices=("logo",))
+    full = Predictor(cfg).fit(small_df)
+    assert set(full.metrics_["linear"]["leave_one_gpu_out_mape"]) == {"p4", "t4"}
+    d = small_df[(small_df["device"] == "t4") & (small_df["family"] == "linear")]
+    pd.testing.assert_frame_equal(full.predict(d, "t4"), Predictor(cfg).fit(small_df).predict(d, "t4"),
+                                  check_exact=True)

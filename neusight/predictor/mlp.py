@@ -41,6 +41,9 @@ class MLPConfig:
     epochs: int = 60
     batch_size: int = 1024
     patience: int = 10                      # early-stopping epochs without validation improvement
+    # True: leave-one-GPU-out picks the epoch count of the final fit (neusight.predictor.train.fit_mlp_logo).
+    # False: every fit runs the whole cosine schedule (``epochs``); the held-out GPUs only score it.
+    early_stopping: bool = True
     init_overhead_ms: float = 0.01          # launch overhead before training (the data floor is ~0.01-0.03 ms)
     seed: int = 0
     # Loss weight per training row: (waves of the reference tile, clipped to [1, SIZE_WEIGHT_MAX_WAVES]) ** this.

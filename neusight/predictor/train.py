@@ -149,11 +149,14 @@ def _predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) 
 def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
                  progress: bool = False, desc: str = "", n_mono: int | None = None,
                  weights: np.ndarray | None = None) -> tuple[FitResult, dict[str, float]]:
-    """Leave-one-GPU-out early stopping, then a refit on every GPU.
+    """Leave-one-GPU-out over the training GPUs, then a fit on every GPU.
 
-    For each GPU (scikit-learn's ``LeaveOneGroupOut``), train on the others and record the held-out MAPE
-    after every epoch; the epoch count that minimises the mean of these curves is used to refit on all
-    rows. Returns the final fit and each GPU's held-out MAPE at that epoch (an honest unseen-GPU score).
+    For each GPU (scikit-learn's ``LeaveOneGroupOut``), train on the others. With ``cfg.early_stopping``, the
+    held-out MAPE is recorded after every epoch and the epoch count that minimises the mean of these curves
+    is used to refit on all rows. Without it, each fold trains exactly as the final fit does (the whole
+    schedule, no look at the held-out GPU) and is scored on its held-out GPU at the end. Returns the final fit
+    and each GPU's held-out MAPE (an honest unseen-GPU score in the second case; in the first the epoch was
+    chosen on these curves).
     """
     from sklearn.model_selection import LeaveOneGroupOut
 
@@ -162,6 +165,8 @@ def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, group
         res = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc, n_mono=n_mono,
                       weights=weights)
         return res, {}
+    if not cfg.early_stopping:
+        return _fit_full_schedule(x, roofline_ms, y_ms, groups, cfg, progress, desc, n_mono, weights)
     curves: dict[str, list[float]] = {}
     for _, held in LeaveOneGroupOut().split(x, y_ms, groups):
         g = str(groups[held[0]])
@@ -176,3 +181,24 @@ def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, group
     final.best_epoch = best
     final.val_groups = tuple(curves)
     return final, {g: round(float(c[best]), 2) for g, c in curves.items()}
+
+
+def _fit_full_schedule(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
+                       progress: bool, desc: str, n_mono: int | None,
+                       weights: np.ndarray | None) -> tuple[FitResult, dict[str, float]]:
+    """fit_mlp_logo without early stopping: folds trained like the final fit, scored once on their GPU."""
+    from sklearn.model_selection import LeaveOneGroupOut
+
+    scores: dict[str, float] = {}
+    full = replace(cfg, patience=cfg.epochs + 1)
+    for keep, held in LeaveOneGroupOut().split(x, y_ms, groups):
+        g = str(groups[held[0]])
+        res = fit_mlp(x[keep], roofline_ms[keep], y_ms[keep], groups[keep], full, (), progress=progress,
+                      desc=f"{desc} [-{g}]", refit_all=False, n_mono=n_mono,
+                      weights=None if weights is None else weights[keep])
+        pred, _ = predict_mlp(res.model, x[held], roofline_ms[held])
+        scores[g] = round(mape(pred, y_ms[held], None if weights is None else weights[held]), 2)
+    final = fit_mlp(x, roofline_ms, y_ms, groups, full, (), progress=progress, desc=desc, n_mono=n_mono,
+                    weights=weights)
+    final.val_groups = tuple(scores)
+    return final, scores
