@@ -81,6 +81,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     idx_val = torch.as_tensor(np.flatnonzero(val))
     model.fit_device_range(X[idx_tr])   # the envelope's device vectors: inputs, fixed for the whole fit
     best, best_state, best_epoch, bad = float("inf"), None, 0, 0
+    patience = cfg.patience if cfg.early_stopping else cfg.epochs + 1   # without early stopping: every epoch
     history: list[dict] = []
     epochs = range(cfg.epochs)
     if progress:
@@ -111,7 +112,7 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
             best, best_state, best_epoch, bad = score, copy.deepcopy(model.state_dict()), epoch, 0
         else:
             bad += 1
-            if bad >= cfg.patience:
+            if bad >= patience:
                 break
     if best_state is not None:
         model.load_state_dict(best_state)
@@ -119,7 +120,9 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
     if refit_all and len(idx_val):
         # Early stopping chose the epoch count on held-out GPUs; refit on every GPU for that many epochs,
         # so the validation GPUs' measurements are not lost to the final model.
-        full = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=best_epoch + 1, patience=cfg.epochs + 1), (),
+        # (without early stopping the held-out GPUs only scored the fit; the refit runs the whole schedule)
+        epochs = best_epoch + 1 if cfg.early_stopping else cfg.epochs
+        full = fit_mlp(x, roofline_ms, y_ms, groups, replace(cfg, epochs=epochs, patience=cfg.epochs + 1), (),
                        progress=progress, desc=desc, refit_all=False, n_mono=n_mono, weights=weights)
         return FitResult(full.model, history + full.history, best_epoch, tuple(val_groups))
     return FitResult(model, history, best_epoch, tuple(val_groups))
@@ -190,15 +193,14 @@ def _fit_full_schedule(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray,
     from sklearn.model_selection import LeaveOneGroupOut
 
     scores: dict[str, float] = {}
-    full = replace(cfg, patience=cfg.epochs + 1)
     for keep, held in LeaveOneGroupOut().split(x, y_ms, groups):
         g = str(groups[held[0]])
-        res = fit_mlp(x[keep], roofline_ms[keep], y_ms[keep], groups[keep], full, (), progress=progress,
+        res = fit_mlp(x[keep], roofline_ms[keep], y_ms[keep], groups[keep], cfg, (), progress=progress,
                       desc=f"{desc} [-{g}]", refit_all=False, n_mono=n_mono,
                       weights=None if weights is None else weights[keep])
         pred, _ = predict_mlp(res.model, x[held], roofline_ms[held])
         scores[g] = round(mape(pred, y_ms[held], None if weights is None else weights[held]), 2)
-    final = fit_mlp(x, roofline_ms, y_ms, groups, full, (), progress=progress, desc=desc, n_mono=n_mono,
+    final = fit_mlp(x, roofline_ms, y_ms, groups, cfg, (), progress=progress, desc=desc, n_mono=n_mono,
                     weights=weights)
     final.val_groups = tuple(scores)
     return final, scores
