@@ -607,6 +607,11 @@ def test_early_stopping_flag_reaches_the_fit_and_is_deterministic(small_df, smal
                           val_devices=("logo",))
     full = Predictor(cfg).fit(small_df)
     assert set(full.metrics_["linear"]["leave_one_gpu_out_mape"]) == {"p4", "t4"}
+    assert full.config.families["linear"].early_stopping is False
     d = small_df[(small_df["device"] == "t4") & (small_df["family"] == "linear")]
+    # the flag changes the linear fit (three epochs whatever the folds say), not the elementwise one
+    assert not np.array_equal(full.predict(d, "t4")["latency_ms"], small_fit.predict(d, "t4")["latency_ms"])
+    e = small_df[(small_df["device"] == "t4") & (small_df["family"] == "elementwise")]
+    pd.testing.assert_frame_equal(full.predict(e, "t4"), small_fit.predict(e, "t4"), check_exact=True)
     pd.testing.assert_frame_equal(full.predict(d, "t4"), Predictor(cfg).fit(small_df).predict(d, "t4"),
                                   check_exact=True)
