@@ -55,8 +55,11 @@ def fit_mlp(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np
             n_mono: int | None = None, weights: np.ndarray | None = None) -> FitResult:
     """Fit one family's MLP (the first ``n_mono`` columns of ``x`` are work features, the first of them
     log2 roofline). Rows of ``val_groups`` (whole GPUs) are held out for early stopping; with ``refit_all``
-    the model is then refitted on all rows for the chosen number of epochs. ``weights`` (per row, e.g.
-    :func:`size_weights`) weight both the training loss and the early-stopping MAPE."""
+    the model is then refitted on all rows for the chosen number of epochs. Without ``cfg.early_stopping``
+    every epoch runs and the refit runs the whole schedule; with ``refit_all=False`` the state kept is still
+    the epoch that scored best on the held-out rows (callers wanting a blind fit pass no ``val_groups``, as
+    :func:`fit_mlp_logo` does). ``weights`` (per row, e.g. :func:`size_weights`) weight both the training loss
+    and the early-stopping MAPE."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     val = np.isin(groups, list(val_groups))
