@@ -71,8 +71,8 @@ def main() -> None:
         "", "## Per family", "",
         "| family | rows | schedule | epoch kept | fit time (s) | share of fit time |",
         "| --- | ---: | --- | ---: | ---: | ---: |"]
-    configs = {fam: manifest.get("families", {}).get(fam, {}).get("config", {}) for fam in metrics}
-    stops = {fam: cfg.get("early_stopping", True) for fam, cfg in configs.items()}
+    stops = {fam: manifest.get("families", {}).get(fam, {}).get("config", {}).get("early_stopping", True)
+             for fam in metrics}
     for fam, m in sorted(metrics.items()):
         how = "LOGO early stopping" if stops[fam] else "whole schedule (lowest training MAPE kept)"
         lines.append(f"| {fam} | {m['rows']} | {how} | {m['best_epoch'] + 1} | {m['fit_s']:.0f} | "
