@@ -68,7 +68,8 @@ from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tile
 # Winograd ones rise by 0.06, the others are unchanged) moves the CNN rows the same way: DeepLearningExamples
 # 10.3 -> 10.1 %, Lambda V100 2.7 -> 1.9 %, Lambda's unseen Turing cards 10.3 -> 9.5 %, ResNet-50 inference /
 # training 3.8 / 6.0 -> 2.8 / 5.4 %; transformer labels have no convolutions. Shipped 2026-11-25 (session 12;
-# conf/predictor/default.yaml conv size_weight: 0.5) with the documents it changes regenerated.
+# conf/predictor/default.yaml conv size_weight: 0.5) with the documents it changes regenerated; with that loss,
+# compute capability + board power score 34.2 against 33.2 without (docs/features.md, seed 0): still none.
 GEMM_WORK = ("log2_roofline", "log2_batch", "log2_m", "log2_reduction", "log2_k", "log2_waves_ref",
              "log2_intensity_ratio", "log2_bytes_over_l2")
 GEMM_DEVICE = ("compute_capability", "log2_tdp", "log2_algo_speedup")
