@@ -17,10 +17,11 @@ the large-shape files it is evaluated on):
 2. Plateau rate per file. The median rate (TFLOP/s or GB/s) of those rows in the sweep file and in the
    large-shape file of the same GPU. A model trained on one GPU's sweep cannot match that GPU's large-shape
    file better than the two files agree with each other.
-3. Real models' GEMMs. The labels' per-operator CSVs time each `addmm` of the GPT-2-style models (their
-   Conv1D projections) on its own. Each is compared with the median rate of its NEAREST (3) nearest linear
-   rows (L1 distance in log2 M, N, K) in the same GPU's sweep and large-shape files: where the ratio is far
-   from 1, a model's GEMMs do not run at the rate the kernel files show for shapes like them.
+3. Real models' GEMMs. The labels' per-operator CSVs time each node of the model on its own: the `addmm`s
+   of the GPT-2-style models (their Conv1D projections, linear) and the attention `matmul`s (bmm). Each is
+   compared with the median rate of its NEAREST (3) nearest rows of the same family (L1 distance in log2
+   B, M, N, K) in the same GPU's sweep and large-shape files: where the ratio is far from 1, a model's GEMMs
+   do not run at the rate the kernel files show for shapes like them.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ def plateau_table(q: pd.DataFrame) -> pd.DataFrame:
 
 
 def model_gemms() -> pd.DataFrame:
-    """Every distinct addmm shape (M, N, K) of the NVIDIA inference labels' per-operator CSVs, per GPU, with
-    its median measured rate (TFLOP/s)."""
+    """Every distinct GEMM shape of the NVIDIA inference labels' per-operator CSVs, per GPU, with its median
+    measured rate (TFLOP/s): `addmm` nodes as linear (M, N, K; B = 1) and 4-d `matmul` nodes (attention) as bmm
+    (B = batch x heads)."""
     from neusight.evaluate import find_labels
 
     rows = []
@@ -100,28 +102,36 @@ def model_gemms() -> pd.DataFrame:
         if run.mode != "inference" or not csv.is_file() or csv.stat().st_size == 0:
             continue
         df = pd.read_csv(csv)
-        for _, r in df[df["Name"].astype(str).str.fullmatch(r"addmm(_\d+)?")].iterrows():
+        col = "latency" if "latency" in df else "fw_latency"          # some CSVs only have fw_latency
+        for _, r in df[df["Name"].astype(str).str.fullmatch(r"(addmm|matmul)(_\d+)?")].iterrows():
             shapes = ast.literal_eval(str(r["input_shapes"]))
-            if len(shapes) != 3 or len(shapes[1]) != 2 or len(shapes[2]) != 2 or not r["latency"] > 0:
+            if not r[col] > 0:
                 continue
-            (m, k), n = shapes[1], shapes[2][1]
-            rows.append((run.device, m, n, k, 2 * m * n * k / float(r["latency"]) / 1e9))
-    g = pd.DataFrame(rows, columns=["device", "M", "N", "K", "rate"])
-    return g.groupby(["device", "M", "N", "K"], as_index=False)["rate"].median()
+            if len(shapes) == 3 and len(shapes[1]) == 2 and len(shapes[2]) == 2:         # addmm(bias, x, W)
+                (m, k), n, b, family = shapes[1], shapes[2][1], 1, "linear"
+            elif len(shapes) == 2 and len(shapes[0]) == 4 and len(shapes[1]) == 4:     # (b, h, m, k) @ (b, h, k, n)
+                (b0, h, m, k), n, family = shapes[0], shapes[1][3], "bmm"
+                b = b0 * h
+            else:
+                continue
+            rows.append((family, run.device, b, m, n, k, 2 * b * m * n * k / float(r[col]) / 1e9))
+    g = pd.DataFrame(rows, columns=["family", "device", "B", "M", "N", "K", "rate"])
+    return g.groupby(["family", "device", "B", "M", "N", "K"], as_index=False)["rate"].median()
 
 
-def gemm_agreement(gemms: pd.DataFrame, linear: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per GPU: the real-model GEMMs' rate over the median rate of their NEAREST nearest rows in each file."""
+def gemm_agreement(gemms: pd.DataFrame, files: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per family and GPU: the real-model GEMMs' rate over the median rate of their NEAREST nearest rows of the
+    same family in each file (log2 B, M, N, K)."""
     out = []
-    for dev, g in gemms.groupby("device"):
-        x = np.log2(g[["M", "N", "K"]].to_numpy(float))
-        row = {"GPU": dev, "model GEMM shapes": str(len(g)), "model rate": float(g["rate"].median())}
-        for name, lin in linear.items():
-            f = lin[lin["device"] == dev]
+    for (family, dev), g in gemms.groupby(["family", "device"]):
+        x = np.log2(g[["B", "M", "N", "K"]].to_numpy(float))
+        row = {"family": family, "GPU": dev, "model shapes": str(len(g)), "model rate": float(g["rate"].median())}
+        for name, frame in files.items():
+            f = frame[(frame["family"] == family) & (frame["device"] == dev)]
             if f.empty:
                 row[f"{name} ratio"] = row[f"{name} range"] = row[f"{name} distance"] = "-"
                 continue
-            fx = np.log2(f[["M", "N", "K"]].to_numpy(float))
+            fx = np.log2(f[["B", "M", "N", "K"]].to_numpy(float))
             rate = (f["flops"] / f["latency_ms"] / 1e9).to_numpy()
             dist = np.abs(x[:, None, :] - fx[None, :, :]).sum(-1)
             near = np.argsort(dist, axis=1)[:, :NEAREST]
@@ -144,11 +154,11 @@ def md(df: pd.DataFrame, floats: str = "{:.1f}") -> str:
 
 def main() -> None:
     t0 = time.time()
-    frames, linear = [], {}
+    frames, gemm_rows = [], {}
     for name, path in FILES.items():
         f = load_kernel_traces(path)
         frames.append(steady(f).assign(file=name))
-        linear[name] = f[f["family"] == "linear"]
+        gemm_rows[name] = f[f["family"].isin(list(GEMM))]
     q = pd.concat(frames, ignore_index=True)
     oracle = oracle_table(in_series(q))
     wide = oracle.pivot_table(index=["family", "device"], columns="file", values=["rows", "mape", "p90"])
@@ -165,7 +175,7 @@ def main() -> None:
     plateau = plateau_table(q)
     plateau_md = md(plateau.rename(columns={"device": "GPU", "sweep": "sweep rate", "large": "large-shape rate"}),
                     floats="{:.2f}")
-    agreement_md = md(gemm_agreement(model_gemms(), linear), floats="{:.1f}")
+    agreement_md = md(gemm_agreement(model_gemms(), gemm_rows), floats="{:.1f}")
     text = f"""# How consistent are the kernel measurements?
 
 Generated by `python scripts/bench_noise.py` (no predictor involved); regenerate it, do not edit it.
@@ -196,12 +206,12 @@ rate, it misses the large-shape file by about that ratio.
 ## 3. Real models' GEMMs: do they run at the kernel files' rate?
 
 The per-operator CSVs next to the NVIDIA inference labels (`../shared/datasets/neusight-asplos25/labels`) time
-each node of the model on its own; their `addmm` nodes are the GPT-2-style models' projections (GPT-2 Large,
-GPT-3 XL and 2.7B; BERT and OPT use nn.Linear modules, whose rows carry no weight shape, and are left out). For
-each distinct (M, N, K) per GPU: its measured rate (TFLOP/s, "model rate" is their median) over the median rate
-of the {NEAREST} linear rows of the same GPU nearest to it (L1 distance in log2 M, N, K; "distance" is the median
-over shapes of the farthest of the {NEAREST}) in the sweep file and in the large-shape file. Ratio = median over
-shapes. Above 1: the model's GEMMs run faster than the kernel files' rows of similar shape, so a predictor that
+each node of the model on its own. linear: their `addmm` nodes, the GPT-2-style models' projections (GPT-2
+Large, GPT-3 XL and 2.7B; BERT and OPT use nn.Linear modules, whose rows carry no weight shape, and are left
+out); bmm: the 4-d attention `matmul` nodes (batch x heads as B). For each distinct shape per GPU: its
+measured rate (TFLOP/s, "model rate" is their median) over the median rate of the {NEAREST} rows of the same
+family and GPU nearest to it (L1 distance in log2 B, M, N, K; "distance" is the median over shapes of the
+farthest of the {NEAREST}) in the sweep file and in the large-shape file. Ratio = median over shapes. Above 1: the model's GEMMs run faster than the kernel files' rows of similar shape, so a predictor that
 matches the files forecasts that GPU's models too slow.
 
 {agreement_md}
