@@ -28,6 +28,7 @@ from bench_noise import FILES, md, model_gemms  # noqa: E402
 
 from neusight.api import load_predictor  # noqa: E402
 from neusight.dataset import load_kernel_traces  # noqa: E402
+from neusight.util import atomic_write_text  # noqa: E402
 
 OUT = REPO / "docs" / "layout.md"
 LAYOUT_RE = re.compile(r"_(nn|nt|tn|tt)(?:_|>|$)")
@@ -87,9 +88,7 @@ against its measured time. MAPE in %; time-weighted = sum predicted / sum measur
 
 {errors_md}
 """
-    tmp = OUT.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(OUT)
+    atomic_write_text(OUT, text)
     print(text)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from neusight.dataset import load_kernel_traces
+from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO.parent / "shared" / "datasets" / "neusight-asplos25" / "kernels"
@@ -216,9 +217,7 @@ matches the files forecasts that GPU's models too slow.
 
 {agreement_md}
 """
-    tmp = OUT.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(OUT)
+    atomic_write_text(OUT, text)
     print(text)
 
 
