@@ -93,8 +93,9 @@ def plateau_table(q: pd.DataFrame) -> pd.DataFrame:
 
 def model_gemms() -> pd.DataFrame:
     """Every distinct GEMM shape of the NVIDIA inference labels' per-operator CSVs, per GPU, with its median
-    measured rate (TFLOP/s): `addmm` nodes as linear (M, N, K; B = 1) and 4-d `matmul` nodes (attention) as bmm
-    (B = batch x heads)."""
+    measured rate (TFLOP/s): `addmm` nodes as linear (B = 1) and 4-d `matmul` nodes (attention) as bmm
+    (B = batch x heads). Dims follow the kernel files (neusight.kernels.formulas.gemm): (M x N) @ (N x K),
+    N the reduction."""
     from neusight.evaluate import find_labels
 
     rows = []
@@ -109,9 +110,9 @@ def model_gemms() -> pd.DataFrame:
             if not r[col] > 0:
                 continue
             if len(shapes) == 3 and len(shapes[1]) == 2 and len(shapes[2]) == 2:         # addmm(bias, x, W)
-                (m, k), n, b, family = shapes[1], shapes[2][1], 1, "linear"
-            elif len(shapes) == 2 and len(shapes[0]) == 4 and len(shapes[1]) == 4:     # (b, h, m, k) @ (b, h, k, n)
-                (b0, h, m, k), n, family = shapes[0], shapes[1][3], "bmm"
+                (m, n), k, b, family = shapes[1], shapes[2][1], 1, "linear"
+            elif len(shapes) == 2 and len(shapes[0]) == 4 and len(shapes[1]) == 4:     # (b, h, m, n) @ (b, h, n, k)
+                (b0, h, m, n), k, family = shapes[0], shapes[1][3], "bmm"
                 b = b0 * h
             else:
                 continue
@@ -212,8 +213,9 @@ Large, GPT-3 XL and 2.7B; BERT and OPT use nn.Linear modules, whose rows carry n
 out); bmm: the 4-d attention `matmul` nodes (batch x heads as B). For each distinct shape per GPU: its
 measured rate (TFLOP/s, "model rate" is their median) over the median rate of the {NEAREST} rows of the same
 family and GPU nearest to it (L1 distance in log2 B, M, N, K; "distance" is the median over shapes of the
-farthest of the {NEAREST}) in the sweep file and in the large-shape file. Ratio = median over shapes. Above 1: the model's GEMMs run faster than the kernel files' rows of similar shape, so a predictor that
-matches the files forecasts that GPU's models too slow.
+farthest of the {NEAREST}) in the sweep file and in the large-shape file. Ratio = median over shapes. Above 1:
+the model's GEMMs run faster than the kernel files' rows of similar shape, so a predictor that matches the
+files forecasts that GPU's models too slow.
 
 {agreement_md}
 """
