@@ -432,6 +432,42 @@ def test_checkpoint_weights_of_wrong_shape(ckpt):
         Predictor.load(ckpt)
 
 
+@pytest.mark.parametrize("value", [{"xy": "bmm"}, {"nn": "softmax"}, ["nn"]])
+def test_checkpoint_unknown_layout_routing(ckpt, value):
+    _edit_manifest(ckpt, lambda m: m.update(layout_models=value))
+    with pytest.raises(CheckpointError, match="layout_models"):
+        Predictor.load(ckpt)
+
+
+def _gemm_rows(kernels: list[str]) -> pd.DataFrame:
+    from neusight.kernels import formulas
+
+    k = formulas.gemm(1, 4096, 1280, 5120)
+    return pd.DataFrame({"family": "linear", "kernel": kernels, "B": 1, "M": 4096, "N": 1280, "K": 5120,
+                         "flops": k.flops, "bytes": k.bytes, "dtype": "float32"})
+
+
+def test_layout_routing_sends_only_its_layout_to_the_bmm_model(tmp_path):
+    names = ["addmm_nn", "mm_nt", "addmm_tn", "gemm"]
+    plain = Predictor.load()
+    pred = Predictor.load()
+    pred.layout_models_ = {"nn": "bmm"}
+    got = pred.predict(_gemm_rows(names), "t4")
+    base = plain.predict(_gemm_rows(names), "t4")
+    as_bmm = plain.predict(_gemm_rows(["gemm"]).assign(family="bmm"), "t4")
+    assert list(got["model_family"]) == ["bmm", "linear", "linear", "linear"]
+    assert set(base["model_family"]) == {"linear"} and base["latency_ms"].nunique() == 1
+    assert got["latency_ms"].iloc[0] == pytest.approx(as_bmm["latency_ms"].iloc[0])
+    assert got["latency_ms"].iloc[0] != pytest.approx(base["latency_ms"].iloc[0])
+    assert (got["latency_ms"].iloc[1:].to_numpy() == base["latency_ms"].iloc[1:].to_numpy()).all()
+    assert (got["latency_ms"] >= got["roofline_ms"]).all() and np.isfinite(got["latency_ms"]).all()
+    # the routing is part of the checkpoint
+    pred.save(tmp_path / "routed")
+    again = Predictor.load(tmp_path / "routed")
+    assert again.layout_models_ == {"nn": "bmm"}
+    assert (again.predict(_gemm_rows(names), "t4")["latency_ms"] == got["latency_ms"]).all()
+
+
 # --- fit, save, load ----------------------------------------------------------------------------------
 
 TINY = MLPConfig(hidden=(8,), epochs=3, patience=2, batch_size=128)

@@ -75,6 +75,36 @@ def test_nn_module_with_input_shapes():
     assert sorted(lin["dims"]) == [(1, 8, 16, 32), (1, 8, 32, 4)]
 
 
+class _Conv1D(nn.Module):
+    """GPT-2's projection: x @ W with W stored (in, out), untransposed."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def test_gemm_kernels_carry_their_cublas_layout():
+    # cuBLAS (column-major) computes x @ b as b^T x^T: the suffix is b's transpose flag, then x's
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _Conv1D(32, 8))
+    k = neusight.trace(net, batch_size=4, mode="training", input_shapes=[(16,)], optimizer="sgd").kernels
+    gemm = k[k["family"] == "linear"]
+    got = sorted(zip(gemm["phase"], gemm["module"], gemm["kernel"], gemm["dims"]))
+    # the input needs no gradient, so the first layer has no input-gradient GEMM
+    assert got == [("backward", "0", "mm_nt", (1, 32, 4, 16)),     # nn.Linear's weight gradient dy^T @ x
+                   ("backward", "2", "mm_nt", (1, 32, 4, 8)),      # Conv1D's weight gradient x^T @ dy
+                   ("backward", "2", "mm_tn", (1, 4, 8, 32)),      # Conv1D's input gradient dy @ W^T
+                   ("forward", "0", "addmm_tn", (1, 4, 16, 32)),   # nn.Linear: x @ W^T
+                   ("forward", "2", "addmm_nn", (1, 4, 32, 8))]    # Conv1D: x @ W
+    # nn.Linear's input gradient dy @ W reads W as stored: nn
+    k2 = neusight.trace(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)), batch_size=4, mode="training",
+                        input_shapes=[(16,)], optimizer="sgd").kernels
+    assert set(k2.loc[(k2["phase"] == "backward") & (k2["module"] == "1"), "kernel"]) >= {"mm_nn", "mm_nt"}
+
+
 def test_sdpa_is_selectable():
     eager = neusight.trace("gpt2", batch_size=1, seq_len=64, attn_implementation="eager")
     sdpa = neusight.trace("gpt2", batch_size=1, seq_len=64, attn_implementation="sdpa")

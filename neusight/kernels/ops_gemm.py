@@ -14,11 +14,27 @@ from neusight.kernels.registry import register
 aten = torch.ops.aten
 
 
+def _col_major(t: TensorMeta) -> bool:
+    """A 2-D operand stored column-major (a transposed view, e.g. ``W.t()``): cuBLAS reads it as is, with
+    its transpose flag set, instead of copying it."""
+    rows, cols = t.shape
+    return len(t.stride) == 2 and cols > 1 and t.stride[0] == 1 and t.stride[1] >= max(rows, 1)
+
+
+def gemm_layout(a: TensorMeta, b: TensorMeta) -> str:
+    """cuBLAS's operand layout of ``a @ b`` (2-D, row-major PyTorch): ``"tn"``, ``"nn"``, ``"nt"`` or ``"tt"``,
+    the suffix of its kernel names. cuBLAS is column-major, so PyTorch computes C^T = b^T a^T: the first letter
+    is b's transpose flag, the second a's. nn.Linear's forward (x @ W^T) is ``tn``, its input gradient
+    (dy @ W) ``nn``, its weight gradient (dy^T @ x) ``nt``; a GPT-2 Conv1D forward (x @ W) is ``nn``."""
+    return ("t" if _col_major(b) else "n") + ("t" if _col_major(a) else "n")
+
+
 @register(aten.mm)
 def _mm(c: OpCall) -> list[Kernel]:
     """(M x N) @ (N x K)."""
     a, b = c.args[0], c.args[1]
-    return [formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True, name="mm")]
+    return [formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True,
+                          name=f"mm_{gemm_layout(a, b)}")]
 
 
 @register(aten.addmm)
@@ -27,7 +43,7 @@ def _addmm(c: OpCall) -> list[Kernel]:
     bias, a, b = c.args[0], c.args[1], c.args[2]
     full_c = bias.numel == a.shape[0] * b.shape[1]
     return [formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True,
-                          bias=not full_c, beta_c=full_c, name="addmm")]
+                          bias=not full_c, beta_c=full_c, name=f"addmm_{gemm_layout(a, b)}")]
 
 
 @register(aten.bmm)
@@ -53,7 +69,7 @@ def _linear(c: OpCall) -> list[Kernel]:
     bias = c.args[2] if len(c.args) > 2 else c.kwargs.get("bias")
     m = math.prod(x.shape[:-1])
     return [formulas.gemm(1, m, x.shape[-1], w.shape[0], dtype=x.dtype, shared_b=True,
-                          bias=isinstance(bias, TensorMeta), name="linear")]
+                          bias=isinstance(bias, TensorMeta), name="linear_tn")]
 
 
 def _conv_params(c: OpCall, first: int) -> tuple:

@@ -117,6 +117,26 @@ def conv_as_gemm(df: pd.DataFrame) -> pd.Series:
     return conv & ~(fast & fwd)
 
 
+# cuBLAS names its GEMM kernels by operand layout (neusight.kernels.ops_gemm.gemm_layout; a traced model's
+# mm / addmm kernels carry it as a name suffix: addmm_nn, mm_nt, ...). The linear sweeps time nn.Linear forwards
+# (`_tn` kernels only), the bmm sweeps torch.bmm of contiguous operands (`_nn`). A predictor may send the 2-D
+# GEMMs of a layout to another GEMM model ({"nn": "bmm"}: the model whose sweep ran that layout, with B = 1).
+# The shipped one routes none: scripts/bench_layout.py measures why (docs/layout.md).
+LAYOUTS = ("nn", "nt", "tn", "tt")
+
+
+def layout_model(df: pd.DataFrame, layout_models: dict[str, str] | None) -> pd.Series:
+    """The model family of each linear row whose kernel name ends in a layout of ``layout_models``; NaN
+    elsewhere."""
+    out = pd.Series(np.nan, index=df.index, dtype=object)
+    if not layout_models or "kernel" not in df:
+        return out
+    suffix = df["kernel"].astype(str).str.extract(r"_(nn|nt|tn|tt)$")[0]
+    routed = (df["family"] == Family.LINEAR.value) & suffix.isin(list(layout_models))
+    out[routed] = suffix[routed].map(layout_models)
+    return out
+
+
 def _winograd_capable(df: pd.DataFrame) -> pd.Series:
     """Rows whose fast algorithm needs fewer FLOPs than the direct one (3x3 stride-1 convolutions)."""
     return df["flops"] > df["algo_flops"].fillna(df["flops"]) * 1.0001
@@ -164,7 +184,8 @@ def conv_backward_class(df: pd.DataFrame) -> pd.Series:
     return out
 
 
-def decompose(df: pd.DataFrame, device: Device, table: TileTable) -> pd.DataFrame:
+def decompose(df: pd.DataFrame, device: Device, table: TileTable,
+              layout_models: dict[str, str] | None = None) -> pd.DataFrame:
     """Tiles, waves, roofline and features of every row of ``df`` on ``device``.
 
     ``df`` needs ``family, B, M, N, K, rows, cols, flops, bytes, dtype`` (and ``algo_flops``, ``kernel`` for
@@ -175,6 +196,8 @@ def decompose(df: pd.DataFrame, device: Device, table: TileTable) -> pd.DataFram
     out = pd.DataFrame(index=df.index)
     out["model_family"] = df["family"].map(model_family)
     out.loc[conv_as_gemm(df), "model_family"] = Family.LINEAR.value
+    routed = layout_model(df, layout_models)
+    out.loc[routed.notna(), "model_family"] = routed[routed.notna()]
     parts = []
     for fam, d in df.groupby(out["model_family"], sort=False):
         parts.append(_gemm(d, fam, device, table) if fam in GEMM_FAMILIES else _rows(d, fam, device, table))

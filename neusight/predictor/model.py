@@ -19,8 +19,9 @@ import torch
 
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
-from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES, MODEL_FAMILIES,
-                                         conv_backward_class, decompose, feature_names, n_work_features)
+from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES, LAYOUTS,
+                                         MODEL_FAMILIES, conv_backward_class, decompose, feature_names,
+                                         n_work_features)
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP
 from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
@@ -62,6 +63,9 @@ class Predictor:
         # class (CONV_BACKWARD_CLASSES) -> how much longer cuDNN's convolution-gradient kernels work than the
         # GEMM model predicts for their shape; fitted by neusight.conv_backward, {} = none
         self.conv_backward_: dict[str, float] = {}
+        # cuBLAS operand layout (ops_gemm.gemm_layout) -> the GEMM model that predicts 2-D GEMMs of that layout
+        # (features.layout_model); {} = every 2-D GEMM by the linear model
+        self.layout_models_: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------ fit
     def fit(self, df: pd.DataFrame, *, progress: bool = False, resume_dir: str | os.PathLike | None = None) -> "Predictor":
@@ -142,11 +146,11 @@ class Predictor:
         work = df.reindex(columns=keys).copy()
         work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
         work["kernel"] = work["kernel"].astype(object).where(work["kernel"].notna(), "conv_fwd")
-        work["kernel"] = work["kernel"].where(work["family"] == "conv", "")
+        work["kernel"] = work["kernel"].where(work["family"].isin(["conv", "linear"]), "")
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
         uniq = work.drop_duplicates().reset_index(drop=True)
-        dec = decompose(uniq.replace({-1.0: np.nan}), device, self.table_)
+        dec = decompose(uniq.replace({-1.0: np.nan}), device, self.table_, self.layout_models_)
         out = dec[["model_family", "tile_m", "tile_n", "elems_per_block", "threads_per_block", "tiles", "waves",
                    "bound", "roofline_ms"]].copy()
         out["utilization"] = np.nan
@@ -219,6 +223,7 @@ class Predictor:
                 "e2e_scale": float(getattr(self, "e2e_scale_", 1.0)),
                 "e2e_floor": float(getattr(self, "e2e_floor_", 1.0)),
                 "conv_backward_factors": dict(sorted(getattr(self, "conv_backward_", {}).items())),
+                "layout_models": dict(sorted(getattr(self, "layout_models_", {}).items())),
                 "torch_version": torch.__version__,
                 **(manifest_extra or {}),
             }
@@ -290,6 +295,7 @@ class Predictor:
             raise CheckpointError(f"{path}/manifest.json: e2e_floor={pred.e2e_floor_} is not a fraction of the launch "
                                   f"overhead (0-1); regenerate the checkpoint with `neusight-train`")
         pred.conv_backward_ = _conv_backward_factors(manifest.get("conv_backward_factors") or {}, path)
+        pred.layout_models_ = check_layout_models(manifest.get("layout_models") or {}, f"{path}/manifest.json")
         return pred
 
 
@@ -349,6 +355,17 @@ def _conv_backward_factors(raw: Any, path: Path) -> dict[str, float]:
                                   f"factor ({lo:g}-{hi:g}); regenerate the checkpoint with `neusight-train`")
         out[name] = f
     return out
+
+
+def check_layout_models(raw: Any, where: str) -> dict[str, str]:
+    """A layout -> GEMM model mapping (Predictor.layout_models_), checked: known layouts and families."""
+    fix = "use layouts among " + ", ".join(LAYOUTS) + " and models among " + ", ".join(GEMM_FAMILIES[:2])
+    if not isinstance(raw, Mapping):
+        raise CheckpointError(f"{where}: layout_models={raw!r} is not a mapping of layout to GEMM model; {fix}")
+    for layout, fam in raw.items():
+        if layout not in LAYOUTS or fam not in GEMM_FAMILIES[:2]:
+            raise CheckpointError(f"{where}: layout_models[{layout!r}]={fam!r} is not a known layout and GEMM model; {fix}")
+    return {str(k): str(v) for k, v in raw.items()}
 
 
 def _code_fingerprint() -> str:
