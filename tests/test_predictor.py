@@ -33,8 +33,10 @@ from neusight.api import predict_kernel_table
 from neusight.dataset import kernel_frame, load_kernel_traces
 from neusight.errors import CheckpointError, DataError, DeviceError, NeuSightError
 from neusight.devices import load_device
+from neusight.predictor.features import feature_names
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP, log_excess_rowwise
 from neusight.predictor.model import SHIPPED, Predictor, PredictorConfig
+from neusight.predictor.train import predict_mlp
 from neusight.tiles import device_rates, gemm_tiles
 
 from .conftest import DATASET, need_shared
@@ -495,6 +497,47 @@ def test_small_fit_predicts_within_the_laws(small_fit, small_df):
     for dev, d in small_df.groupby("device"):
         out = small_fit.predict(d, dev)
         assert (np.isfinite(out["latency_ms"]) & (out["latency_ms"] >= out["roofline_ms"])).all()
+
+
+def test_ensemble_fit_averages_its_members_and_round_trips(small_df, tmp_path):
+    from neusight.predictor.mlp import MLPEnsemble
+
+    cfg = PredictorConfig(families={"linear": replace(TINY, ensemble=3), "elementwise": TINY}, val_devices=("logo",))
+    pred = Predictor(cfg).fit(small_df)
+    ens = pred.models_["linear"]
+    assert isinstance(ens, MLPEnsemble) and len(ens.members) == 3
+    assert len(pred.metrics_["linear"]["ensemble_best_epochs"]) == 3
+    d = small_df[(small_df["family"] == "linear") & (small_df["device"] == "t4")]
+    design = pred._design(d, {"t4": load_device("t4")})
+    x = design[list(feature_names("linear"))].to_numpy(float)
+    roof = design["roofline_ms"].to_numpy(float)
+    members = np.array([predict_mlp(m, x, roof)[0] for m in ens.members])
+    assert len({tuple(np.round(m, 9)) for m in members}) == 3            # the seeds differ
+    got, util = predict_mlp(ens, x, roof)
+    np.testing.assert_allclose(got, np.exp(np.log(members).mean(0)), rtol=1e-12)
+    assert (got >= roof).all() and ((util > 0) & (util <= 1)).all()
+    assert (members.min(0) <= got + 1e-12).all() and (got <= members.max(0) + 1e-12).all()
+    out = pred.predict(d, "t4")
+    np.testing.assert_allclose(out["latency_ms"].to_numpy(float), got, rtol=1e-9)
+    pred.save(tmp_path / "ens")
+    again = Predictor.load(tmp_path / "ens")
+    assert again.config.families["linear"].ensemble == 3
+    np.testing.assert_array_equal(again.predict(d, "t4")["latency_ms"].to_numpy(), out["latency_ms"].to_numpy())
+    # a manifest that claims another ensemble size than its weights hold is refused
+    _edit_manifest(tmp_path / "ens", lambda m: m["families"]["linear"]["config"].update(ensemble=2))
+    with pytest.raises(CheckpointError, match="weights of family 'linear' do not fit"):
+        Predictor.load(tmp_path / "ens")
+    _edit_manifest(tmp_path / "ens", lambda m: m["families"]["linear"]["config"].update(ensemble=0))
+    with pytest.raises(CheckpointError, match="ensemble=0"):
+        Predictor.load(tmp_path / "ens")
+
+
+def test_ensemble_needs_leave_one_gpu_out(small_df):
+    cfg = PredictorConfig(families={"linear": replace(TINY, ensemble=2), "elementwise": TINY}, val_devices=("t4",))
+    with pytest.raises(ValueError, match="ensemble=2 needs val_devices"):
+        Predictor(cfg).fit(small_df)
+    with pytest.raises(ValueError, match="ensemble=0"):
+        replace(TINY, ensemble=0)
 
 
 def test_fit_is_deterministic(small_fit, small_df):

@@ -50,7 +50,14 @@ class MLPConfig:
     # 0 = every row counts the same. The sweeps are mostly small kernels; the kernels that make up a model's
     # time run hundreds of waves, so a positive power leans the fit towards them (neusight.predictor.train).
     size_weight: float = 0.0
+    # Fits with seeds seed, seed + 1, ... whose forecasts are averaged (geometric mean of their latencies; each
+    # fit trained as a single one is). 1 = one fit. docs/ensemble.md measures what it buys on unseen GPUs.
+    ensemble: int = 1
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ensemble, int) or isinstance(self.ensemble, bool) or self.ensemble < 1:
+            raise ValueError(f"ensemble={self.ensemble!r}: the number of fits to average must be an integer >= 1")
 
 
 GAIN_LOG2_RANGE = 2.0   # device gains lie in [2^-2, 2^2]
@@ -233,3 +240,29 @@ def _log_excess_rowwise(p: dict, x: np.ndarray, chunk: int = 2048) -> np.ndarray
         q = q + b_o[0] + dot(zm, p["skip"])[:, 0]
         out[s:s + chunk] = q + (raw[:, 0] - xc[:, 0]) * LN2
     return out
+
+
+class MLPEnsemble(nn.Module):
+    """Fits of one family's :class:`UtilizationMLP` that differ only in their seed. A kernel's latency is the
+    geometric mean of theirs (neusight.predictor.train.predict_mlp): each member is at least the roofline and
+    non-decreasing in the work features, so their geometric mean is too."""
+
+    def __init__(self, members: list[UtilizationMLP]) -> None:
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one fitted model")
+        self.members = nn.ModuleList(members)
+
+    @property
+    def overhead_ms(self) -> torch.Tensor:
+        """The members' mean launch overhead."""
+        return torch.stack([m.overhead_ms.reshape(()) for m in self.members]).mean().reshape(1)
+
+
+def build_model(n_features: int, cfg: MLPConfig, n_mono: int | None) -> nn.Module:
+    """An untrained model of ``cfg``'s shape, to load saved weights into: one UtilizationMLP, or an
+    MLPEnsemble of ``cfg.ensemble`` of them."""
+    def make() -> UtilizationMLP:
+        return UtilizationMLP(n_features, tuple(cfg.hidden), cfg.dropout, cfg.init_overhead_ms, n_mono=n_mono)
+
+    return make() if cfg.ensemble == 1 else MLPEnsemble([make() for _ in range(cfg.ensemble)])

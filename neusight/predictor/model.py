@@ -22,8 +22,8 @@ from neusight.errors import CheckpointError
 from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES, LAYOUTS,
                                          MODEL_FAMILIES, conv_backward_class, decompose, feature_names,
                                          n_work_features)
-from neusight.predictor.mlp import MLPConfig, UtilizationMLP
-from neusight.predictor.train import FitResult, fit_mlp, fit_mlp_logo, mape, predict_mlp, size_weights
+from neusight.predictor.mlp import MLPConfig, MLPEnsemble, UtilizationMLP, build_model
+from neusight.predictor.train import FitResult, fit_ensemble_logo, fit_mlp, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
 from neusight.tiles import GEMM_FAMILIES
 
@@ -78,7 +78,7 @@ class Predictor:
         devices = {k: load_device(k) for k in df["device"].unique()}
         self.table_ = TileTable.fit(df, devices)
         design = self._design(df, devices)
-        self.models_: dict[str, UtilizationMLP] = {}
+        self.models_: dict[str, UtilizationMLP | MLPEnsemble] = {}
         self.fits_: dict[str, FitResult] = {}
         self.metrics_: dict[str, dict] = {}
         for fam, cfg in self.config.families.items():
@@ -99,8 +99,11 @@ class Predictor:
                         d["device"].to_numpy(), cfg)
                 weights = size_weights(d["log2_waves_ref"].to_numpy(float), cfg.size_weight)
                 if self.config.val_devices == ("logo",):
-                    res, logo = fit_mlp_logo(*args, progress=progress, desc=fam, n_mono=n_work_features(fam),
-                                             weights=weights)
+                    res, logo = fit_ensemble_logo(*args, progress=progress, desc=fam, n_mono=n_work_features(fam),
+                                                  weights=weights)
+                elif cfg.ensemble > 1:
+                    raise ValueError(f"family {fam}: ensemble={cfg.ensemble} needs val_devices=[logo] (each member "
+                                     f"is fitted as neusight-train fits one)")
                 else:
                     res, logo = fit_mlp(*args, val, progress=progress, desc=fam, n_mono=n_work_features(fam),
                                         weights=weights), {}
@@ -115,6 +118,9 @@ class Predictor:
                        for dev in sorted(set(d["device"]))}
             self.metrics_[fam] = {"rows": int(native.sum()), "borrowed_rows": int((~native).sum()),
                                   "best_epoch": res.best_epoch, "val_devices": list(res.val_groups),
+                                  **({"ensemble_best_epochs": list(res.member_epochs),
+                                      "leave_one_gpu_out_of": "the mean of the ensemble's fits"}
+                                     if res.member_epochs else {}),
                                   "leave_one_gpu_out_mape": logo,
                                   **({"loss_weight": f"waves^{cfg.size_weight:g} (the leave-one-GPU-out MAPE is "
                                                      f"weighted the same way)"} if cfg.size_weight else {}),
@@ -272,7 +278,7 @@ class Predictor:
                 raise CheckpointError(f"{path}: family {fam!r} was trained on features {spec.get('features')} "
                                       f"({len(spec.get('features') or [])}), this code computes {expected} "
                                       f"({len(expected)}); retrain with `neusight-train`")
-            model = UtilizationMLP(len(expected), tuple(spec["hidden"]), n_mono=n_work_features(fam))
+            model = build_model(len(expected), pred.config.families[fam], n_work_features(fam))
             state = {k.split(".", 1)[1]: v for k, v in weights.items() if k.split(".", 1)[0] == fam}
             try:
                 model.load_state_dict(state)
@@ -307,7 +313,7 @@ def _saved_config(manifest: dict, path: Path) -> PredictorConfig:
         raw["hidden"] = tuple(spec.get("hidden") or raw.get("hidden") or MLPConfig().hidden)
         try:
             families[fam] = MLPConfig(**raw)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise CheckpointError(f"{path}/manifest.json: family {fam!r} has a config this code cannot read ({e}); "
                                   f"regenerate the checkpoint with `neusight-train`") from None
     return PredictorConfig(families=families, val_devices=tuple(manifest.get("val_devices") or ("logo",)),
@@ -390,6 +396,7 @@ def _save_partial(resume_dir: str | os.PathLike | None, fam: str, feats: list[st
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".{fam}.pt.tmp"
     torch.save({"state": res.model.state_dict(), "best_epoch": torch.tensor(res.best_epoch),
+                "member_epochs": torch.tensor(res.member_epochs, dtype=torch.long),
                 "logo_devices": sorted(logo), "logo_mape": torch.tensor([logo[k] for k in sorted(logo)])}, tmp)
     os.replace(tmp, d / f"{fam}-{_partial_key(fam, feats, cfg)}.pt")
 
@@ -403,13 +410,14 @@ def _load_partial(resume_dir: str | os.PathLike | None, fam: str, feats: list[st
         return None, {}
     try:
         blob = torch.load(f, weights_only=True)
-        model = UtilizationMLP(len(feats), cfg.hidden, cfg.dropout, cfg.init_overhead_ms, n_mono=n_work_features(fam))
+        model = build_model(len(feats), cfg, n_work_features(fam))
         model.load_state_dict(blob["state"])
         logo = dict(zip(blob["logo_devices"], (float(v) for v in blob["logo_mape"])))
     except Exception:  # a half-written or stale partial: train this family again
         return None, {}
     model.eval()
-    return FitResult(model, [], int(blob["best_epoch"]), tuple(logo)), logo
+    epochs = tuple(int(e) for e in blob.get("member_epochs", torch.zeros(0, dtype=torch.long)))
+    return FitResult(model, [], int(blob["best_epoch"]), tuple(logo), epochs), logo
 
 
 def _sha256(path: Path) -> str:

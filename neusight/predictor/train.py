@@ -9,17 +9,18 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from neusight.predictor.mlp import MLPConfig, UtilizationMLP, log_excess_rowwise
+from neusight.predictor.mlp import MLPConfig, MLPEnsemble, UtilizationMLP, log_excess_rowwise
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class FitResult:
-    model: UtilizationMLP
+    model: UtilizationMLP | MLPEnsemble
     history: list[dict] = field(default_factory=list)
     best_epoch: int = 0
     val_groups: tuple[str, ...] = ()
+    member_epochs: tuple[int, ...] = ()     # an ensemble's: each member's best epoch
 
 
 SIZE_WEIGHT_MAX_WAVES = 1024.0
@@ -145,11 +146,37 @@ def predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -
         torch.set_num_threads(threads)
 
 
-def _predict_mlp(model: UtilizationMLP, x: np.ndarray, roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    p = model.numpy_params()
+def _predict_mlp(model: UtilizationMLP | MLPEnsemble, x: np.ndarray,
+                 roofline_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     roof = np.asarray(roofline_ms, dtype=np.float64)
+    if isinstance(model, MLPEnsemble):   # geometric mean of the members' latencies
+        lat = [_predict_mlp(m, x, roof)[0] for m in model.members]
+        out = np.exp(np.mean(np.log(lat), axis=0))
+        overhead = float(model.overhead_ms.detach())
+        return out, roof / np.maximum(out - overhead, roof)
+    p = model.numpy_params()
     excess = np.exp(log_excess_rowwise(p, np.asarray(x, dtype=np.float64)))
     return roof + excess + p["overhead"], roof / (roof + excess)
+
+
+def fit_ensemble_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
+                      progress: bool = False, desc: str = "", n_mono: int | None = None,
+                      weights: np.ndarray | None = None) -> tuple[FitResult, dict[str, float]]:
+    """:func:`fit_mlp_logo` once per seed of ``cfg.ensemble`` (cfg.seed, cfg.seed + 1, ...). With one, exactly
+    fit_mlp_logo; else the result's model is their :class:`MLPEnsemble`, its best epoch the first member's and
+    its leave-one-GPU-out MAPE per GPU the members' mean (each member's own fold score)."""
+    if cfg.ensemble == 1:
+        return fit_mlp_logo(x, roofline_ms, y_ms, groups, cfg, progress, desc, n_mono, weights)
+    fits, scores = [], []
+    for i in range(cfg.ensemble):
+        res, logo = fit_mlp_logo(x, roofline_ms, y_ms, groups, replace(cfg, seed=cfg.seed + i, ensemble=1), progress,
+                                 f"{desc} #{i}" if desc else "", n_mono, weights)
+        fits.append(res)
+        scores.append(logo)
+    logo = {g: round(float(np.mean([s[g] for s in scores])), 2) for g in scores[0]}
+    first = fits[0]
+    return FitResult(MLPEnsemble([f.model for f in fits]), first.history, first.best_epoch, first.val_groups,
+                     tuple(f.best_epoch for f in fits)), logo
 
 
 def fit_mlp_logo(x: np.ndarray, roofline_ms: np.ndarray, y_ms: np.ndarray, groups: np.ndarray, cfg: MLPConfig,
