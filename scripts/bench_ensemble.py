@@ -1,7 +1,7 @@
 """Benchmark: would averaging a family's MLP over several fit seeds forecast unseen GPUs better? Writes
 docs/ensemble.md.
 
-    python scripts/bench_ensemble.py                          # linear, seeds 0-4 (~16 min on 2 cores)
+    python scripts/bench_ensemble.py                          # linear, seeds 0-4 (~18 min on 2 cores)
     python scripts/bench_ensemble.py --family bmm --seeds 0 1 2 --out /tmp/e.md
 
 Nested leave-one-GPU-out, trained exactly as `neusight-train` trains a family (neusight.predictor.train.

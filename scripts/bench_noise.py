@@ -91,19 +91,24 @@ def plateau_table(q: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
+def label_csvs(mode: str):
+    """(run, per-operator frame) of every NVIDIA label run of ``mode`` ("inference", "training") whose CSV is
+    not empty."""
+    from neusight.evaluate import find_labels
+
+    for run in find_labels(LABELS):
+        csv = Path(run.path).with_suffix(".csv")
+        if run.mode == mode and csv.is_file() and csv.stat().st_size > 0:
+            yield run, pd.read_csv(csv)
+
+
 def model_gemms() -> pd.DataFrame:
     """Every distinct GEMM shape of the NVIDIA inference labels' per-operator CSVs, per GPU, with its median
     measured rate (TFLOP/s): `addmm` nodes as linear (B = 1) and 4-d `matmul` nodes (attention) as bmm
     (B = batch x heads). Dims follow the kernel files (neusight.kernels.formulas.gemm): (M x N) @ (N x K),
     N the reduction."""
-    from neusight.evaluate import find_labels
-
     rows = []
-    for run in find_labels(LABELS):
-        csv = Path(run.path).with_suffix(".csv")
-        if run.mode != "inference" or not csv.is_file() or csv.stat().st_size == 0:
-            continue
-        df = pd.read_csv(csv)
+    for run, df in label_csvs("inference"):
         col = "latency" if "latency" in df else "fw_latency"          # some CSVs only have fw_latency
         for _, r in df[df["Name"].astype(str).str.fullmatch(r"(addmm|matmul)(_\d+)?")].iterrows():
             shapes = ast.literal_eval(str(r["input_shapes"]))

@@ -370,7 +370,8 @@ def check_layout_models(raw: Any, where: str) -> dict[str, str]:
         raise CheckpointError(f"{where}: layout_models={raw!r} is not a mapping of layout to GEMM model; {fix}")
     for layout, fam in raw.items():
         if layout not in LAYOUTS or fam not in GEMM_FAMILIES[:2]:
-            raise CheckpointError(f"{where}: layout_models[{layout!r}]={fam!r} is not a known layout and GEMM model; {fix}")
+            raise CheckpointError(f"{where}: layout_models[{layout!r}]={fam!r} is not a known layout and GEMM "
+                                  f"model; {fix}")
     return {str(k): str(v) for k, v in raw.items()}
 
 
