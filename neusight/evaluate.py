@@ -245,6 +245,14 @@ def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
     return {"scale": round(scale, 4), "floor": floor, "runs": len(parts), "devices": devs, "leave_one_gpu_out": logo}
 
 
+def calibrate(predictor, runs: list[LabelRun]) -> dict:
+    """Fit the end-to-end calibration (:func:`fit_e2e_scale`) on those of ``runs`` that ran on the predictor's
+    training GPUs and set it on the predictor, as ``neusight-train`` does. Returns the fit."""
+    cal = fit_e2e_scale([r for r in runs if r.device in set(predictor.train_devices_)], predictor)
+    predictor.e2e_scale_, predictor.e2e_floor_ = cal["scale"], cal["floor"]
+    return cal
+
+
 def _predict_parallel_label(run: LabelRun, predictor=None) -> dict:
     """A Megatron-LM run on several GPUs (global batch as in its name), forecast by neusight.parallel.
 

@@ -29,8 +29,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO.parent / "shared" / "datasets" / "neusight-asplos25" / "kernels"
-LARGE_FILES = {"linear": "linear.csv", "bmm": "bmm.csv", "softmax": "softmax.csv", "layernorm": "ln.csv",
-               "elementwise": "elem.csv"}
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_features import LARGE_FILES  # noqa: E402
+
 UNSEEN = "l4"
 
 
@@ -135,7 +137,7 @@ def md(table: pd.DataFrame) -> str:
 
 def end_to_end(fam: str, ensemble, cfg) -> pd.DataFrame:
     """Rows: the calibration and each (GPU, mode) of the labels; columns: shipped, with the ensemble."""
-    from neusight.evaluate import evaluate_labels, find_labels, fit_e2e_scale
+    from neusight.evaluate import calibrate, evaluate_labels, find_labels
     from neusight.predictor.model import Predictor
 
     runs = find_labels(REPO.parent / "shared" / "datasets" / "neusight-asplos25")
@@ -145,8 +147,7 @@ def end_to_end(fam: str, ensemble, cfg) -> pd.DataFrame:
         if name != "shipped":
             pred.models_[fam] = ensemble
             pred.config.families[fam] = cfg
-        cal = fit_e2e_scale([r for r in runs if r.device in set(pred.train_devices_)], pred)
-        pred.e2e_scale_, pred.e2e_floor_ = cal["scale"], cal["floor"]
+        cal = calibrate(pred, runs)
         held = {d: v["mean_abs_err_after"] for d, v in cal["leave_one_gpu_out"].items()}
         col = {"calibration: scale, floor": f"{cal['scale']:.3f}, {cal['floor']:.1f}",
                **{f"calibration leave-one-GPU-out: {d}": f"{v:.1f}" for d, v in sorted(held.items())}}

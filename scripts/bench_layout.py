@@ -133,7 +133,7 @@ ROUTINGS = {"none (shipped)": {}, "nn -> bmm": {"nn": "bmm"}, "nt -> bmm": {"nt"
 def routing_errors() -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per routing: the refitted end-to-end calibration and its leave-one-GPU-out error, and each GPU's mean
     (worst) absolute % error over the plain NVIDIA labels, inference and training apart."""
-    from neusight.evaluate import evaluate_labels, find_labels, fit_e2e_scale
+    from neusight.evaluate import calibrate, evaluate_labels, find_labels
     from neusight.predictor.model import Predictor
 
     runs = find_labels(LABELS)
@@ -141,8 +141,7 @@ def routing_errors() -> tuple[pd.DataFrame, pd.DataFrame]:
     for name, routing in ROUTINGS.items():
         pred = Predictor.load()                        # a fresh copy of the shipped predictor, not the cached one
         pred.layout_models_ = dict(routing)
-        cal = fit_e2e_scale([r for r in runs if r.device in set(pred.train_devices_)], pred)
-        pred.e2e_scale_, pred.e2e_floor_ = cal["scale"], cal["floor"]
+        cal = calibrate(pred, runs)
         held = [v["mean_abs_err_after"] for v in cal["leave_one_gpu_out"].values()]
         cal_rows.append({"routing": name, "scale": f"{cal['scale']:.3f}", "floor": f"{cal['floor']:.1f}",
                          "leave-one-GPU-out mean": float(np.mean(held)),

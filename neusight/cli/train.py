@@ -124,11 +124,9 @@ def _app(cfg: TrainConfig) -> float:
     pred = Predictor(pcfg).fit(df, progress=cfg.progress, resume_dir=resume_dir)
     calibration = None
     if cfg.calibrate.enabled:
-        from neusight.evaluate import find_labels, fit_e2e_scale
+        from neusight.evaluate import calibrate, find_labels
 
-        runs = [r for r in find_labels(cfg.calibrate.dataset, vendors=("nvidia", "amd")) if r.device in set(df["device"])]
-        calibration = fit_e2e_scale(runs, pred)
-        pred.e2e_scale_, pred.e2e_floor_ = calibration["scale"], calibration["floor"]
+        calibration = calibrate(pred, find_labels(cfg.calibrate.dataset, vendors=("nvidia", "amd")))
         log.info("end-to-end scale %.4f, launch floor %.2f x overhead, from %d label runs of %s; leave-one-GPU-out: %s",
                  calibration["scale"], calibration["floor"], calibration["runs"], calibration["devices"],
                  calibration["leave_one_gpu_out"])

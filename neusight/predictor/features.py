@@ -131,7 +131,7 @@ def layout_model(df: pd.DataFrame, layout_models: dict[str, str] | None) -> pd.S
     out = pd.Series(np.nan, index=df.index, dtype=object)
     if not layout_models or "kernel" not in df:
         return out
-    suffix = df["kernel"].astype(str).str.extract(r"_(nn|nt|tn|tt)$")[0]
+    suffix = df["kernel"].astype(str).str.extract(f"_({'|'.join(LAYOUTS)})$")[0]
     routed = (df["family"] == Family.LINEAR.value) & suffix.isin(list(layout_models))
     out[routed] = suffix[routed].map(layout_models)
     return out

@@ -152,7 +152,9 @@ class Predictor:
         work = df.reindex(columns=keys).copy()
         work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
         work["kernel"] = work["kernel"].astype(object).where(work["kernel"].notna(), "conv_fwd")
-        work["kernel"] = work["kernel"].where(work["family"].isin(["conv", "linear"]), "")
+        # names matter to convolutions (their kind) and, when this predictor routes layouts, to 2-D GEMMs
+        named = ["conv", "linear"] if self.layout_models_ else ["conv"]
+        work["kernel"] = work["kernel"].where(work["family"].isin(named), "")
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
         uniq = work.drop_duplicates().reset_index(drop=True)
