@@ -149,6 +149,80 @@ def per_gpu_summary(df: pd.DataFrame, trained_on: Sequence[str] = (),
 
 
 # ---------------------------------------------------------------------------------------------------------
+# GPU against GPU: what a user choosing hardware asks ("H100 or A100, and by how much?")
+
+LABEL_CONFIG = ("model", "mode", "seq", "batch")
+CNN_CONFIG = ("source_name", "model", "mode", "precision", "batch", "image_size", "measure", "version")
+# a pair whose measured speed-up is below this is a tie for "which GPU is faster"
+CLEAR_SPEEDUP = 1.1
+
+
+def speedup_frame(df: pd.DataFrame, config: Sequence[str] = LABEL_CONFIG, trained_on: Sequence[str] = ()) -> pd.DataFrame:
+    """Every pair of GPUs that ran the same configuration (the ``config`` columns present in ``df``): the
+    faster GPU's measured speed-up over the slower one, the forecast speed-up (NeuSight: ``predicted_ms``;
+    roofline: ``roofline_predicted_ms``) and its % error, (forecast / measured - 1) x 100. A per-GPU error
+    that is the same on both GPUs cancels here; what is left is what a comparison of the two gets wrong."""
+    keys = [c for c in config if c in df.columns]
+    cols = ["model", "mode", "fast_gpu", "slow_gpu", "measured_speedup", "predicted_speedup", "error_pct",
+            "roofline_speedup", "roofline_error_pct", "unseen_gpu"]
+    rows = []
+    for cfg, g in df.drop_duplicates([*keys, "gpu"]).groupby(keys, dropna=False, sort=True):
+        g = g.sort_values("measured_ms", ascending=False)    # slowest first
+        recs = g.to_dict("records")
+        for i, slow in enumerate(recs):
+            for fast in recs[i + 1:]:
+                m = slow["measured_ms"] / fast["measured_ms"]
+                p = slow["predicted_ms"] / fast["predicted_ms"]
+                r = slow["roofline_predicted_ms"] / fast["roofline_predicted_ms"]
+                rows.append({**dict(zip(keys, cfg if isinstance(cfg, tuple) else (cfg,))),
+                             "fast_gpu": fast["gpu"], "slow_gpu": slow["gpu"], "measured_speedup": m,
+                             "predicted_speedup": p, "error_pct": (p / m - 1) * 100,
+                             "roofline_speedup": r, "roofline_error_pct": (r / m - 1) * 100,
+                             "unseen_gpu": not (fast["gpu"] in trained_on and slow["gpu"] in trained_on)})
+    out = pd.DataFrame(rows, columns=list(dict.fromkeys([*keys, *cols])))
+    return out
+
+
+def speedup_summary(sp: pd.DataFrame) -> pd.DataFrame:
+    """Per mode and pair of GPUs (and per mode over all pairs): configurations, measured speed-up range, mean and
+    worst absolute % error of the forecast speed-up, the roofline's mean, and how often the forecast names the
+    faster GPU among the pairs whose measured speed-up is at least CLEAR_SPEEDUP."""
+    rows = []
+    if sp.empty:
+        return pd.DataFrame()
+
+    def row(mode, pair, g):
+        clear = g[g["measured_speedup"] >= CLEAR_SPEEDUP]
+        return {"mode": mode, "faster / slower GPU": pair, "configs": len(g),
+                "measured speed-up": f"{g['measured_speedup'].min():.2f}-{g['measured_speedup'].max():.2f}x"
+                if len(g) > 1 else f"{g['measured_speedup'].iloc[0]:.2f}x",
+                "mean abs err %": g["error_pct"].abs().mean(), "worst abs err %": g["error_pct"].abs().max(),
+                "roofline mean abs err %": g["roofline_error_pct"].abs().mean(),
+                "faster GPU named": f"{int((clear['predicted_speedup'] > 1).sum())} of {len(clear)}"}
+
+    for mode, gm in sp.groupby("mode", sort=True):
+        for (fast, slow), g in gm.groupby(["fast_gpu", "slow_gpu"], sort=True):
+            rows.append(row(mode, f"{fast} / {slow}", g))
+        rows.append(row(mode, "all pairs", gm))
+    return pd.DataFrame(rows)
+
+
+def _speedup_md(sp: pd.DataFrame, what: str) -> str:
+    if sp.empty:
+        return ""
+    clear = sp[sp["measured_speedup"] >= CLEAR_SPEEDUP]
+    named = int((clear["predicted_speedup"] > 1).sum())
+    unseen = sp[sp["unseen_gpu"]]
+    text = (f"{len(sp)} pairs; mean absolute error of the forecast speed-up {sp['error_pct'].abs().mean():.1f} % "
+            f"(roofline {sp['roofline_error_pct'].abs().mean():.1f} %)")
+    if len(unseen):
+        text += (f", {unseen['error_pct'].abs().mean():.1f} % over the {len(unseen)} pairs with a GPU the predictor "
+                 "was not trained on")
+    text += f"; the faster GPU named in {named} of the {len(clear)} pairs at least {CLEAR_SPEEDUP:g}x apart."
+    return f"\n### {what}\n\n{text}\n\n" + markdown_table(speedup_summary(sp), index=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # public CNN benchmarks
 
 
@@ -383,6 +457,18 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
                          "GPUs (training GPUs of the predictor first); cell: (predicted - measured) / measured "
                          "x 100.\n\n")
             parts.append(markdown_table(t, signed=True))
+    sp_labels = speedup_frame(labels, LABEL_CONFIG, trained_on) if not labels.empty else pd.DataFrame()
+    sp_cnn = speedup_frame(cnn, CNN_CONFIG, trained_on) if cnn is not None and not cnn.empty else pd.DataFrame()
+    if not sp_labels.empty or not sp_cnn.empty:
+        parts.append("\n## GPU against GPU: forecast speed-ups\n\nThe question of a user choosing hardware: how "
+                     "much faster is one GPU than another for this run? For every configuration measured on two "
+                     "GPUs (same model, mode, sequence length or image size and batch; for the CNN rows also the "
+                     "same source, precision and software version), the faster GPU's measured speed-up over the "
+                     "slower one against the forecast one: error = (forecast / measured speed-up - 1) x 100, so an "
+                     "error the forecast makes alike on both GPUs cancels. \"faster GPU named\": of the pairs "
+                     f"measured at least {CLEAR_SPEEDUP:g}x apart, how many the forecast orders right.\n")
+        parts.append(_speedup_md(sp_labels, "NeuSight labels"))
+        parts.append(_speedup_md(sp_cnn, "CNNs: public benchmarks (FP32)"))
     if cnn is not None and not cnn.empty:
         parts.append("\n## CNNs: public benchmarks (FP32)\n\nMean absolute % error per GPU scope and source. "
                      "DLE inference: forward + loss + top-k, average latency per batch; training: the full SGD step "

@@ -95,6 +95,7 @@ def test_evaluate_app_on_two_runs(tmp_path):
     assert md.read_text() == (run / "evaluation.md").read_text()
     assert "| l4 |" in md.read_text() and "Roofline baseline" in md.read_text()
     assert json.loads((run / "summary.json").read_text())["runs"] == 2
+    assert list(pd.read_csv(run / "speedups.csv").columns)[:4] == ["model", "mode", "seq", "batch"]
 
 
 def test_tables_have_neusight_layout():
@@ -111,6 +112,45 @@ def test_tables_have_neusight_layout():
     assert s.loc[("t4", "inference"), "worst_abs_error_pct"] == 10.0
     assert s.loc[("t4", "inference"), "roofline_mean_abs_error_pct"] == 22.5
     assert not s.loc[("l4", "inference"), "in_training_set"]
+
+
+def _runs(rows):
+    """A label frame of (gpu, batch, measured, predicted, roofline) rows of one model."""
+    return pd.DataFrame([{"gpu": g, "model": "m", "mode": "inference", "seq": 128, "batch": b, "measured_ms": m,
+                          "predicted_ms": p, "roofline_predicted_ms": r} for g, b, m, p, r in rows])
+
+
+def test_speedups_pair_the_gpus_of_one_configuration():
+    from neusight.e2e_eval import speedup_frame, speedup_summary
+
+    df = _runs([("t4", 1, 300.0, 330.0, 100.0), ("v100-pcie-32gb", 1, 100.0, 100.0, 50.0),
+                ("l4", 1, 150.0, 120.0, 80.0),
+                ("t4", 2, 600.0, 500.0, 200.0)])          # batch 2 ran on one GPU only: no pair
+    sp = speedup_frame(df, trained_on=("t4", "v100-pcie-32gb")).set_index(["fast_gpu", "slow_gpu"])
+    assert len(sp) == 3                                   # 3 GPUs of batch 1 -> 3 pairs, faster GPU first
+    v_t4 = sp.loc[("v100-pcie-32gb", "t4")]
+    # measured 3.0x, forecast 3.3x (+10 %), roofline 2.0x (-33.3 %)
+    assert v_t4["measured_speedup"] == pytest.approx(3.0) and v_t4["predicted_speedup"] == pytest.approx(3.3)
+    assert v_t4["error_pct"] == pytest.approx(10.0) and v_t4["roofline_error_pct"] == pytest.approx(-100 / 3)
+    assert not v_t4["unseen_gpu"] and sp.loc[("l4", "t4"), "unseen_gpu"]
+    # V100 over L4: measured 150 / 100 = 1.5x, forecast 120 / 100 = 1.2x -> -20 %
+    assert sp.loc[("v100-pcie-32gb", "l4"), "error_pct"] == pytest.approx(-20.0)
+    s = speedup_summary(speedup_frame(df)).set_index("faster / slower GPU")
+    assert s.loc["all pairs", "configs"] == 3 and s.loc["all pairs", "faster GPU named"] == "3 of 3"
+
+
+def test_speedups_cancel_an_error_shared_by_both_gpus():
+    from neusight.e2e_eval import speedup_frame, speedup_summary
+
+    # every forecast 20 % slow: each GPU's error is +20 %, every speed-up exact
+    df = _runs([(g, 1, m, 1.2 * m, 0.5 * m) for g, m in (("p4", 400.0), ("t4", 200.0), ("a100-pcie-40gb", 40.0))])
+    sp = speedup_frame(df)
+    assert len(sp) == 3 and np.allclose(sp["error_pct"], 0.0) and np.allclose(sp["roofline_error_pct"], 0.0)
+    # a tie (measured 1.05x apart) is not counted for "which GPU is faster", even when the forecast flips it
+    tie = speedup_summary(speedup_frame(_runs([("t4", 1, 105.0, 90.0, 50.0), ("l4", 1, 100.0, 95.0, 50.0)])))
+    assert tie.iloc[-1]["faster GPU named"] == "0 of 0"
+    flip = speedup_summary(speedup_frame(_runs([("t4", 1, 150.0, 90.0, 50.0), ("l4", 1, 100.0, 95.0, 50.0)])))
+    assert flip.iloc[-1]["faster GPU named"] == "0 of 1"
 
 
 def test_doc_sections_replace_only_their_own(tmp_path):

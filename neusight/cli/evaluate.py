@@ -148,6 +148,8 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     targets = (cfg.target_trained_pct, cfg.target_unseen_pct)
     per_gpu = ev.per_gpu_summary(labels, trained_on, targets)
     atomic_write_text(out / "per_gpu.csv", per_gpu.to_csv(index=False))
+    speedups = ev.speedup_frame(labels, ev.LABEL_CONFIG, trained_on)
+    atomic_write_text(out / "speedups.csv", speedups.to_csv(index=False))
 
     cnn = skipped = half = small = None
     if cfg.cnn.enabled:
@@ -155,6 +157,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
         cnn = ev.predict_cnn(sel, pred)
         atomic_write_text(out / "cnn_results.csv", cnn.to_csv(index=False))
         atomic_write_text(out / "cnn_skipped.csv", skipped.to_csv(index=False))
+        atomic_write_text(out / "cnn_speedups.csv", ev.speedup_frame(cnn, ev.CNN_CONFIG, trained_on).to_csv(index=False))
         if cfg.cnn.half:
             half_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS)
             half = ev.predict_cnn(half_sel, pred)
@@ -194,6 +197,8 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
                         title=f"{len(labels)} NeuSight label runs" + (f" + {len(cnn)} ResNet benchmark rows" if cnn is not None else ""))
     summary = {"runs": len(labels), "mean_abs_error_pct": float(labels["error_pct"].abs().mean()),
                "roofline_mean_abs_error_pct": float(labels["roofline_error_pct"].abs().mean()),
+               "speedup_pairs": len(speedups),
+               "speedup_mean_abs_error_pct": float(speedups["error_pct"].abs().mean()) if len(speedups) else None,
                "labels_wall_s": t_labels, "total_wall_s": t_all,
                "cnn_mean_abs_error_pct": None, "cnn_other_gpus_mean_abs_error_pct": None,
                "cnn_half_mean_abs_error_pct": None}
@@ -211,7 +216,10 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
         if half is not None:
             print(ev.precision_summary(half).to_string(index=False))
     print(f"{len(labels)} label runs: mean |error| {summary['mean_abs_error_pct']:.1f} % (roofline "
-          f"{summary['roofline_mean_abs_error_pct']:.1f} %); labels in {t_labels:.1f} s, all in {t_all:.1f} s; "
+          f"{summary['roofline_mean_abs_error_pct']:.1f} %)"
+          + (f", {len(speedups)} GPU pairs: speed-up mean |error| {summary['speedup_mean_abs_error_pct']:.1f} % "
+             f"(roofline {speedups['roofline_error_pct'].abs().mean():.1f} %)" if len(speedups) else "")
+          + f"; labels in {t_labels:.1f} s, all in {t_all:.1f} s; "
           f"files in {out}" + (f"; report {out_md}" if out_md else ""))
     return summary
 
