@@ -21,7 +21,7 @@ import yaml
 
 from neusight.errors import DeviceError
 
-__all__ = ["Device", "device_dir", "list_devices", "load_device"]
+__all__ = ["Device", "device_dir", "device_rows", "list_devices", "load_device"]
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +350,21 @@ def list_devices() -> list[str]:
     return sorted(_library(str(device_dir()))[0])
 
 
+def device_rows() -> list[dict[str, Any]]:
+    """One row per GPU of the library (sorted by key): the spec-sheet numbers a user picks a GPU by. What
+    ``neusight-predict device=list`` prints.
+
+    >>> row = next(r for r in device_rows() if r["key"] == "t4")
+    >>> row["fp32_tflops"], row["mem_bandwidth_gbps"], row["memory_gib"]
+    (8.1, 320.0, 16.0)
+    """
+    devices = _library(str(device_dir()))[0]
+    return [{"key": k, "name": d.name, "vendor": d.vendor, "architecture": d.architecture,
+             "sm_count": d.sm_count, "fp32_tflops": d.fp32_tflops, "mem_bandwidth_gbps": d.mem_bandwidth_gbps,
+             "memory_gib": d.memory_gib, "l2_cache_mib": d.l2_cache_mib, "tdp_w": d.tdp_w}
+            for k, d in sorted(devices.items())]
+
+
 def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
     """Find a GPU by key, alias or spec-file path and return its validated :class:`Device`.
 
@@ -399,7 +414,7 @@ def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
         close = [c for c in index if query in c] + difflib.get_close_matches(query, list(index), len(index), 0)
         nearest = list(dict.fromkeys(index[c] for c in close))[:3]
         raise DeviceError(f"unknown device {text!r}. Closest known: {', '.join(nearest)}. Fix: pass a key from "
-                          f"neusight.devices.list_devices(), an alias (e.g. the torch.cuda.get_device_name() "
-                          f"string) or a spec path; for a new GPU add {device_dir()}/<key>.yaml (copy "
-                          f"{_EXAMPLE}, cite the datasheet in 'source').")
+                          f"neusight.devices.list_devices() (neusight-predict device=list prints them), an alias "
+                          f"(e.g. the torch.cuda.get_device_name() string) or a spec path; for a new GPU add "
+                          f"{device_dir()}/<key>.yaml (copy {_EXAMPLE}, cite the datasheet in 'source').")
     return devices[key]

@@ -115,6 +115,22 @@ def test_predict_multirun_compares_jobs(tmp_path):
     assert table.loc["speed-up vs t4", "t4"] == "1.00x"
 
 
+def test_predict_lists_the_gpus_and_the_model_presets(tmp_path):
+    from neusight import list_devices, list_models
+
+    r = subprocess.run([str(BIN / "neusight-predict"), "device=list", "model=list", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    keys = list_devices()
+    assert f"GPUs ({len(keys)}," in r.stdout
+    assert [ln.split()[0] for ln in lines if ln.split() and ln.split()[0] in keys] == keys   # one row per GPU
+    assert all(m in r.stdout for m in list_models())
+    assert "forecast" not in r.stdout.lower() and "latency" not in r.stdout.lower()        # no forecast ran
+    h100 = next(ln for ln in lines if ln.startswith("h100-sxm5-80gb "))
+    assert "67.0" in h100.split() and "3350.0" in h100.split()                           # its spec-file numbers
+
+
 def test_predict_pictures_layers_and_max_batch(tmp_path):
     """plot=, layers_csv= and find_max_batch=true write the pictures and the per-layer CSV and print the batch."""
     import subprocess

@@ -6,6 +6,7 @@ one inference pass or training step and print where the time goes.
   job per GPU (any launcher) and :class:`CompareCallback` prints the same table over the jobs at the end.
 - ``json=forecast.json csv=kernels.csv`` write the forecast and the kernel table (relative paths go into
   Hydra's run directory; written atomically).
+- ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
   would read ``predictor=<dir>`` as a choice in that group; :func:`main` rewrites it to ``checkpoint=<dir>``
@@ -311,6 +312,29 @@ def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
             print(f"largest batch that fits on {p.device.name}: {best}" + ("" if best else " (batch 1 does not fit)"))
 
 
+def _asks_for_list(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "list"
+
+
+def print_library(models: bool, devices: bool) -> None:
+    """``model=list`` / ``device=list``: the model presets and the GPU spec library, instead of a forecast."""
+    import pandas as pd
+
+    from neusight.devices import device_dir, device_rows
+    from neusight.graph.models import list_models
+
+    if models:
+        names = list_models()
+        print(f"model presets ({len(names)}; or pass a Hugging Face config.json path, or an nn.Module in Python):")
+        print("  " + ", ".join(names))
+    if devices:
+        table = pd.DataFrame(device_rows()).set_index("key")
+        table.columns = ["name", "vendor", "arch", "SMs", "FP32 TFLOP/s", "GB/s", "GiB", "L2 MiB", "W"]
+        print(("\n" if models else "") + f"GPUs ({len(table)}, spec files in {device_dir()}; "
+              "a GPU is also found by its torch.cuda.get_device_name() string):")
+        print(table.to_string())
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="predict")
 @catch_user_errors
 def _app(cfg: PredictConfig) -> float:
@@ -320,6 +344,9 @@ def _app(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     quiet_third_party_logs()
+    if _asks_for_list(cfg.model) or _asks_for_list(cfg.device):
+        print_library(models=_asks_for_list(cfg.model), devices=_asks_for_list(cfg.device))
+        return 0.0
     if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron:
         return _parallel(cfg)
     preds = forecast(cfg)
