@@ -51,7 +51,7 @@ class Device:
     compute_capability: str  # CUDA "8.0"; AMD gfx target "gfx90a"
     sm_count: int  # SMs (AMD: compute units)
     fp32_cores_per_sm: int  # FP32 lanes per SM as the spec sheet counts them
-    fp32_dual_issue: bool  # half of those lanes are shared with INT32, so SGEMM cannot fill them all
+    fp32_dual_issue: bool  # SGEMM cannot fill them: 32 per one-warp-per-clock scheduler (GA10x, Ada, Hopper, Blackwell)
     boost_clock_mhz: float  # clock behind fp32_tflops = 2 x sm_count x fp32_cores_per_sm x clock
     fp32_tflops: float  # non-tensor (vector) FP32 peak
     fp32_matrix_tflops: float  # FP32 on matrix units (AMD MFMA); NVIDIA: = fp32_tflops
@@ -389,7 +389,7 @@ def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
     --------
     >>> h100 = load_device("NVIDIA H100 80GB HBM3")
     >>> h100.key, h100.sm_count, h100.fp32_dual_issue
-    ('h100-sxm5-80gb', 132, False)
+    ('h100-sxm5-80gb', 132, True)
     >>> load_device("a100 sxm4 40gb").mem_bandwidth_gbps
     1555.0
     >>> round(load_device("t4").ridge_point_fp32, 1)

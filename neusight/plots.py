@@ -100,6 +100,18 @@ def _dtype(kernels: pd.DataFrame) -> str:
     return str(kernels["dtype"].mode().iloc[0]) if "dtype" in kernels.columns else "float32"
 
 
+def _gemm_roof(device: Any, dtype: str, peak: float) -> float | None:
+    """The GEMM peak the predictor bounds GEMM-like kernels by, where it is below the spec-sheet ``peak``
+    (FP32 on GPUs whose SGEMM cannot fill every FP32 lane: neusight.tiles.DUAL_ISSUE_GEMM_FRACTION); else None."""
+    from neusight.devices import Device
+    from neusight.tiles import device_rates
+
+    if not isinstance(device, Device):
+        return None
+    gemm = device_rates(device, dtype).gemm_flops
+    return gemm if gemm < 0.999 * peak else None
+
+
 def _sizes(latency_ms: pd.Series) -> np.ndarray:
     """Marker areas (pt^2) proportional to kernel time, 4 to 300."""
     lat = latency_ms.to_numpy(dtype=float)
@@ -116,7 +128,9 @@ def roofline_chart(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, 
 
     One point per kernel, area proportional to its time, coloured by family; the device's compute roof
     (peak FLOP/s of the table's dtype), its bandwidth roof (bandwidth x intensity) and the ridge point where
-    they meet. Kernels without FLOPs (copies) cannot sit on a log axis and are counted in the title.
+    they meet; dashed, the lower GEMM roof the predictor bounds GEMMs by where SGEMM cannot fill every FP32 lane
+    (``Device.fp32_dual_issue``). Kernels without FLOPs (copies) cannot sit on a log axis and are counted in the
+    title.
 
     Returns
     -------
@@ -137,6 +151,9 @@ def roofline_chart(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, 
     hi = max(float(intensity.max()) if len(drawn) else ridge, ridge) * 4
     xs = np.geomspace(lo, hi, 256)
     ax.plot(xs, np.minimum(peak, bw * xs), color="black", lw=1.8, zorder=3)
+    gemm = _gemm_roof(device, _dtype(k), peak)
+    if gemm:
+        ax.plot(xs, np.minimum(gemm, bw * xs), color="black", ls="--", lw=1, zorder=3)
     ax.axvline(ridge, color="gray", ls=":", lw=1, zorder=1)
     for fam in _family_order(drawn["family"]):
         sel = drawn["family"] == fam
@@ -152,6 +169,9 @@ def roofline_chart(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, 
     ax.set_ylabel("Achieved performance")
     ax.annotate(f"compute roof {_eng('FLOP/s')(peak)}", (hi, peak), xytext=(-4, 4), textcoords="offset points",
                 ha="right", fontsize=8)
+    if gemm:
+        ax.annotate(f"GEMM roof {_eng('FLOP/s')(gemm)} (FP32 lanes SGEMM cannot fill)", (gemm / bw, gemm),
+                    xytext=(4, 3), textcoords="offset points", ha="left", va="bottom", fontsize=8)
     ax.annotate(f"ridge point {ridge:.3g} FLOP/B", (ridge, ax.get_ylim()[0]), xytext=(-3, 6),
                 textcoords="offset points", rotation=90, ha="right", va="bottom", fontsize=8, color="dimgray")
     fig.draw_without_rendering()   # final layout, so the slope of the memory roof on screen is known
@@ -176,6 +196,7 @@ def time_roofline(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, *
 
     Two panels sharing the time axis: kernel time vs FLOPs with the compute floor t = FLOPs / peak, and kernel
     time vs bytes with the memory floor t = bytes / bandwidth; both floors are raised to the launch overhead.
+    Dashed: the GEMM floor where it is higher (``Device.fp32_dual_issue``, FP32).
     A kernel can sit on or above the floors, never below; the distance is the time lost to anything else.
 
     Parameters
@@ -195,7 +216,9 @@ def time_roofline(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, *
     bw = device.mem_bandwidth_gbps * 1e9
     fig = _figure(11.0, 4.8)
     axes = fig.subplots(1, 2, sharey=True)
-    panels = ((axes[0], "flops", peak, f"compute floor {_eng('FLOP/s')(peak)}", "Work (FLOP)"),
+    gemm = _gemm_roof(device, _dtype(k), peak)
+    panels = ((axes[0], "flops", peak, f"compute floor {_eng('FLOP/s')(peak)}"
+               + (f", GEMMs {_eng('FLOP/s')(gemm)} (dashed)" if gemm else ""), "Work (FLOP)"),
               (axes[1], "bytes", bw, f"memory floor {device.mem_bandwidth_gbps:g} GB/s", "DRAM traffic (bytes)"))
     sizes = _sizes(k["latency_ms"])
     for ax, col, rate, label, xlabel in panels:
@@ -204,6 +227,9 @@ def time_roofline(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, *
         lo, hi = (x[ok].min() / 3, x[ok].max() * 3) if ok.any() else (1.0, 1e12)
         xs = np.geomspace(lo, hi, 256)
         ax.plot(xs, np.maximum(xs / rate, floor), color="black", lw=1.8, zorder=2, label=label)
+        if col == "flops" and gemm:
+            ax.plot(xs, np.maximum(xs / gemm, floor), color="black", ls="--", lw=1, zorder=2,
+                    label=f"GEMM floor {_eng('FLOP/s')(gemm)}")
         ax.axhline(floor, color="gray", ls=":", lw=1)
         for fam in _family_order(k["family"]):
             sel = ((k["family"] == fam).to_numpy()) & ok

@@ -30,9 +30,12 @@ from neusight.kernels.formulas import itemsize
 
 GEMM_FAMILIES = (Family.LINEAR.value, Family.BMM.value, Family.CONV.value)
 
-# NB: on GPUs whose spec sheet counts FP32 lanes shared with INT32 (GA10x, Ada), SGEMM keeps the shared
-# lanes busy with integer address arithmetic; we count only the dedicated half as SGEMM's peak. This is
-# an architectural statement from the whitepapers, not a fitted number.
+# NB: on GPUs whose SM schedulers each feed 32 FP32 lanes while issuing one warp instruction per clock (GA10x
+# and Ada, where half of those lanes are shared with INT32; Hopper and datacenter Blackwell, where they are not),
+# SGEMM would have to issue an FFMA every clock, with its loads and integer address arithmetic on top; we count
+# half the spec-sheet FP32 peak as SGEMM's. An architectural statement, not a number fitted to any GPU's data
+# (L4 reaches 0.33-0.43 of its spec peak on its large GEMMs, a public H100 SXM5 SGEMM 0.53; both Device specs
+# carry it as ``fp32_dual_issue``).
 DUAL_ISSUE_GEMM_FRACTION = 0.5
 
 

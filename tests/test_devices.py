@@ -142,9 +142,10 @@ def test_peaks_are_ordered_sensibly(key: str):
 
 
 @pytest.mark.parametrize("key", KEYS)
-def test_dual_issue_flag_marks_ga10x_and_ada_only(key: str):
+def test_dual_issue_flag_marks_ga10x_ada_hopper_and_blackwell_only(key: str):
+    # the SMs whose schedulers feed 32 FP32 lanes each (neusight.tiles.DUAL_ISSUE_GEMM_FRACTION)
     d = load_device(key)
-    assert d.fp32_dual_issue == (d.architecture == "ada" or d.compute_capability == "8.6")
+    assert d.fp32_dual_issue == (d.architecture in ("ada", "hopper", "blackwell") or d.compute_capability == "8.6")
 
 
 @pytest.mark.parametrize("a100", ["a100-pcie-40gb", "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb"])
