@@ -160,6 +160,9 @@ def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms:
     return np.maximum(roofline_ms + scale * excess, floor * overhead_ms)
 
 
+TF32_NOTE = ("{n} FP32 kernels ({what}) run on TF32 tensor cores (tf32={mode!r}; PyTorch's default puts convolutions "
+             "there): bounded by the dense TF32 peak, with a utilization model learned on FP32 kernels; tf32='off' "
+             "forecasts true FP32")
 FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops between GEMMs run as fused kernels; "
               "the memory forecast is the eager one")
 MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
@@ -188,13 +191,40 @@ def host_bound_note(latency_ms: float, launches: int) -> str | None:
     return HOST_BOUND_NOTE.format(n=launches, avg=avg_us) if avg_us < HOST_BOUND_US else None
 
 
+# PyTorch's TF32 switches for FP32 math, as ``tf32=`` names them: "default" = PyTorch's defaults
+# (torch.backends.cudnn.allow_tf32 = True: convolutions on TF32 tensor cores; torch.backends.cuda.matmul.allow_tf32
+# = False: matmuls in FP32), "all" = matmuls too (torch.set_float32_matmul_precision("high")), "off" = neither (how
+# the NeuSight kernel sweeps and labels were measured). Only GPUs with TF32 tensor cores (Ampere and later) care.
+TF32_MODES = {"default": ("conv",), "all": ("conv", "linear", "bmm"), "off": ()}
+
+
+def tf32_mode(tf32: Any) -> str:
+    """``tf32=`` as one of TF32_MODES: None -> "default", True -> "all", False -> "off"."""
+    mode = {None: "default", True: "all", False: "off"}.get(tf32, tf32) if not isinstance(tf32, str) else tf32.lower()
+    if mode not in TF32_MODES:
+        raise InputError(f"tf32={tf32!r} is not known. Fix: one of {', '.join(map(repr, TF32_MODES))} (or None = "
+                         "'default', True = 'all', False = 'off')")
+    return mode
+
+
+def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.Series:
+    """The dtype each kernel's math runs in: ``"tf32"`` for the FP32 kernels of the families ``tf32`` lets run on
+    TF32 tensor cores, on a GPU that has them; the traced dtype otherwise."""
+    fams = TF32_MODES[tf32_mode(tf32)]
+    dtype = kernels["dtype"].astype(str)
+    if not fams or not device.tf32_tensor_tflops:
+        return dtype
+    return dtype.where(~(kernels["family"].isin(fams) & (dtype == "float32")), "tf32")
+
+
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
-                  calibrated: bool = True, fused: bool = False, megatron: bool = False) -> Prediction:
+                  calibrated: bool = True, fused: bool = False, megatron: bool = False, tf32: Any = None) -> Prediction:
     """Predict an already traced graph on ``device``.
 
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
     ``fused=True`` predicts the kernels ``torch.compile`` runs (:func:`neusight.graph.fusion.fused_kernels`);
-    ``megatron=True`` the kernels Megatron-LM runs for the same blocks (:func:`neusight.graph.megatron.megatron_kernels`).
+    ``megatron=True`` the kernels Megatron-LM runs for the same blocks (:func:`neusight.graph.megatron.megatron_kernels`);
+    ``tf32`` which FP32 kernels run on TF32 tensor cores (:data:`TF32_MODES`; None: PyTorch's default, convolutions).
     """
     if fused and megatron:
         raise InputError("fused=True and megatron=True exclude each other (torch.compile vs Megatron-LM's own fused "
@@ -204,6 +234,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
+    k = k.assign(dtype=tf32_dtypes(k, device, tf32))
+    n_tf32 = int((k["dtype"] == "tf32").sum())
     frame = pd.concat([k[["family", "kernel", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
     res = pred.predict(frame, device)
     kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
@@ -220,6 +252,9 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
+    if n_tf32:
+        notes += (TF32_NOTE.format(n=n_tf32, what=", ".join(sorted(k.loc[k["dtype"] == "tf32", "family"].unique())),
+                                   mode=tf32_mode(tf32)),)
     n_dw = int(kernels["kernel"].astype(str).str.startswith(DEPTHWISE_PREFIX).sum())
     if n_dw:
         notes += (DEPTHWISE_NOTE.format(n=n_dw),)
@@ -233,7 +268,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
 def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int | None = None,
             mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
             predictor: Predictor | str | Path | None = None, memory: bool = True, fused: bool = False,
-            **trace_kwargs: Any) -> Prediction:
+            tf32: Any = None, **trace_kwargs: Any) -> Prediction:
     """Forecast one inference pass or one training step of ``model`` on ``device``.
 
     Parameters
@@ -249,6 +284,11 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     fused : bool
         Forecast the model under ``torch.compile`` (TorchInductor's default mode): the memory-bound ops between
         GEMMs run as fused kernels (see :mod:`neusight.graph.fusion`). Default: eager, one kernel per op.
+    tf32 : {None, "default", "all", "off"} or bool
+        Which FP32 kernels run on TF32 tensor cores on GPUs that have them (Ampere and later): None / "default" as
+        PyTorch does by default (convolutions: ``torch.backends.cudnn.allow_tf32``; matmuls stay FP32), "all" /
+        True matmuls too (``torch.set_float32_matmul_precision("high")``), "off" / False neither (true FP32, as the
+        predictor's training kernels were measured).
 
     Returns
     -------
@@ -265,7 +305,7 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     """
     device = load_device(device)
     g = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, **trace_kwargs)
-    p = predict_graph(g, device, predictor, fused=fused)
+    p = predict_graph(g, device, predictor, fused=fused, tf32=tf32)
     if memory:
         p.memory = estimate_memory(g, device)
     return p

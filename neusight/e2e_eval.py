@@ -7,8 +7,8 @@ Two kinds of ground truth, both read in place from ``../shared/datasets``:
    the layout of NeuSight's (rows model x seq x batch, columns GPUs, cells signed % error).
 2. Public CNN benchmarks (``public-benchmarks/cnn_dle.csv``, ``cnn_lambda.csv``): ResNet in true FP32 on
    V100 and T4. Inference = forward (+ cross-entropy + top-k, negligible) at batch >= 32; training = the
-   full step with SGD. TF32 / AMP / FP16 rows are out of scope (precision is not modelled): listed as
-   skipped, never fitted to.
+   full step with SGD. TF32 / AMP / FP16 rows are outside issue 4's scope: forecast in sections of their own
+   (TF32 as PyTorch runs FP32 convolutions on Ampere and later, AMP / FP16 as pure FP16), never fitted to.
 
 Error everywhere: ``(predicted - measured) / measured x 100`` (signed; "abs" = its absolute value).
 """
@@ -28,9 +28,10 @@ from neusight.errors import DataError, InputError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "HALF_PRECISIONS", "cnn_summary", "error_table", "gpu_order", "label_frame",
-           "load_cnn_benchmarks", "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn",
-           "render_markdown", "scatter_plot", "select_labels", "write_doc_section"]
+__all__ = ["CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "CNN_TF32", "CNN_TF32_GPUS", "HALF_PRECISIONS",
+           "TF32_PRECISIONS", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
+           "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn", "render_markdown", "scatter_plot",
+           "select_labels", "write_doc_section"]
 
 # GPU names of the public benchmark CSVs -> device keys. NB: the DeepLearningExamples tables were measured
 # on DGX-1 (V100 SXM2). Lambda's "V100-16GB" is Lambda Cloud's V100 instance (SXM2); "V100-32GB" (era v0, a
@@ -41,18 +42,23 @@ CNN_GPUS = {"V100-SXM2-16GB": "v100-sxm2-16gb", "V100-SXM2-32GB": "v100-sxm2-32g
             "T4": "t4", "V100-16GB": "v100-sxm2-16gb", "V100-32GB": "v100-sxm2-32gb",
             "TITAN RTX": "titan-rtx", "Quadro RTX 5000": "quadro-rtx-5000", "Quadro RTX 6000": "quadro-rtx-6000",
             "Quadro RTX 8000": "quadro-rtx-8000"}
-# In half precision the Ampere and Ada cards run what the rows say (FP16 tensor cores), unlike their "float"
-# rows (TF32): their AMP / FP16 rows are forecast too, for the cards with a spec file.
-CNN_HALF_GPUS = {**CNN_GPUS, "A10": "a10", "A40": "a40", "A100-PCIe-40GB": "a100-pcie-40gb",
-                 "A100-SXM4-40GB": "a100-sxm4-40gb", "RTX 3090": "rtx-3090", "RTX 4090": "rtx-4090"}
+# The Ampere and Ada cards (with a spec file) of the benchmarks: their "float" rows are TF32 (PyTorch runs FP32
+# convolutions on TF32 tensor cores there by default), their AMP / FP16 rows FP16 tensor cores.
+CNN_TF32_GPUS = {"A10": "a10", "A40": "a40", "A100-PCIe-40GB": "a100-pcie-40gb", "A100-SXM4-40GB": "a100-sxm4-40gb",
+                 "RTX 3080": "rtx-3080", "RTX 3090": "rtx-3090", "RTX 4090": "rtx-4090", "RTX A6000": "rtx-a6000",
+                 "RTX 6000 Ada": "rtx-6000-ada"}
+CNN_HALF_GPUS = {**CNN_GPUS, **CNN_TF32_GPUS}
 CNN_ACCEPTANCE_GPUS = ("v100-sxm2-16gb", "v100-sxm2-32gb", "t4")   # issue 4: V100 and T4
 SCOPE_ACCEPTANCE, SCOPE_OTHER = "V100, T4 (issue 4)", "other FP32 GPUs"
 CNN_PRECISION = "fp32"          # the only precision in issue 4's scope
 # benchmark precision -> the dtype a row is traced in. AMP and FP16 rows are forecast as pure FP16 (GEMMs and
 # convolutions at the dense FP16 tensor peak, every tensor half the bytes): AMP's FP32 master weights and FP32
-# ops are ignored. TF32 (Ampere's default for float convolutions) is not modelled: its rows are not forecast.
-CNN_DTYPES = {"fp32": "float32", "amp": "float16", "fp16": "float16"}
+# ops are ignored. TF32 rows are FP32 traces whose convolutions run on TF32 tensor cores (neusight.api's
+# tf32="default", what PyTorch does by default); FP32 rows are true FP32 (tf32="off").
+CNN_DTYPES = {"fp32": "float32", "tf32": "float32", "amp": "float16", "fp16": "float16"}
 HALF_PRECISIONS = ("amp", "fp16")
+TF32_PRECISIONS = ("tf32",)
+CNN_TF32 = {"tf32": "default"}   # benchmark precision -> predict's tf32= (every other precision: "off")
 CNN_IMAGE_SIZE = 224            # rows that do not state theirs (Lambda's ResNet-50 runs)
 
 
@@ -241,7 +247,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
     In scope: ``precisions`` (default FP32, issue 4's; any of :data:`CNN_DTYPES`); GPUs in :data:`CNN_GPUS`
-    (half-precision rows: :data:`CNN_HALF_GPUS`; column ``scope``: the V100 and T4 of issue 4's acceptance, or
+    (half-precision rows: :data:`CNN_HALF_GPUS`, TF32 rows: :data:`CNN_TF32_GPUS`; column ``scope``: the V100 and T4 of issue 4's acceptance, or
     the others); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
     EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are host-bound), one row per
     (GPU, model, precision, batch): the ``in_head`` row when there is one, else the newest container, never a
@@ -266,8 +272,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
                         "(../shared/datasets/public-benchmarks) as cnn.dir")
     presets = set(models) if models else set(CNN_PRESETS)
     if unknown := sorted(set(precisions) - set(CNN_DTYPES)):
-        raise InputError(f"CNN precisions {unknown} are not forecast; choose among {sorted(CNN_DTYPES)} "
-                         "(TF32 is not modelled)")
+        raise InputError(f"CNN precisions {unknown} are not forecast; choose among {sorted(CNN_DTYPES)}")
     keep_cols = ["source_name", "gpu_name", "model", "mode", "precision", "batch"]
 
     dle = pd.read_csv(files["DeepLearningExamples"]).rename(columns={"gpu": "gpu_name", "batch_size": "batch"})
@@ -284,13 +289,13 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     skipped, kept = [], []
     for df in (dle, lam):
         modelled = df["precision"].isin(list(CNN_DTYPES))
-        skipped.append(_skip(df[~modelled], "precision not modelled (TF32): out of scope"))
+        skipped.append(_skip(df[~modelled], "precision not modelled: out of scope"))
         other = modelled & ~df["precision"].isin(list(precisions))
-        skipped.append(_skip(df[other], "AMP / FP16: the half-precision section" if set(precisions) == {CNN_PRECISION}
+        skipped.append(_skip(df[other], "TF32 / AMP / FP16: sections of their own" if set(precisions) == {CNN_PRECISION}
                              else f"precision not in this selection ({', '.join(precisions)})"))
         df = df[modelled & ~other]
-        df = df.assign(gpu=[(CNN_HALF_GPUS if p in HALF_PRECISIONS else CNN_GPUS).get(g)
-                            for g, p in zip(df["gpu_name"], df["precision"])])
+        df = df.assign(gpu=[(CNN_HALF_GPUS if p in HALF_PRECISIONS else CNN_TF32_GPUS if p in TF32_PRECISIONS
+                             else CNN_GPUS).get(g) for g, p in zip(df["gpu_name"], df["precision"])])
         no_gpu = df["gpu"].isna()
         laptop = no_gpu & df["gpu_name"].str.contains("laptop", case=False)
         skipped.append(_skip(df[laptop], "laptop part: clocks and power set by each laptop maker, no device spec"))
@@ -334,10 +339,12 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     return sel, skip
 
 
-def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd") -> pd.DataFrame:
+def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd",
+                tf32: str | None = None) -> pd.DataFrame:
     """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=s,
-    mode=m, optimizer="sgd", dtype=d)`` returns (``s`` = the row's ``image_size``, ``d`` its ``dtype``,
-    default float32), with each (model, batch, mode, image size, dtype) traced once and shared by the GPUs."""
+    mode=m, optimizer="sgd", dtype=d, tf32=t)`` returns (``s`` = the row's ``image_size``, ``d`` its ``dtype``,
+    default float32, ``t`` :data:`CNN_TF32` of its precision, else "off"), with each (model, batch, mode, image
+    size, dtype) traced once and shared by the GPUs. ``tf32`` overrides ``t`` for every row."""
     from neusight.api import host_bound_note, predict_graph
     from neusight.graph.tracer import trace
 
@@ -350,7 +357,8 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
         if key not in graphs:
             graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=size,
                                 optimizer=optimizer if r.mode == "training" else None, dtype=dtype)
-        p = predict_graph(graphs[key], r.gpu, predictor)
+        mode = tf32 if tf32 is not None else CNN_TF32.get(str(getattr(r, "precision", "")), "off")
+        p = predict_graph(graphs[key], r.gpu, predictor, tf32=mode)
         roof = float(p.kernels["roofline_ms"].sum())
         out.append({"predicted_ms": p.latency_ms, "roofline_predicted_ms": roof,
                     "host_bound_note": host_bound_note(p.latency_ms, len(p.kernels)) is not None})
@@ -384,7 +392,8 @@ def precision_summary(res: pd.DataFrame) -> pd.DataFrame:
         rows.append({"source": keys[0], "precision": keys[1], "mode": keys[2], "rows": len(g),
                      "gpus": ", ".join(sorted(g["gpu"].unique())), "mean err %": g["error_pct"].mean(),
                      "mean abs err %": g["error_pct"].abs().mean(), "worst abs err %": g["error_pct"].abs().max(),
-                     "roofline mean abs err %": g["roofline_error_pct"].abs().mean()})
+                     "roofline mean abs err %": g["roofline_error_pct"].abs().mean(),
+                     **({"as FP32 mean abs err %": g["fp32_error_pct"].abs().mean()} if "fp32_error_pct" in g else {})})
     return pd.DataFrame(rows).sort_values(["source", "precision", "mode"]).reset_index(drop=True)
 
 
@@ -431,9 +440,9 @@ def _summary_md(summary: pd.DataFrame) -> str:
 def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.DataFrame | None = None,
                     cnn_skipped: pd.DataFrame | None = None, header: str = "", footer: str = "",
                     targets: tuple[float, float] | None = None, cnn_half: pd.DataFrame | None = None,
-                    cnn_small: pd.DataFrame | None = None) -> str:
+                    cnn_small: pd.DataFrame | None = None, cnn_tf32: pd.DataFrame | None = None) -> str:
     """The evaluation report: per-GPU summary, NeuSight-layout error tables (NeuSight and roofline), CNNs in
-    FP32 and, apart, in half precision and at small inference batches."""
+    FP32 and, apart, in TF32, in half precision and at small inference batches."""
     gpus = gpu_order(labels["gpu"].unique(), trained_on) if not labels.empty else []
     parts = [header.rstrip() + "\n\n" if header else ""]
     parts.append("## NeuSight labels: per GPU\n\nMean and worst absolute % error per GPU, inference and training "
@@ -491,6 +500,8 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
         if cnn_skipped is not None and not cnn_skipped.empty:
             counts = cnn_skipped.groupby(["source_name", "reason"]).size().rename("rows").reset_index()
             parts.append("\nRows not evaluated, by reason (never fitted to):\n\n" + markdown_table(counts, index=False))
+    if cnn_tf32 is not None and not cnn_tf32.empty:
+        parts.append(_tf32_md(cnn_tf32))
     if cnn_half is not None and not cnn_half.empty:
         parts.append(_half_md(cnn_half))
     if cnn_small is not None and not cnn_small.empty:
@@ -529,23 +540,38 @@ def _small_md(res: pd.DataFrame) -> str:
             + markdown_table(rows, index=False, signed=("err %",)))
 
 
-def _half_md(res: pd.DataFrame) -> str:
+def _precision_rows_md(res: pd.DataFrame) -> str:
     cols = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size", "measured_ms", "predicted_ms",
-            "error_pct", "roofline_error_pct", "version"]
+            "error_pct", "roofline_error_pct", *(["fp32_error_pct"] if "fp32_error_pct" in res else []), "version"]
     rows = res[cols].rename(columns={"source_name": "source", "error_pct": "err %", "roofline_error_pct": "roofline err %",
-                                     "image_size": "image"})
+                                     "fp32_error_pct": "as FP32 err %", "image_size": "image"})
+    return (markdown_table(precision_summary(res), index=False, signed=("mean err %",))
+            + "\nPer model (all sources and GPUs):\n\n"
+            + markdown_table(_per_model(res), index=False, signed=("mean err %",))
+            + "\nEvery row (signed % error):\n\n"
+            + markdown_table(rows, index=False, signed=("err %", "roofline err %", "as FP32 err %")))
+
+
+def _tf32_md(res: pd.DataFrame) -> str:
+    return ("\n## CNNs in TF32 (PyTorch's default on Ampere and later): measured, never fitted\n\n"
+            "Outside issue 4's scope. The benchmarks' \"float\" rows of Ampere and Ada cards: PyTorch runs their FP32 "
+            "convolutions on TF32 tensor cores by default (`torch.backends.cudnn.allow_tf32`), which is what "
+            "`neusight.predict` forecasts unless told `tf32=\"off\"`: convolutions bounded by the spec sheet's dense "
+            "TF32 tensor peak, everything else FP32, with the utilization models learned on FP32 kernels (no TF32 "
+            "kernel trains the predictor); nothing here was fitted. The `roofline err %` column is the roofline "
+            "baseline of the same TF32 forecast; `as FP32` the same rows forecast in true FP32 (`tf32=\"off\"`), "
+            "as before TF32 was modelled.\n\n"
+            + _precision_rows_md(res))
+
+
+def _half_md(res: pd.DataFrame) -> str:
     return ("\n## CNNs in half precision (AMP, FP16): measured, never fitted\n\n"
             "Outside issue 4's scope. The rows the benchmarks time with automatic mixed precision (`amp`) or in FP16 "
             "(`fp16`), forecast as pure FP16 (`dtype=\"float16\"`): GEMMs and convolutions bounded by the spec "
             "sheet's dense FP16 tensor-core peak, every tensor half the bytes. AMP's FP32 master weights and the ops it "
             "keeps in FP32 are ignored, and no FP16 kernel trains the predictor (it learned FP32 kernels); nothing "
-            "here was fitted. TF32 rows (Ampere's default for float convolutions) are not forecast: TF32 is not "
-            "modelled.\n\n"
-            + markdown_table(precision_summary(res), index=False, signed=("mean err %",))
-            + "\nPer model (all sources and GPUs):\n\n"
-            + markdown_table(_per_model(res), index=False, signed=("mean err %",))
-            + "\nEvery row (signed % error):\n\n"
-            + markdown_table(rows, index=False, signed=("err %", "roofline err %")))
+            "here was fitted.\n\n"
+            + _precision_rows_md(res))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -242,7 +242,7 @@ class ParallelPrediction:
 def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len: int | None = None,
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
-                     fused: bool = False, megatron: bool = False, memory: bool = True,
+                     fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
                      **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
@@ -252,7 +252,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     tensor-parallel shard, with that stage's share of the weights, gradients and optimizer state and the activations of
     min(microbatches, pp) micro-batches in flight on the first stage (1F1B), each holding 1 / pp of the layers.
 
-    ``megatron=True`` forecasts a Megatron-LM training step as its ``train_step`` runs it: Megatron's kernels
+    ``tf32`` as in :func:`neusight.predict`. ``megatron=True`` forecasts a Megatron-LM training step as its
+    ``train_step`` runs it: Megatron's kernels
     (:mod:`neusight.graph.megatron`), zeroing of the gradient buffer, the loss, gradient clipping to norm 1.0
     (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
     stage stepping its own parameters (with pipeline stages and tied embeddings the last stage holds a copy of
@@ -279,7 +280,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
     g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
               tensor_parallel=tp, **trace_kwargs)
-    one = predict_graph(g, device, predictor, fused=fused, megatron=megatron)
+    one = predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32)
     k = one.kernels
     index = _block_index(k)
     block = _block_numbers(k, index)

@@ -100,16 +100,20 @@ def _dtype(kernels: pd.DataFrame) -> str:
     return str(kernels["dtype"].mode().iloc[0]) if "dtype" in kernels.columns else "float32"
 
 
-def _gemm_roof(device: Any, dtype: str, peak: float) -> float | None:
-    """The GEMM peak the predictor bounds GEMM-like kernels by, where it is below the spec-sheet ``peak``
-    (FP32 on GPUs whose SGEMM cannot fill every FP32 lane: neusight.tiles.DUAL_ISSUE_GEMM_FRACTION); else None."""
+def _gemm_roof(device: Any, kernels: pd.DataFrame, peak: float) -> tuple[float, str] | None:
+    """The GEMM peak the predictor bounds GEMM-like kernels by and its name, where it differs from the
+    spec-sheet ``peak`` drawn as the compute roof: the TF32 tensor peak when kernels run in TF32
+    (neusight.api.TF32_MODES), else, in FP32 on GPUs whose SGEMM cannot fill every FP32 lane, half the FP32 peak
+    (neusight.tiles.DUAL_ISSUE_GEMM_FRACTION); None elsewhere."""
     from neusight.devices import Device
     from neusight.tiles import device_rates
 
     if not isinstance(device, Device):
         return None
-    gemm = device_rates(device, dtype).gemm_flops
-    return gemm if gemm < 0.999 * peak else None
+    if "dtype" in kernels.columns and (kernels["dtype"].astype(str) == "tf32").any() and device.tf32_tensor_tflops:
+        return device_rates(device, "tf32").gemm_flops, "TF32 tensor-core roof"
+    gemm = device_rates(device, _dtype(kernels)).gemm_flops
+    return (gemm, "GEMM roof (FP32 lanes SGEMM cannot fill)") if gemm < 0.999 * peak else None
 
 
 def _sizes(latency_ms: pd.Series) -> np.ndarray:
@@ -151,7 +155,8 @@ def roofline_chart(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, 
     hi = max(float(intensity.max()) if len(drawn) else ridge, ridge) * 4
     xs = np.geomspace(lo, hi, 256)
     ax.plot(xs, np.minimum(peak, bw * xs), color="black", lw=1.8, zorder=3)
-    gemm = _gemm_roof(device, _dtype(k), peak)
+    gemm_roof = _gemm_roof(device, k, peak)
+    gemm = gemm_roof[0] if gemm_roof else None
     if gemm:
         ax.plot(xs, np.minimum(gemm, bw * xs), color="black", ls="--", lw=1, zorder=3)
     ax.axvline(ridge, color="gray", ls=":", lw=1, zorder=1)
@@ -163,14 +168,15 @@ def roofline_chart(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, 
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ymin = float(achieved.min()) / 3 if len(drawn) else peak / 1e4
-    ax.set_ylim(max(ymin, peak / 1e7), peak * 3)
+    ax.set_ylim(max(ymin, peak / 1e7), max(peak, gemm or 0.0) * 3)
     ax.yaxis.set_major_formatter(_eng("FLOP/s"))
     ax.set_xlabel("Arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("Achieved performance")
     ax.annotate(f"compute roof {_eng('FLOP/s')(peak)}", (hi, peak), xytext=(-4, 4), textcoords="offset points",
                 ha="right", fontsize=8)
     if gemm:
-        ax.annotate(f"GEMM roof {_eng('FLOP/s')(gemm)} (FP32 lanes SGEMM cannot fill)", (gemm / bw, gemm),
+        name = gemm_roof[1].split(" (")[0]
+        ax.annotate(f"{name} {_eng('FLOP/s')(gemm)}" + gemm_roof[1][len(name):], (gemm / bw, gemm),
                     xytext=(4, 3), textcoords="offset points", ha="left", va="bottom", fontsize=8)
     ax.annotate(f"ridge point {ridge:.3g} FLOP/B", (ridge, ax.get_ylim()[0]), xytext=(-3, 6),
                 textcoords="offset points", rotation=90, ha="right", va="bottom", fontsize=8, color="dimgray")
@@ -216,9 +222,11 @@ def time_roofline(kernels: pd.DataFrame, device: Any, path: str | os.PathLike, *
     bw = device.mem_bandwidth_gbps * 1e9
     fig = _figure(11.0, 4.8)
     axes = fig.subplots(1, 2, sharey=True)
-    gemm = _gemm_roof(device, _dtype(k), peak)
+    gemm_roof = _gemm_roof(device, k, peak)
+    gemm = gemm_roof[0] if gemm_roof else None
     panels = ((axes[0], "flops", peak, f"compute floor {_eng('FLOP/s')(peak)}"
-               + (f", GEMMs {_eng('FLOP/s')(gemm)} (dashed)" if gemm else ""), "Work (FLOP)"),
+               + (f", {'TF32' if 'TF32' in gemm_roof[1] else 'GEMMs'} {_eng('FLOP/s')(gemm)} (dashed)"
+                  if gemm_roof else ""), "Work (FLOP)"),
               (axes[1], "bytes", bw, f"memory floor {device.mem_bandwidth_gbps:g} GB/s", "DRAM traffic (bytes)"))
     sizes = _sizes(k["latency_ms"])
     for ax, col, rate, label, xlabel in panels:

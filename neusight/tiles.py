@@ -51,12 +51,14 @@ class DeviceRates:
     max_blocks_per_sm: int
 
 
-def device_rates(device: Device, dtype: str = "float32", *, tf32: bool = False) -> DeviceRates:
-    """Peak rates for ``dtype``: FP32 GEMMs on the FP32 (AMD: matrix) units, TF32 off as in the data."""
+def device_rates(device: Device, dtype: str = "float32") -> DeviceRates:
+    """Peak rates for ``dtype``: FP32 GEMMs on the FP32 (AMD: matrix) units, as in the data (TF32 off);
+    ``"tf32"`` (an FP32 GEMM or convolution PyTorch lets run on TF32 tensor cores) at the dense TF32 tensor peak
+    where the GPU has one, else as FP32."""
     if dtype in ("float16", "bfloat16"):
         gemm = device.peak_flops(dtype, tensor_cores=True)
         vector = 2 * device.peak_fp32_flops
-    elif tf32 and dtype == "float32" and device.tf32_tensor_tflops:
+    elif dtype == "tf32" and device.tf32_tensor_tflops:
         gemm, vector = device.tf32_tensor_tflops * 1e12, device.peak_fp32_flops
     else:
         gemm = device.fp32_matrix_tflops * 1e12

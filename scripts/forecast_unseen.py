@@ -20,7 +20,9 @@ ran these, so there is no base to read them against.
 
 Last, the older cards the public CNN benchmarks leave out (RTX 2080 Ti, GTX 1080 Ti, TITAN V): ResNet-50 FP32
 training steps (forward, loss, backward, SGD; what DeepLearningExamples and Lambda time) and inference passes at
-a few batch sizes, with images/s and whether the step fits in the card's memory.
+a few batch sizes, with images/s and whether the step fits in the card's memory; and the same runs on the
+left-out A100 80GB and H100 as PyTorch runs "float" there by default (convolutions on TF32 tensor cores), next to
+the same predictor's error on the measured A100 40GB TF32 rows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ MEGATRON_GPUS = ("a100-sxm4-40gb", "h100-sxm5-80gb")
 # the older cards public-benchmarks leaves out, and the CNN runs forecast on them
 CNN_GPUS = ("rtx-2080-ti", "gtx-1080-ti", "titan-v")
 CNN_RUNS = [("resnet50", "training", b) for b in (32, 64, 128)] + [("resnet50", "inference", b) for b in (32, 128, 256)]
+# the left-out Ampere / Hopper cards, where PyTorch's "float" CNN runs TF32 convolutions (neusight.api.TF32_MODES)
+CNN_TF32_GPUS = ("a100-80gb-pcie", "h100-sxm5-80gb")
 
 
 def timed_ms(run, predictor, cache) -> tuple[float, float]:
@@ -123,8 +127,9 @@ def render_megatron(df: pd.DataFrame) -> str:
                                      index=False), ""])
 
 
-def forecast_cnn() -> pd.DataFrame:
-    """CNN_RUNS on CNN_GPUS: ``neusight.predict(model, gpu, batch_size=b, image_size=224, mode=m, optimizer="sgd")``."""
+def forecast_cnn(gpus: tuple[str, ...] = CNN_GPUS) -> pd.DataFrame:
+    """CNN_RUNS on ``gpus``: ``neusight.predict(model, gpu, batch_size=b, image_size=224, mode=m, optimizer="sgd")``
+    (PyTorch's default TF32 switches: TF32 convolutions on GPUs that have TF32 tensor cores)."""
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
     from neusight.memory import estimate_memory
@@ -132,7 +137,7 @@ def forecast_cnn() -> pd.DataFrame:
     rows = []
     for model, mode, batch in CNN_RUNS:
         g = trace(model, batch_size=batch, mode=mode, image_size=224, optimizer="sgd")
-        for gpu in CNN_GPUS:
+        for gpu in gpus:
             p = predict_graph(g, gpu)
             mem = estimate_memory(g, p.device)
             rows.append({"gpu": gpu, "model": model, "mode": mode, "batch": batch, "predicted_ms": p.latency_ms,
@@ -140,12 +145,12 @@ def forecast_cnn() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def measured_cnn_kin() -> pd.DataFrame:
-    """The same predictor on the public ResNet-50 rows it can be checked on (docs/evaluation.md's CNN section):
+def measured_cnn_kin(precisions: tuple[str, ...] = ("fp32",)) -> pd.DataFrame:
+    """The same predictor on the public ResNet-50 rows it can be checked on (docs/evaluation.md's CNN sections):
     mean signed error per GPU and mode, the hint for the left-out cards' kin (same die or generation)."""
     from neusight.e2e_eval import load_cnn_benchmarks, predict_cnn
 
-    sel, _ = load_cnn_benchmarks(DATASET.parent / "public-benchmarks", models=["resnet50"])
+    sel, _ = load_cnn_benchmarks(DATASET.parent / "public-benchmarks", models=["resnet50"], precisions=precisions)
     res = predict_cnn(sel)
     return (res.groupby(["gpu", "mode"]).agg(rows=("error_pct", "size"), mean_signed_err_pct=("error_pct", "mean"),
                                               worst_err_pct=("error_pct", lambda e: e[e.abs().idxmax()]))
@@ -170,6 +175,19 @@ def render_cnn(df: pd.DataFrame, kin: pd.DataFrame) -> str:
                       "docs/evaluation.md; signed error, predicted - measured):", "",
                       markdown_table(k, index=False, signed=["mean err %", "worst err %"]), "",
                       "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + ".", ""])
+
+
+def render_cnn_tf32(df: pd.DataFrame, kin: pd.DataFrame) -> str:
+    t = df.rename(columns={"predicted_ms": "forecast ms", "images_per_s": "images/s", "fits": "fits in memory"})
+    k = kin.rename(columns={"mean_signed_err_pct": "mean err %", "worst_err_pct": "worst err %"})
+    return "\n".join(["## A100 80GB and H100: ResNet-50, TF32 (PyTorch's default for float convolutions)", "",
+                      "The same runs as PyTorch runs a float model on these GPUs by default: convolutions on TF32 tensor "
+                      "cores, everything else FP32 (`tf32=\"default\"`; the predictor learned FP32 kernels only, and "
+                      "no TF32 measurement was fitted).", "",
+                      markdown_table(t, index=False), "",
+                      "The same predictor on the measured TF32 ResNet-50 rows of their kin (docs/evaluation.md's TF32 "
+                      "section; signed error, predicted - measured):", "",
+                      markdown_table(k, index=False, signed=["mean err %", "worst err %"]), ""])
 
 
 def render(df: pd.DataFrame, seconds: float) -> str:
@@ -213,9 +231,13 @@ def main() -> None:
     meg = forecast_megatron(args.dataset)
     cnn = forecast_cnn()
     kin = measured_cnn_kin()
+    cnn_tf32 = forecast_cnn(CNN_TF32_GPUS)
+    kin_tf32 = measured_cnn_kin(("tf32",))
+    kin_tf32 = kin_tf32[kin_tf32["gpu"].str.startswith("a100")]
     text = render(df, time.time() - t0).replace(
-        " forecasts in ", f" + {len(meg)} multi-GPU + {len(cnn)} CNN forecasts in ", 1)
-    text += "\n" + render_megatron(meg) + "\n" + render_cnn(cnn, kin)
+        " forecasts in ", f" + {len(meg)} multi-GPU + {len(cnn) + len(cnn_tf32)} CNN forecasts in ", 1)
+    text += ("\n" + render_megatron(meg) + "\n" + render_cnn(cnn, kin) + "\n"
+             + render_cnn_tf32(cnn_tf32, kin_tf32))
     atomic_write_text(args.out, text + "\n")
     print(text)
 

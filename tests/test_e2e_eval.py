@@ -21,8 +21,10 @@ from torch import nn
 
 import neusight
 from neusight.cli.common import CONF_DIR
-from neusight.e2e_eval import (HALF_PRECISIONS, SCOPE_ACCEPTANCE, SCOPE_OTHER, cnn_summary, error_table,
-                               load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn, write_doc_section)
+from neusight.devices import load_device
+from neusight.e2e_eval import (CNN_TF32_GPUS, HALF_PRECISIONS, SCOPE_ACCEPTANCE, SCOPE_OTHER, TF32_PRECISIONS, cnn_summary,
+                               error_table, load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn,
+                               write_doc_section)
 from neusight.errors import InputError
 from tests.conftest import DATASET, SHARED, need_shared
 
@@ -198,7 +200,7 @@ def test_cnn_selection_keeps_to_scope(cnn_rows):
     assert "TF32" in reasons and "SUSPECT" in reasons
     laptops = skipped[skipped["gpu_name"].str.contains("laptop") & (skipped["precision"] == "fp32")]
     assert len(laptops) and laptops["reason"].str.contains("laptop").all()
-    assert set(skipped.loc[skipped["reason"].str.contains("precision"), "precision"]) >= {"tf32", "amp"}
+    assert set(skipped.loc[skipped["reason"].str.contains("sections of their own"), "precision"]) >= {"tf32", "amp"}
 
 
 def test_cnn_summary_keeps_the_acceptance_scope_apart():
@@ -229,8 +231,7 @@ def test_half_precision_rows_are_selected_apart_and_forecast_in_fp16():
     assert set(sel["precision"]) == {"amp", "fp16"} and (sel["dtype"] == "float16").all()
     # FP16 runs as FP16 on Ampere too (unlike its "float" rows, which are TF32): those cards are in
     assert {"a100-sxm4-40gb", "rtx-3090"} <= set(sel["gpu"])
-    assert set(skipped.loc[skipped["reason"].str.contains("TF32"), "precision"]) == {"tf32"}
-    assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32"}
+    assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32", "tf32"}
     row = sel[(sel["gpu"] == "t4") & (sel["model"] == "resnet50") & (sel["batch"] == 64)]
     res = predict_cnn(row)
     p = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", dtype="float16",
@@ -239,9 +240,25 @@ def test_half_precision_rows_are_selected_apart_and_forecast_in_fp16():
     assert (p.kernels["dtype"] == "float16").all()
 
 
+def test_tf32_rows_are_the_ampere_cards_float_runs_forecast_with_tf32_convolutions():
+    sel, skipped = load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"),
+                                       precisions=TF32_PRECISIONS)
+    assert set(sel["precision"]) == {"tf32"} and (sel["dtype"] == "float32").all()
+    assert {"a100-pcie-40gb", "a100-sxm4-40gb", "rtx-3090"} <= set(sel["gpu"]) <= set(CNN_TF32_GPUS.values())
+    assert all(load_device(g).tf32_tensor_tflops for g in sel["gpu"])    # every one has TF32 tensor cores
+    assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32", "amp",
+                                                                                                      "fp16"}
+    row = sel[(sel["gpu"] == "a100-pcie-40gb")].head(1)
+    res, as_fp32 = predict_cnn(row), predict_cnn(row, tf32="off")
+    b = int(row["batch"].iloc[0])
+    p = neusight.predict("resnet50", "a100-pcie-40gb", batch_size=b, image_size=224, mode="training",
+                         optimizer="sgd", tf32="default", memory=False)
+    assert res["predicted_ms"].iloc[0] == p.latency_ms < as_fp32["predicted_ms"].iloc[0]
+
+
 def test_unknown_cnn_precision_is_refused():
-    with pytest.raises(InputError, match=r"\['tf32'\] are not forecast"):
-        load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"), precisions=("tf32",))
+    with pytest.raises(InputError, match=r"\['int8'\] are not forecast"):
+        load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"), precisions=("int8",))
 
 
 # ---------------------------------------------------------------------------------------------------------

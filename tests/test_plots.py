@@ -118,15 +118,17 @@ def test_layer_table(kernels):
     assert t.loc["transformer.h.0", "saved_bytes"] == 120 and t.loc["transformer.h.1", "saved_bytes"] == 0
 
 
-@pytest.mark.parametrize("key, dtype, dashed", [("h100-sxm5-80gb", "float32", True), ("l4", "float32", True),
-                                                ("a100-pcie-40gb", "float32", False), ("h100-sxm5-80gb", "float16", False)])
+@pytest.mark.parametrize("key, dtype, dashed", [("h100-sxm5-80gb", "float32", "GEMM"), ("l4", "float32", "GEMM"),
+                                                ("a100-pcie-40gb", "float32", None), ("h100-sxm5-80gb", "float16", None),
+                                                ("a100-pcie-40gb", "tf32", "TF32"), ("v100-pcie-32gb", "tf32", None)])
 def test_roofline_pictures_draw_the_gemm_roof_the_predictor_uses(key, dtype, dashed):
-    # the dashed GEMM roof is the rate GEMM bounds are computed with, drawn only where it is below the spec peak
+    # the dashed roof is the rate GEMM bounds are computed with, drawn only where it differs from the spec peak
     from neusight.tiles import device_rates
 
     dev = load_device(key)
-    peak = dev.peak_flops(dtype)
-    roof = plots._gemm_roof(dev, dtype, peak)
-    assert (roof is not None) == dashed
+    kernels = pd.DataFrame({"family": ["conv", "elementwise"], "dtype": [dtype, "float32"]})
+    peak = dev.peak_flops("float32" if dtype == "tf32" else dtype)
+    roof = plots._gemm_roof(dev, kernels, peak)
+    assert (roof[1].split()[0] if roof else None) == dashed
     if dashed:
-        assert roof == device_rates(dev, dtype).gemm_flops < peak
+        assert roof[0] == device_rates(dev, dtype).gemm_flops != peak

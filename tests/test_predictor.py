@@ -29,9 +29,10 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+import neusight
 from neusight.api import predict_kernel_table
 from neusight.dataset import kernel_frame, load_kernel_traces
-from neusight.errors import CheckpointError, DataError, DeviceError, NeuSightError
+from neusight.errors import CheckpointError, DataError, DeviceError, InputError, NeuSightError
 from neusight.devices import load_device
 from neusight.predictor.features import feature_names
 from neusight.predictor.mlp import MLPConfig, UtilizationMLP, log_excess_rowwise
@@ -694,3 +695,40 @@ def test_early_stopping_flag_reaches_the_fit_and_is_deterministic(small_df, smal
     pd.testing.assert_frame_equal(full.predict(e, "t4"), small_fit.predict(e, "t4"), check_exact=True)
     pd.testing.assert_frame_equal(full.predict(d, "t4"), Predictor(cfg).fit(small_df).predict(d, "t4"),
                                   check_exact=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TF32: which FP32 kernels run on TF32 tensor cores (neusight.api.TF32_MODES)
+
+@pytest.fixture(scope="module")
+def resnet_graph():
+    return neusight.trace("resnet18", batch_size=8, mode="training", optimizer="sgd")
+
+
+def test_tf32_default_runs_convolutions_on_tensor_cores_of_gpus_that_have_them(resnet_graph):
+    from neusight.api import predict_graph
+
+    a100 = {m: predict_graph(resnet_graph, "a100-pcie-40gb", tf32=m) for m in (None, "default", "all", "off", True,
+                                                                               False)}
+    k = a100[None].kernels
+    assert set(k.loc[k["family"] == "conv", "dtype"]) == {"tf32"}               # PyTorch's default: convolutions
+    assert set(k.loc[k["family"] == "linear", "dtype"]) == {"float32"}          # ... but not matmuls
+    assert set(a100["all"].kernels.loc[k["family"] == "linear", "dtype"]) == {"tf32"}
+    assert (a100["off"].kernels["dtype"] != "tf32").all()
+    assert a100[None].latency_ms == a100["default"].latency_ms < a100["off"].latency_ms
+    assert a100[True].latency_ms == a100["all"].latency_ms and a100[False].latency_ms == a100["off"].latency_ms
+    assert any("TF32" in n for n in a100[None].notes) and not any("TF32" in n for n in a100["off"].notes)
+    for p in a100.values():   # the laws hold with the TF32 bound too
+        assert (p.kernels["isolated_ms"] >= p.kernels["roofline_ms"]).all() and np.isfinite(p.latency_ms)
+    conv = k["family"] == "conv"   # a TF32 convolution is bounded by the TF32 peak, not the FP32 one
+    assert (k.loc[conv, "roofline_ms"] <= a100["off"].kernels.loc[conv, "roofline_ms"]).all()
+    # a GPU without TF32 tensor cores runs true FP32 whatever the switch says
+    v100 = {m: predict_graph(resnet_graph, "v100-sxm2-16gb", tf32=m).latency_ms for m in ("default", "all", "off")}
+    assert len(set(v100.values())) == 1
+
+
+def test_unknown_tf32_mode_is_refused_with_the_choices(resnet_graph):
+    from neusight.api import predict_graph
+
+    with pytest.raises(InputError, match=r"tf32='fast'.*'default', 'all', 'off'"):
+        predict_graph(resnet_graph, "a100-pcie-40gb", tf32="fast")

@@ -2,10 +2,11 @@
 
 Default: every plain (no -fusion/-dp/-tp/-pp) label run of an NVIDIA GPU in ``../shared/datasets/neusight-asplos25``
 with the shipped predictor, plus the CNN rows of ``../shared/datasets/public-benchmarks`` in FP32 (issue 4's scope:
-V100/T4; other FP32 GPUs apart) and, in a section of their own, their AMP / FP16 rows forecast as pure FP16
-(``cnn.half=false`` leaves them out), and their FP32 inference rows at batches below ``cnn.min_batch``
+V100/T4; other FP32 GPUs apart) and, in sections of their own, their TF32 rows (Ampere and Ada cards' "float"
+runs: convolutions on TF32 tensor cores, as PyTorch does by default; ``cnn.tf32=false`` leaves them out), their
+AMP / FP16 rows forecast as pure FP16 (``cnn.half=false`` leaves them out), and their FP32 inference rows at batches below ``cnn.min_batch``
 (host-bound; ``cnn.small_batches=false`` leaves them out). Writes into Hydra's run directory: ``results.csv``
-(one row per label run), ``per_gpu.csv``, ``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_half_results.csv`` /
+(one row per label run), ``per_gpu.csv``, ``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_tf32_results.csv`` / ``cnn_half_results.csv`` /
 ``cnn_small_batch_results.csv``, ``evaluation.md`` (the tables) and ``predicted_vs_measured.png``.
 
 Examples::
@@ -62,6 +63,7 @@ class CnnConfig:
     enabled: bool = True
     dir: str = str(DATASETS / "public-benchmarks")      # cnn_dle.csv and cnn_lambda.csv
     min_batch: int = 32                    # DLE inference rows below this batch are host-bound: their own section
+    tf32: bool = True                      # also the TF32 rows (Ampere+ "float": TF32 convolutions; a section of their own)
     half: bool = True                      # also the AMP / FP16 rows, forecast as pure FP16 (a section of their own)
     small_batches: bool = True             # also the FP32 inference rows below min_batch (host-bound; a section of their own)
 
@@ -151,13 +153,18 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     speedups = ev.speedup_frame(labels, ev.LABEL_CONFIG, trained_on)
     atomic_write_text(out / "speedups.csv", speedups.to_csv(index=False))
 
-    cnn = skipped = half = small = None
+    cnn = skipped = half = small = tf32 = None
     if cfg.cnn.enabled:
         sel, skipped = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch)
         cnn = ev.predict_cnn(sel, pred)
         atomic_write_text(out / "cnn_results.csv", cnn.to_csv(index=False))
         atomic_write_text(out / "cnn_skipped.csv", skipped.to_csv(index=False))
         atomic_write_text(out / "cnn_speedups.csv", ev.speedup_frame(cnn, ev.CNN_CONFIG, trained_on).to_csv(index=False))
+        if cfg.cnn.tf32:
+            tf32_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.TF32_PRECISIONS)
+            tf32 = ev.predict_cnn(tf32_sel, pred)
+            tf32["fp32_error_pct"] = ev.predict_cnn(tf32_sel, pred, tf32="off")["error_pct"]   # as true FP32
+            atomic_write_text(out / "cnn_tf32_results.csv", tf32.to_csv(index=False))
         if cfg.cnn.half:
             half_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS)
             half = ev.predict_cnn(half_sel, pred)
@@ -188,7 +195,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     footer = ("The predicted-vs-measured log-log plot (NeuSight and roofline side by side) is written to the run "
               "directory as `predicted_vs_measured.png`.")
     md = ev.render_markdown(labels, trained_on, cnn=cnn, cnn_skipped=skipped, header=header, footer=footer,
-                            targets=targets, cnn_half=half, cnn_small=small)
+                            targets=targets, cnn_half=half, cnn_small=small, cnn_tf32=tf32)
     atomic_write_text(out / "evaluation.md", md)
     if out_md:
         atomic_write_text(out_md, md)
@@ -201,11 +208,13 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
                "speedup_mean_abs_error_pct": float(speedups["error_pct"].abs().mean()) if len(speedups) else None,
                "labels_wall_s": t_labels, "total_wall_s": t_all,
                "cnn_mean_abs_error_pct": None, "cnn_other_gpus_mean_abs_error_pct": None,
-               "cnn_half_mean_abs_error_pct": None}
+               "cnn_tf32_mean_abs_error_pct": None, "cnn_half_mean_abs_error_pct": None}
     if cnn is not None:   # issue 4's scope (V100, T4) and the other FP32 GPUs apart; NaN when a scope has no row
         acc = cnn["scope"] == ev.SCOPE_ACCEPTANCE
         summary["cnn_mean_abs_error_pct"] = float(cnn.loc[acc, "error_pct"].abs().mean())
         summary["cnn_other_gpus_mean_abs_error_pct"] = float(cnn.loc[~acc, "error_pct"].abs().mean())
+    if tf32 is not None:   # TF32 rows (Ampere+ "float" runs): measured, never fitted, outside issue 4
+        summary["cnn_tf32_mean_abs_error_pct"] = float(tf32["error_pct"].abs().mean())
     if half is not None:   # AMP / FP16 rows, forecast as pure FP16: measured, never fitted, outside issue 4
         summary["cnn_half_mean_abs_error_pct"] = float(half["error_pct"].abs().mean())
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -213,8 +222,9 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
         print(per_gpu.to_string(index=False))
         if cnn is not None:
             print(ev.cnn_summary(cnn).to_string(index=False))
-        if half is not None:
-            print(ev.precision_summary(half).to_string(index=False))
+        for other in (tf32, half):
+            if other is not None:
+                print(ev.precision_summary(other).to_string(index=False))
     print(f"{len(labels)} label runs: mean |error| {summary['mean_abs_error_pct']:.1f} % (roofline "
           f"{summary['roofline_mean_abs_error_pct']:.1f} %)"
           + (f", {len(speedups)} GPU pairs: speed-up mean |error| {summary['speedup_mean_abs_error_pct']:.1f} % "

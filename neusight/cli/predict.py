@@ -55,6 +55,7 @@ class PredictConfig:
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training; null: no step)
     attn_implementation: str = "eager"   # eager | sdpa
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)
+    tf32: Any = None                     # FP32 on TF32 tensor cores (Ampere+): null = convs (PyTorch), all|true, off|false
     dp: int = 1                          # data-parallel replicas (batch_size is the global batch)
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
@@ -237,11 +238,12 @@ def _out_path(path: str) -> str:
 
 def forecast(cfg: PredictConfig) -> list[Prediction]:
     """Trace once, predict on every GPU of ``cfg.device`` (memory too when ``cfg.memory``)."""
-    from neusight.api import load_predictor, predict_graph
+    from neusight.api import load_predictor, predict_graph, tf32_mode
     from neusight.devices import load_device
     from neusight.graph.tracer import trace
 
-    # fail on a bad GPU or checkpoint before the (slower) trace
+    # fail on a bad GPU, checkpoint or switch before the (slower) trace
+    tf32_mode(cfg.tf32)
     devices = [load_device(d) for d in _devices(cfg.device)]
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
@@ -249,7 +251,7 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
               dtype=cfg.dtype)
     preds = []
     for dev in devices:
-        p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused)
+        p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
         if cfg.memory:
             from neusight.memory import estimate_memory
 
@@ -383,7 +385,7 @@ def _parallel(cfg: PredictConfig) -> float:
         p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
-                             image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory)
+                             image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32)
         print(("\n" if i else "") + p.summary())
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))

@@ -13,7 +13,7 @@ import math
 from neusight.kernels.base import Family, Kernel
 
 _ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
     "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 

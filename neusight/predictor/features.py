@@ -199,7 +199,7 @@ def decompose(df: pd.DataFrame, device: Device, table: TileTable,
     routed = layout_model(df, layout_models)
     out.loc[routed.notna(), "model_family"] = routed[routed.notna()]
     parts = []
-    for fam, d in df.groupby(out["model_family"], sort=False):
+    for (fam, _), d in df.groupby([out["model_family"], df["dtype"].astype(str)], sort=False):   # rates per dtype
         parts.append(_gemm(d, fam, device, table) if fam in GEMM_FAMILIES else _rows(d, fam, device, table))
     res = pd.concat(parts).reindex(df.index)
     res.insert(0, "model_family", out["model_family"])

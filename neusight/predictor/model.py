@@ -151,6 +151,9 @@ class Predictor:
         keys = ["family", "kernel", "B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes", "dtype"]
         work = df.reindex(columns=keys).copy()
         work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
+        # Winograd and FFT convolutions are FP32 kernels on the FP32 lanes (the conv sweeps' kind); on tensor cores
+        # (TF32, FP16, BF16) cuDNN runs convolutions as implicit GEMMs, with every FLOP of the direct algorithm
+        work.loc[work["dtype"].astype(str) != "float32", "algo_flops"] = work["flops"]
         work["kernel"] = work["kernel"].astype(object).where(work["kernel"].notna(), "conv_fwd")
         # names matter to convolutions (their kind) and, when this predictor routes layouts, to 2-D GEMMs
         named = ["conv", "linear"] if self.layout_models_ else ["conv"]
