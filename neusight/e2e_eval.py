@@ -28,7 +28,7 @@ from neusight.errors import DataError, InputError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "CNN_TF32", "CNN_TF32_GPUS", "HALF_PRECISIONS",
+__all__ = ["CNN_AMP", "CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "CNN_TF32", "CNN_TF32_GPUS", "HALF_PRECISIONS",
            "TF32_PRECISIONS", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
            "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn", "render_markdown", "scatter_plot",
            "select_labels", "write_doc_section"]
@@ -51,11 +51,12 @@ CNN_HALF_GPUS = {**CNN_GPUS, **CNN_TF32_GPUS}
 CNN_ACCEPTANCE_GPUS = ("v100-sxm2-16gb", "v100-sxm2-32gb", "t4")   # issue 4: V100 and T4
 SCOPE_ACCEPTANCE, SCOPE_OTHER = "V100, T4 (issue 4)", "other FP32 GPUs"
 CNN_PRECISION = "fp32"          # the only precision in issue 4's scope
-# benchmark precision -> the dtype a row is traced in. AMP and FP16 rows are forecast as pure FP16 (GEMMs and
-# convolutions at the dense FP16 tensor peak, every tensor half the bytes): AMP's FP32 master weights and FP32
-# ops are ignored. TF32 rows are FP32 traces whose convolutions run on TF32 tensor cores (neusight.api's
-# tf32="default", what PyTorch does by default); FP32 rows are true FP32 (tf32="off").
-CNN_DTYPES = {"fp32": "float32", "tf32": "float32", "amp": "float16", "fp16": "float16"}
+# benchmark precision -> the dtype a row's model is traced in. FP16 rows are pure FP16 (GEMMs and convolutions at
+# the dense FP16 tensor peak, every tensor half the bytes); AMP rows are the FP32 model under torch.autocast(float16)
+# (CNN_AMP: neusight.graph.amp, with GradScaler in training). TF32 rows are FP32 traces whose convolutions run on
+# TF32 tensor cores (neusight.api's tf32="default", what PyTorch does by default); FP32 rows are true FP32.
+CNN_DTYPES = {"fp32": "float32", "tf32": "float32", "amp": "float32", "fp16": "float16"}
+CNN_AMP = {"amp": "float16"}     # benchmark precision -> trace's amp= (every other precision: none)
 HALF_PRECISIONS = ("amp", "fp16")
 TF32_PRECISIONS = ("tf32",)
 CNN_TF32 = {"tf32": "default"}   # benchmark precision -> predict's tf32= (every other precision: "off")
@@ -334,6 +335,7 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     sel = pd.concat([dle[cols], lam[cols]], ignore_index=True)
     sel.insert(3, "scope", np.where(sel["gpu"].isin(CNN_ACCEPTANCE_GPUS), SCOPE_ACCEPTANCE, SCOPE_OTHER))
     sel.insert(sel.columns.get_loc("precision") + 1, "dtype", sel["precision"].map(CNN_DTYPES))
+    sel.insert(sel.columns.get_loc("dtype") + 1, "amp", sel["precision"].map(CNN_AMP))
     sel = sel.sort_values(["source_name", "mode", "gpu", "model", "batch"]).reset_index(drop=True)
     skip = pd.concat([s[[*keep_cols, "reason"]] for s in skipped if not s.empty], ignore_index=True)
     return sel, skip
@@ -342,9 +344,10 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
 def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd",
                 tf32: str | None = None) -> pd.DataFrame:
     """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=s,
-    mode=m, optimizer="sgd", dtype=d, tf32=t)`` returns (``s`` = the row's ``image_size``, ``d`` its ``dtype``,
-    default float32, ``t`` :data:`CNN_TF32` of its precision, else "off"), with each (model, batch, mode, image
-    size, dtype) traced once and shared by the GPUs. ``tf32`` overrides ``t`` for every row."""
+    mode=m, optimizer="sgd", dtype=d, amp=a, tf32=t)`` returns (``s`` = the row's ``image_size``, ``d`` its
+    ``dtype``, default float32, ``a`` its ``amp`` (none where missing), ``t`` :data:`CNN_TF32` of its precision, else
+    "off"), with each (model, batch, mode, image size, dtype, amp) traced once and shared by the GPUs. ``tf32``
+    overrides ``t`` for every row."""
     from neusight.api import host_bound_note, predict_graph
     from neusight.graph.tracer import trace
 
@@ -353,10 +356,12 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
     for r in rows.itertuples(index=False):
         size = int(getattr(r, "image_size", CNN_IMAGE_SIZE))
         dtype = str(getattr(r, "dtype", "float32"))
-        key = (r.model, int(r.batch), r.mode, size, dtype)
+        amp = getattr(r, "amp", None)
+        amp = None if amp is None or (isinstance(amp, float) and np.isnan(amp)) else str(amp)
+        key = (r.model, int(r.batch), r.mode, size, dtype, amp)
         if key not in graphs:
             graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=size,
-                                optimizer=optimizer if r.mode == "training" else None, dtype=dtype)
+                                optimizer=optimizer if r.mode == "training" else None, dtype=dtype, amp=amp)
         mode = tf32 if tf32 is not None else CNN_TF32.get(str(getattr(r, "precision", "")), "off")
         p = predict_graph(graphs[key], r.gpu, predictor, tf32=mode)
         roof = float(p.kernels["roofline_ms"].sum())
@@ -393,7 +398,9 @@ def precision_summary(res: pd.DataFrame) -> pd.DataFrame:
                      "gpus": ", ".join(sorted(g["gpu"].unique())), "mean err %": g["error_pct"].mean(),
                      "mean abs err %": g["error_pct"].abs().mean(), "worst abs err %": g["error_pct"].abs().max(),
                      "roofline mean abs err %": g["roofline_error_pct"].abs().mean(),
-                     **({"as FP32 mean abs err %": g["fp32_error_pct"].abs().mean()} if "fp32_error_pct" in g else {})})
+                     **({"as FP32 mean abs err %": g["fp32_error_pct"].abs().mean()} if "fp32_error_pct" in g else {}),
+                     **({"as pure FP16 mean abs err %": g["fp16_error_pct"].abs().mean()} if "fp16_error_pct" in g
+                        else {})})
     return pd.DataFrame(rows).sort_values(["source", "precision", "mode"]).reset_index(drop=True)
 
 
@@ -542,14 +549,16 @@ def _small_md(res: pd.DataFrame) -> str:
 
 def _precision_rows_md(res: pd.DataFrame) -> str:
     cols = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size", "measured_ms", "predicted_ms",
-            "error_pct", "roofline_error_pct", *(["fp32_error_pct"] if "fp32_error_pct" in res else []), "version"]
+            "error_pct", "roofline_error_pct", *[c for c in ("fp32_error_pct", "fp16_error_pct") if c in res], "version"]
     rows = res[cols].rename(columns={"source_name": "source", "error_pct": "err %", "roofline_error_pct": "roofline err %",
-                                     "fp32_error_pct": "as FP32 err %", "image_size": "image"})
+                                     "fp32_error_pct": "as FP32 err %", "fp16_error_pct": "as pure FP16 err %",
+                                     "image_size": "image"})
     return (markdown_table(precision_summary(res), index=False, signed=("mean err %",))
             + "\nPer model (all sources and GPUs):\n\n"
             + markdown_table(_per_model(res), index=False, signed=("mean err %",))
             + "\nEvery row (signed % error):\n\n"
-            + markdown_table(rows, index=False, signed=("err %", "roofline err %", "as FP32 err %")))
+            + markdown_table(rows, index=False, signed=("err %", "roofline err %", "as FP32 err %",
+                                                        "as pure FP16 err %")))
 
 
 def _tf32_md(res: pd.DataFrame) -> str:
@@ -566,10 +575,13 @@ def _tf32_md(res: pd.DataFrame) -> str:
 
 def _half_md(res: pd.DataFrame) -> str:
     return ("\n## CNNs in half precision (AMP, FP16): measured, never fitted\n\n"
-            "Outside issue 4's scope. The rows the benchmarks time with automatic mixed precision (`amp`) or in FP16 "
-            "(`fp16`), forecast as pure FP16 (`dtype=\"float16\"`): GEMMs and convolutions bounded by the spec "
-            "sheet's dense FP16 tensor-core peak, every tensor half the bytes. AMP's FP32 master weights and the ops it "
-            "keeps in FP32 are ignored, and no FP16 kernel trains the predictor (it learned FP32 kernels); nothing "
+            "Outside issue 4's scope. The rows the benchmarks time in FP16 (`fp16`), forecast as pure FP16 "
+            "(`dtype=\"float16\"`): GEMMs and convolutions bounded by the spec sheet's dense FP16 tensor-core peak, "
+            "every tensor half the bytes; and those timed with automatic mixed precision (`amp`), forecast as the FP32 "
+            "model under `torch.autocast(float16)` (`amp=\"float16\"`, neusight/graph/amp.py: GEMMs and "
+            "convolutions in FP16, softmax, norms and the loss in FP32, the casts between them, FP32 weights and "
+            "optimizer, GradScaler in training). `as pure FP16` is the same row forecast as a pure FP16 model, as "
+            "before autocast was emulated. No FP16 kernel trains the predictor (it learned FP32 kernels); nothing "
             "here was fitted.\n\n"
             + _precision_rows_md(res))
 

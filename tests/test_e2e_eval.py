@@ -228,16 +228,25 @@ def test_cnn_prediction_of_one_row(cnn_rows):
 def test_half_precision_rows_are_selected_apart_and_forecast_in_fp16():
     sel, skipped = load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"),
                                        precisions=HALF_PRECISIONS)
-    assert set(sel["precision"]) == {"amp", "fp16"} and (sel["dtype"] == "float16").all()
+    assert set(sel["precision"]) == {"amp", "fp16"}
+    # FP16 rows: a pure half model; AMP rows: the FP32 model under autocast(float16)
+    amp = sel["precision"] == "amp"
+    assert (sel.loc[~amp, "dtype"] == "float16").all() and sel.loc[~amp, "amp"].isna().all()
+    assert (sel.loc[amp, "dtype"] == "float32").all() and (sel.loc[amp, "amp"] == "float16").all()
     # FP16 runs as FP16 on Ampere too (unlike its "float" rows, which are TF32): those cards are in
     assert {"a100-sxm4-40gb", "rtx-3090"} <= set(sel["gpu"])
     assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32", "tf32"}
     row = sel[(sel["gpu"] == "t4") & (sel["model"] == "resnet50") & (sel["batch"] == 64)]
+    assert row["precision"].tolist() == ["amp"]
     res = predict_cnn(row)
-    p = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", dtype="float16",
+    p = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", amp="float16",
                          memory=False)
     assert len(res) == 1 and res["predicted_ms"].iloc[0] == p.latency_ms
-    assert (p.kernels["dtype"] == "float16").all()
+    assert set(p.kernels.loc[p.kernels["family"] == "conv", "dtype"]) == {"float16"}
+    pure = predict_cnn(row.assign(dtype="float16", amp=None))
+    p16 = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", dtype="float16",
+                           memory=False)
+    assert pure["predicted_ms"].iloc[0] == p16.latency_ms and (p16.kernels["dtype"] == "float16").all()
 
 
 def test_tf32_rows_are_the_ampere_cards_float_runs_forecast_with_tf32_convolutions():

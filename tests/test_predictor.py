@@ -732,3 +732,13 @@ def test_unknown_tf32_mode_is_refused_with_the_choices(resnet_graph):
 
     with pytest.raises(InputError, match=r"tf32='fast'.*'default', 'all', 'off'"):
         predict_graph(resnet_graph, "a100-pcie-40gb", tf32="fast")
+
+
+def test_mixed_precision_training_is_forecast_faster_than_fp32_on_tensor_cores():
+    # GEMMs at the FP16 / BF16 tensor peak, the rest as traced (FP32 softmax, norms, loss, casts, FP32 AdamW)
+    runs = {amp: neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", amp=amp,
+                                  memory=False) for amp in (None, "float16", "bfloat16")}
+    assert runs["float16"].latency_ms < runs[None].latency_ms and runs["bfloat16"].latency_ms < runs[None].latency_ms
+    k = runs["float16"].kernels
+    assert (k["isolated_ms"] >= k["roofline_ms"]).all()
+    assert set(k.loc[k["family"] == "linear", "dtype"]) == {"float16"}

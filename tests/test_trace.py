@@ -212,3 +212,50 @@ def test_step_options_without_a_step_are_refused():
         neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", optimizer=None, zero_grad=True)
     with pytest.raises(InputError, match="clip_grad_norm=-1 must be a positive number"):
         neusight.trace("gpt2", batch_size=1, seq_len=32, mode="training", clip_grad_norm=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# automatic mixed precision (neusight.graph.amp): torch.autocast's CUDA op lists, emulated on meta
+
+@pytest.fixture(scope="module")
+def gpt2_amp():
+    return neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", amp="float16")
+
+
+def test_amp_runs_gemms_in_half_and_softmax_norms_loss_in_fp32(gpt2_amp):
+    k = gpt2_amp.kernels
+    assert set(k.loc[k["family"].isin(["linear", "bmm"]), "dtype"]) == {"float16"}
+    assert set(k.loc[k["family"].isin(["softmax", "layernorm"]), "dtype"]) == {"float32"}
+    # the model keeps FP32 weights, gradients and optimizer state; the step runs in FP32
+    assert {p.dtype for p in gpt2_amp.params} == {"float32"} and {g.dtype for g in gpt2_amp.grads} == {"float32"}
+    assert set(k.loc[k["phase"] == "optimizer", "dtype"]) <= {"float32"}
+    assert gpt2_amp.amp == "float16" and any("autocast(float16)" in n for n in gpt2_amp.notes)
+
+
+def test_amp_casts_each_weight_once_per_forward(gpt2_amp):
+    # every block's c_attn weight (768 x 2304) is cast to float16 once in the forward, however often it is used
+    casts = [op for op in gpt2_amp.ops if op.phase == "forward" and "_to_copy" in op.call.op
+             and tuple(op.call.args[0].shape) == (768, 2304)]
+    assert len(casts) == 12
+
+
+def test_float16_training_adds_the_grad_scaler_and_bfloat16_does_not(gpt2_amp):
+    def scaler_ops(g):
+        return [op.call.op for op in g.ops if "_amp_" in op.call.op]
+
+    assert scaler_ops(gpt2_amp) == ["aten._amp_foreach_non_finite_check_and_unscale_.default",
+                                    "aten._amp_update_scale_.default"]
+    unscale = gpt2_amp.kernels[gpt2_amp.kernels["aten_op"].str.contains("unscale")]
+    assert len(unscale) == 1 and unscale["phase"].iloc[0] == "optimizer"
+    assert unscale["bytes"].iloc[0] == 2 * sum(g.numel * 4 for g in gpt2_amp.grads)   # every gradient read and written
+    bf16 = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", amp="bfloat16")
+    assert scaler_ops(bf16) == [] and set(bf16.kernels.loc[bf16.kernels["family"] == "linear", "dtype"]) == {"bfloat16"}
+    inference = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="inference", amp=True)
+    assert scaler_ops(inference) == [] and inference.amp == "float16"
+
+
+def test_amp_on_a_half_model_or_an_unknown_dtype_is_refused():
+    with pytest.raises(InputError, match="amp='float16'.*dtype='float16'"):
+        neusight.trace("gpt2", batch_size=1, seq_len=8, dtype="float16", amp="float16")
+    with pytest.raises(InputError, match="amp='float8'"):
+        neusight.trace("gpt2", batch_size=1, seq_len=8, amp="float8")

@@ -4,9 +4,10 @@ Default: every plain (no -fusion/-dp/-tp/-pp) label run of an NVIDIA GPU in ``..
 with the shipped predictor, plus the CNN rows of ``../shared/datasets/public-benchmarks`` in FP32 (issue 4's scope:
 V100/T4; other FP32 GPUs apart) and, in sections of their own, their TF32 rows (Ampere and Ada cards' "float"
 runs: convolutions on TF32 tensor cores, as PyTorch does by default; ``cnn.tf32=false`` leaves them out), their
-AMP / FP16 rows forecast as pure FP16 (``cnn.half=false`` leaves them out), and their FP32 inference rows at batches below ``cnn.min_batch``
-(host-bound; ``cnn.small_batches=false`` leaves them out). Writes into Hydra's run directory: ``results.csv``
-(one row per label run), ``per_gpu.csv``, ``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_tf32_results.csv`` / ``cnn_half_results.csv`` /
+AMP rows (forecast under an emulated ``torch.autocast``) and FP16 rows (pure FP16; ``cnn.half=false`` leaves both
+out), and their FP32 inference rows at batches below ``cnn.min_batch`` (host-bound; ``cnn.small_batches=false``
+leaves them out). Writes into Hydra's run directory: ``results.csv`` (one row per label run), ``per_gpu.csv``,
+``cnn_results.csv`` / ``cnn_skipped.csv`` / ``cnn_tf32_results.csv`` / ``cnn_half_results.csv`` /
 ``cnn_small_batch_results.csv``, ``evaluation.md`` (the tables) and ``predicted_vs_measured.png``.
 
 Examples::
@@ -64,7 +65,7 @@ class CnnConfig:
     dir: str = str(DATASETS / "public-benchmarks")      # cnn_dle.csv and cnn_lambda.csv
     min_batch: int = 32                    # DLE inference rows below this batch are host-bound: their own section
     tf32: bool = True                      # also the TF32 rows (Ampere+ "float": TF32 convolutions; a section of their own)
-    half: bool = True                      # also the AMP / FP16 rows, forecast as pure FP16 (a section of their own)
+    half: bool = True                      # also the AMP (autocast) / FP16 rows (a section of their own)
     small_batches: bool = True             # also the FP32 inference rows below min_batch (host-bound; a section of their own)
 
 
@@ -168,6 +169,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
         if cfg.cnn.half:
             half_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS)
             half = ev.predict_cnn(half_sel, pred)
+            half["fp16_error_pct"] = ev.predict_cnn(half_sel.assign(dtype="float16", amp=None), pred)["error_pct"]
             atomic_write_text(out / "cnn_half_results.csv", half.to_csv(index=False))
         if cfg.cnn.small_batches:
             small_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=1)

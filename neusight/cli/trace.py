@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -28,6 +28,7 @@ class TraceConfig:
     attn_implementation: str = "eager"   # eager | sdpa
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
+    amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 
 
@@ -44,7 +45,7 @@ def _app(cfg: TraceConfig) -> None:
     quiet_third_party_logs()
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype)
+              dtype=cfg.dtype, amp=cfg.amp)
     s = g.summary()
     total = pd.DataFrame([s.sum()], index=["total"])
     print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")

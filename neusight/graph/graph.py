@@ -39,6 +39,7 @@ class Graph:
     held: list[TensorMeta] = field(default_factory=list)   # what the model output (and loss) keep alive
     param_names: list[str] = field(default_factory=list)   # ``named_parameters()`` names, in the order of ``params``
     keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)
+    amp: str | None = None      # the autocast dtype of a mixed-precision trace ("float16", "bfloat16"), else None
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

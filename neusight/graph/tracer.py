@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from neusight.errors import InputError, ModelError, TraceError
+from neusight.graph.amp import Autocast, amp_dtype
 from neusight.graph.graph import Graph
 from neusight.graph.models import BuiltModel, build_model
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
@@ -28,6 +29,8 @@ from neusight.kernels.registry import build_kernels
 log = logging.getLogger(__name__)
 
 MODES = ("inference", "training")
+AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
+            "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 
 # Metadata / bookkeeping ops that never reach the GPU as a kernel and need no record at all.
@@ -160,7 +163,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
-          clip_grad_norm: float | None = None, zero_grad: bool = False) -> Graph:
+          clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -187,6 +190,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tensor_parallel : int
         Trace one GPU's share of a Megatron-style tensor-parallel model over this many GPUs
         (:func:`neusight.parallel.shard_tensor_parallel`); 1 = the whole model.
+    amp : {None, "float16", "bfloat16"} or bool
+        Automatic mixed precision: the FP32 model's forward and loss under ``torch.autocast("cuda", amp)``
+        (:mod:`neusight.graph.amp`: GEMMs and convolutions in ``amp``, softmax, norms and losses in FP32, the
+        casts between them); True = float16. Training in float16 adds ``torch.cuda.amp.GradScaler``'s kernels:
+        the loss scaling, the unscale pass over the gradients before the step and the scale update.
 
     Returns
     -------
@@ -204,6 +212,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
                         input_shapes=input_shapes, dtype=torch_dtype)
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
+    amp_t = amp_dtype(amp)
+    if amp_t is not None and torch_dtype != torch.float32:
+        dt = str(torch_dtype).removeprefix("torch.")
+        raise InputError(f"amp={amp!r} casts an FP32 model's operations, but dtype={dt!r}. Fix: dtype='float32' with "
+                         "amp, or a pure half-precision model without amp")
     if (clip_grad_norm is not None or zero_grad) and (mode != "training" or optimizer is None):
         raise InputError(f"clip_grad_norm={clip_grad_norm!r} / zero_grad={zero_grad!r} belong to an optimizer step, "
                          f"which this trace (mode={mode!r}, optimizer={optimizer!r}) has none of. Fix: "
@@ -221,14 +234,22 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tracker = ModuleTracker()
     rec = _Recorder(tracker, type(module).__name__)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
+    # float16 training runs under torch.cuda.amp.GradScaler (bfloat16 has FP32's range and needs none)
+    scaler = ({"scale": torch.full((), 65536.0, device="meta"), "found_inf": torch.zeros((), device="meta"),
+               "growth": torch.zeros((), dtype=torch.int32, device="meta")}
+              if training and amp_t == torch.float16 else None)
     grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
     try:
         with grad_ctx, tracker, _CudaPaths(), rec:
-            out = module(*args, **kwargs)
-            held = _held_tensors(out)
+            with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
+                out = module(*args, **kwargs)
+                held = _held_tensors(out)
+                if training:
+                    rec.phase = "loss"
+                    loss = built.loss(out, args, kwargs)
             if training:
-                rec.phase = "loss"
-                loss = built.loss(out, args, kwargs)
+                if scaler:   # GradScaler.scale(loss): the loss times the scale, then backward
+                    loss = loss * scaler["scale"]
                 held.append(TensorMeta.of(loss))
                 rec.phase = "backward"
                 loss.backward()
@@ -242,10 +263,16 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
         with tracker, _CudaPaths(), rec:
             rec.phase = "optimizer"
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            if scaler and (clip_grad_norm is not None or not isinstance(opt, _FusedAdam)):
+                # GradScaler.unscale_ (before clipping; a fused step unscales inside its own kernel otherwise)
+                inv = scaler["scale"].reciprocal()
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, scaler["found_inf"], inv)
             if clip_grad_norm is not None:
-                _clip_grad_norm([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None],
-                                float(clip_grad_norm))
+                _clip_grad_norm(grads, float(clip_grad_norm))
             opt.step()
+            if scaler:                                         # GradScaler.update
+                torch._amp_update_scale_(scaler["scale"], scaler["growth"], scaler["found_inf"], 2.0, 0.5, 2000)
             if zero_grad:   # zero_grad(set_to_none=False) with foreach kernels, as on CUDA: one memset pass
                 torch._foreach_zero_([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])
         state = [TensorMeta.of(t) for st in opt.state.values() for t in st.values()
@@ -259,10 +286,14 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
             if r.phase == "loss":
                 r.kernels = []
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
-                 dtype=str(torch_dtype).removeprefix("torch."), notes=tuple(built.notes), ops=rec.ops,
+                 dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops,
+                 notes=tuple(built.notes) + ((AMP_NOTE.format(dtype=str(amp_t).removeprefix("torch."),
+                                                              scaler=" with GradScaler" if scaler else ""),)
+                                             if amp_t is not None else ()),
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=built.image_size, param_names=[n for n, _ in named],
-                 keeps_grads=bool(zero_grad and opt is not None))
+                 keeps_grads=bool(zero_grad and opt is not None),
+                 amp=str(amp_t).removeprefix("torch.") if amp_t is not None else None)
 
 
 def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[TensorMeta]:

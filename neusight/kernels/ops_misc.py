@@ -109,6 +109,22 @@ def _foreach(c: OpCall) -> list[Kernel]:
                              bytes_total=float(size * numel * (reads + writes)), dtype=lists[0][0].dtype)]
 
 
+@register(*_ops("_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"))
+def _grad_scaler(c: OpCall) -> list[Kernel]:
+    """torch.cuda.amp.GradScaler's kernels: the unscale pass (one multi-tensor launch multiplying every gradient by
+    1 / scale and checking it for inf / NaN: each gradient read and written once) and the scale update (a few
+    scalars)."""
+    lists = [a for a in c.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], TensorMeta)]
+    if not lists:   # _amp_update_scale_: one thread's worth of scalar arithmetic
+        return [formulas.rowwise(Family.ELEMENTWISE, _short(c), 1, 1, flops_per_elem=4.0, bytes_total=16.0,
+                                 dtype="float32")]
+    grads = lists[0]
+    numel = sum(t.numel for t in grads)
+    cols = max(t.shape[-1] if t.shape else 1 for t in grads)
+    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), max(1, numel // cols), cols, flops_per_elem=2.0,
+                             bytes_total=float(formulas.itemsize(grads[0].dtype) * numel * 2), dtype=grads[0].dtype)]
+
+
 @register(*_ops("_fused_adam_", "_fused_adamw_"))
 def _fused_adam(c: OpCall) -> list[Kernel]:
     """Fused Adam(W): one multi-tensor pass reading parameter, gradient and both moments and writing back the
