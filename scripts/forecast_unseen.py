@@ -163,31 +163,32 @@ CNN_KIN = {"rtx-2080-ti": "TU102, like TITAN RTX and Quadro RTX 6000/8000 (Quadr
                                           "docs/deepbench.md)"}
 
 
-def render_cnn(df: pd.DataFrame, kin: pd.DataFrame) -> str:
+def render_cnn(df: pd.DataFrame, kin: pd.DataFrame, title: str, intro: str, kin_intro: str, tail: str = "") -> str:
+    """A section of CNN forecasts and, below them, the same predictor's error on the measured rows of their kin."""
     t = df.rename(columns={"predicted_ms": "forecast ms", "images_per_s": "images/s", "fits": "fits in memory"})
     k = kin.rename(columns={"mean_signed_err_pct": "mean err %", "worst_err_pct": "worst err %"})
-    return "\n".join(["## Older cards: ResNet-50, FP32", "",
+    return "\n".join([f"## {title}", "", intro, "", markdown_table(t, index=False), "", kin_intro, "",
+                      markdown_table(k, index=False, signed=["mean err %", "worst err %"]), "",
+                      *([tail, ""] if tail else [])])
+
+
+def render_cnn_fp32(df: pd.DataFrame, kin: pd.DataFrame) -> str:
+    return render_cnn(df, kin, "Older cards: ResNet-50, FP32",
                       "Forecast of one training step (SGD) or inference pass at 224 x 224, FP32 (no tensor cores), "
                       "from the spec files; the measurements these can be checked against (Lambda, DeepLearningExamples "
-                      "tables of these cards) are left out of public-benchmarks.", "",
-                      markdown_table(t, index=False), "",
+                      "tables of these cards) are left out of public-benchmarks.",
                       "Where the same predictor could be checked on ResNet-50 (the public CNN rows of "
-                      "docs/evaluation.md; signed error, predicted - measured):", "",
-                      markdown_table(k, index=False, signed=["mean err %", "worst err %"]), "",
-                      "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + ".", ""])
+                      "docs/evaluation.md; signed error, predicted - measured):",
+                      "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + ".")
 
 
 def render_cnn_tf32(df: pd.DataFrame, kin: pd.DataFrame) -> str:
-    t = df.rename(columns={"predicted_ms": "forecast ms", "images_per_s": "images/s", "fits": "fits in memory"})
-    k = kin.rename(columns={"mean_signed_err_pct": "mean err %", "worst_err_pct": "worst err %"})
-    return "\n".join(["## A100 80GB and H100: ResNet-50, TF32 (PyTorch's default for float convolutions)", "",
+    return render_cnn(df, kin, "A100 80GB and H100: ResNet-50, TF32 (PyTorch's default for float convolutions)",
                       "The same runs as PyTorch runs a float model on these GPUs by default: convolutions on TF32 tensor "
                       "cores, everything else FP32 (`tf32=\"default\"`; the predictor learned FP32 kernels only, and "
-                      "no TF32 measurement was fitted).", "",
-                      markdown_table(t, index=False), "",
+                      "no TF32 measurement was fitted).",
                       "The same predictor on the measured TF32 ResNet-50 rows of their kin (docs/evaluation.md's TF32 "
-                      "section; signed error, predicted - measured):", "",
-                      markdown_table(k, index=False, signed=["mean err %", "worst err %"]), ""])
+                      "section; signed error, predicted - measured):")
 
 
 def render(df: pd.DataFrame, seconds: float) -> str:
@@ -236,7 +237,7 @@ def main() -> None:
     kin_tf32 = kin_tf32[kin_tf32["gpu"].str.startswith("a100")]
     text = render(df, time.time() - t0).replace(
         " forecasts in ", f" + {len(meg)} multi-GPU + {len(cnn) + len(cnn_tf32)} CNN forecasts in ", 1)
-    text += ("\n" + render_megatron(meg) + "\n" + render_cnn(cnn, kin) + "\n"
+    text += ("\n" + render_megatron(meg) + "\n" + render_cnn_fp32(cnn, kin) + "\n"
              + render_cnn_tf32(cnn_tf32, kin_tf32))
     atomic_write_text(args.out, text + "\n")
     print(text)
