@@ -194,7 +194,8 @@ def host_bound_note(latency_ms: float, launches: int) -> str | None:
 # PyTorch's TF32 switches for FP32 math, as ``tf32=`` names them: "default" = PyTorch's defaults
 # (torch.backends.cudnn.allow_tf32 = True: convolutions on TF32 tensor cores; torch.backends.cuda.matmul.allow_tf32
 # = False: matmuls in FP32), "all" = matmuls too (torch.set_float32_matmul_precision("high")), "off" = neither (how
-# the NeuSight kernel sweeps and labels were measured). Only GPUs with TF32 tensor cores (Ampere and later) care.
+# the NeuSight kernel sweeps and labels were measured). Only GPUs with TF32 tensor cores care (NVIDIA Ampere and later;
+# AMD's CDNA3 with "all" only: ROCm does not run FP32 convolutions in TF32 by default).
 TF32_MODES = {"default": ("conv",), "all": ("conv", "linear", "bmm"), "off": ()}
 
 
@@ -210,9 +211,11 @@ def tf32_mode(tf32: Any) -> str:
 def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.Series:
     """The dtype each kernel's math runs in: ``"tf32"`` for the FP32 kernels of the families ``tf32`` lets run on
     TF32 tensor cores, on a GPU that has them; the traced dtype otherwise."""
-    fams = TF32_MODES[tf32_mode(tf32)]
+    mode = tf32_mode(tf32)
+    fams = TF32_MODES[mode]
     dtype = kernels["dtype"].astype(str)
-    if not fams or not device.tf32_tensor_tflops:
+    # the default is cuDNN's (torch.backends.cudnn.allow_tf32); MIOpen on ROCm keeps FP32 convolutions in FP32
+    if not fams or not device.tf32_tensor_tflops or (mode == "default" and device.vendor != "nvidia"):
         return dtype
     return dtype.where(~(kernels["family"].isin(fams) & (dtype == "float32")), "tf32")
 

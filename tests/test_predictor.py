@@ -725,6 +725,9 @@ def test_tf32_default_runs_convolutions_on_tensor_cores_of_gpus_that_have_them(r
     # a GPU without TF32 tensor cores runs true FP32 whatever the switch says
     v100 = {m: predict_graph(resnet_graph, "v100-sxm2-16gb", tf32=m).latency_ms for m in ("default", "all", "off")}
     assert len(set(v100.values())) == 1
+    # PyTorch's default TF32 convolutions are cuDNN's: on ROCm (MI300X has TF32 units) only tf32="all" uses them
+    mi300 = {m: predict_graph(resnet_graph, "mi300x", tf32=m).kernels for m in ("default", "all")}
+    assert (mi300["default"]["dtype"] != "tf32").all() and (mi300["all"]["dtype"] == "tf32").any()
 
 
 def test_unknown_tf32_mode_is_refused_with_the_choices(resnet_graph):
