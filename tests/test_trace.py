@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -259,3 +260,31 @@ def test_amp_on_a_half_model_or_an_unknown_dtype_is_refused():
         neusight.trace("gpt2", batch_size=1, seq_len=8, dtype="float16", amp="float16")
     with pytest.raises(InputError, match="amp='float8'"):
         neusight.trace("gpt2", batch_size=1, seq_len=8, amp="float8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# neusight.graph.fastmeta: outputs of frequent ops built by rule instead of by their (Python) meta kernels
+
+@pytest.mark.parametrize("model, kw", [
+    ("gpt2", {"seq_len": 64, "mode": "training"}),
+    ("gpt2", {"seq_len": 64, "mode": "training", "amp": "float16", "optimizer": "adamw-fused", "clip_grad_norm": 1.0}),
+    ("bert-base", {"seq_len": 64, "mode": "training", "amp": "bfloat16", "attn_implementation": "sdpa"}),
+    ("resnet18", {"mode": "training", "optimizer": "sgd"}),
+    ("efficientnet-b0", {"mode": "training", "optimizer": "adam"}),
+])
+def test_fast_meta_rules_make_what_the_meta_kernels_make(monkeypatch, model, kw):
+    from neusight.graph import fastmeta
+
+    monkeypatch.setattr(fastmeta, "VERIFY", True)
+    monkeypatch.setattr(fastmeta, "VERIFIED", 0)
+    g = neusight.trace(model, batch_size=2, **kw)          # raises if a rule's output differs in shape, dtype, strides
+    assert fastmeta.VERIFIED > 20 and len(g.kernels) > 100
+
+
+def test_fast_meta_rules_leave_the_trace_unchanged(monkeypatch):
+    from neusight.graph import fastmeta
+
+    fast = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
+    monkeypatch.setattr(fastmeta, "FAST", {})
+    slow = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
+    pd.testing.assert_frame_equal(fast, slow)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from neusight.errors import InputError, ModelError, TraceError
+from neusight.graph import fastmeta
 from neusight.graph.amp import Autocast, amp_dtype
 from neusight.graph.graph import Graph
 from neusight.graph.models import BuiltModel, build_model
@@ -62,7 +63,9 @@ class _Recorder(TorchDispatchMode):
         if packet in _SKIP:
             return func(*args, **kwargs)
         try:
-            out = func(*args, **kwargs)
+            out = fastmeta.run(func, args, kwargs)
+        except AssertionError:
+            raise
         except Exception as e:
             raise TraceError(f"{func} cannot run on the meta device in module {self._module() or '<root>'!r} "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it is probably data-"

@@ -14,7 +14,7 @@ import torch
 from neusight.graph.records import OpCall, TensorMeta
 from neusight.kernels import formulas
 from neusight.kernels.base import Family, Kernel
-from neusight.kernels.registry import register
+from neusight.kernels.registry import aten_packets, register
 
 aten = torch.ops.aten
 
@@ -87,8 +87,7 @@ def _elementwise(c: OpCall) -> list[Kernel]:
                              bytes_total=_nbytes(ins) + _nbytes(list(outs)), dtype=main.dtype)]
 
 
-FOREACH_OPS = [getattr(aten, n) for n in dir(aten) if n.startswith("_foreach_") and n not in ("_foreach_norm",)
-               and isinstance(getattr(aten, n), torch._ops.OpOverloadPacket)]
+FOREACH_OPS = [p for p in aten_packets("_foreach_") if p.__name__ not in ("_foreach_norm",)]
 
 
 @register(*FOREACH_OPS)

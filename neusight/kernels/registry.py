@@ -32,6 +32,16 @@ def register(*packets: object) -> Callable[[Builder], Builder]:
     return deco
 
 
+def aten_packets(prefix: str) -> list[object]:
+    """Every aten overload packet whose name starts with ``prefix``, from the dispatcher's op list
+    (``dir(torch.ops.aten)`` lists only the packets some code has touched so far)."""
+    import torch
+
+    names = sorted({n.removeprefix("aten::").split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("aten::" + prefix)})
+    return [p for p in (getattr(torch.ops.aten, n, None) for n in names) if isinstance(p, torch._ops.OpOverloadPacket)]
+
+
 def registered_ops() -> list[str]:
     """Names of every registered overload packet, sorted."""
     _load_builders()
