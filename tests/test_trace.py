@@ -15,7 +15,8 @@ from neusight.errors import InputError, ModelError, TraceError
 from tests.conftest import DATASET, need_shared
 
 ALL_MODELS = [("gpt2", dict(seq_len=64)), ("bert-base", dict(seq_len=64)), ("opt-1.3b", dict(seq_len=64)),
-              ("switch-xl-4", dict(seq_len=64)), ("resnet50", dict())]
+              ("switch-xl-4", dict(seq_len=64)), ("resnet50", dict()), ("llama-3-8b", dict(seq_len=32)),
+              ("mistral-7b", dict(seq_len=32))]
 
 
 @pytest.mark.parametrize("name,kw", ALL_MODELS)
@@ -288,3 +289,13 @@ def test_fast_meta_rules_leave_the_trace_unchanged(monkeypatch):
     monkeypatch.setattr(fastmeta, "FAST", {})
     slow = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     pd.testing.assert_frame_equal(fast, slow)
+
+
+@pytest.mark.parametrize("name, billions, layers", [("llama-2-7b", 6.74, 32), ("llama-2-13b", 13.02, 40),
+                                                    ("llama-3-8b", 8.03, 32), ("mistral-7b", 7.24, 32)])
+def test_llama_family_presets_have_their_published_sizes(name, billions, layers):
+    g = neusight.trace(name, batch_size=1, seq_len=16, mode="inference")
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(billions, abs=0.01)
+    # per layer q, k, v, o, gate, up, down projections, plus the LM head; RMSNorm, SwiGLU, rotary: modelled ops
+    assert (g.kernels["family"] == "linear").sum() == 7 * layers + 1
+    assert g.unmodeled == []

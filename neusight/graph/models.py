@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # (Brown et al. 2020, Table 2.1), BERT (Devlin et al. 2019), OPT (Zhang et al. 2022, Table 1), Switch
 # Transformer (Fedus et al. 2022) with 4 experts at Switch-Large-like width (the NeuSight evaluation model).
 _GPT2 = dict(vocab_size=50257, activation_function="gelu_new")
+_LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False)
 HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", dict(_GPT2, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
     "gpt2-medium": ("gpt2", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16, n_positions=1024)),
@@ -57,11 +58,28 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                   num_sparse_encoder_layers=6, num_sparse_decoder_layers=6,
                                                   encoder_sparse_step=2, decoder_sparse_step=2, vocab_size=32128,
                                                   feed_forward_proj="relu", dropout_rate=0.1, router_jitter_noise=0.01)),
+    # Decoder-only models with RMSNorm, SwiGLU MLPs and rotary positions, from their published configs
+    # (Touvron et al. 2023, "Llama 2"; Meta's Llama 3 model card; Jiang et al. 2023, "Mistral 7B"): grouped-query
+    # attention where kv heads < heads.
+    "llama-2-7b": ("llama", dict(_LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                 max_position_embeddings=4096)),
+    "llama-2-13b": ("llama", dict(_LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                  num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                                  max_position_embeddings=4096)),
+    "llama-3-8b": ("llama", dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192, rope_theta=500000.0)),
+    "mistral-7b": ("mistral", dict(_LLAMA, architectures=["MistralForCausalLM"], hidden_size=4096,
+                                   intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
+                                   sliding_window=4096)),
 }
 PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
                   "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4",
                   "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
-                  "se_resnext101_32x4d": "se-resnext101-32x4d"}
+                  "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
+                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b"}
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq")
 
