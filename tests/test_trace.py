@@ -272,6 +272,7 @@ def test_amp_on_a_half_model_or_an_unknown_dtype_is_refused():
     ("bert-base", {"seq_len": 64, "mode": "training", "amp": "bfloat16", "attn_implementation": "sdpa"}),
     ("resnet18", {"mode": "training", "optimizer": "sgd"}),
     ("efficientnet-b0", {"mode": "training", "optimizer": "adam"}),
+    ("llama-3-8b", {"seq_len": 16, "mode": "training", "amp": "bfloat16"}),
 ])
 def test_fast_meta_rules_make_what_the_meta_kernels_make(monkeypatch, model, kw):
     from neusight.graph import fastmeta
