@@ -110,7 +110,15 @@ _SPLITS = {
     ("BertSelfOutput", "dense"): "row", ("BertIntermediate", "dense"): "col", ("BertOutput", "dense"): "row",
     ("OPTAttention", "q_proj"): "col", ("OPTAttention", "k_proj"): "col", ("OPTAttention", "v_proj"): "col",
     ("OPTAttention", "out_proj"): "row", ("OPTDecoderLayer", "fc1"): "col", ("OPTDecoderLayer", "fc2"): "row",
+    # Llama / Mistral: the attention reshapes by head_dim (-1 heads), so splitting the projections is enough
+    **{(f"{m}Attention", p): "col" for m in ("Llama", "Mistral") for p in ("q_proj", "k_proj", "v_proj")},
+    **{(f"{m}Attention", "o_proj"): "row" for m in ("Llama", "Mistral")},
+    **{(f"{m}MLP", p): "col" for m in ("Llama", "Mistral") for p in ("gate_proj", "up_proj")},
+    **{(f"{m}MLP", "down_proj"): "row" for m in ("Llama", "Mistral")},
 }
+# blocks whose head counts live in their config: (query heads, key/value heads) must divide by tp
+_CONFIG_HEADS = {"LlamaAttention": ("num_attention_heads", "num_key_value_heads"),
+                 "MistralAttention": ("num_attention_heads", "num_key_value_heads")}
 # attributes that hold a width a split divides: GPT-2 splits the fused QKV output by ``split_size``
 _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
            "OPTAttention": ("embed_dim",)}
@@ -120,8 +128,8 @@ _HEADS = {"GPT2Attention": "num_heads", "BertSelfAttention": "num_attention_head
 def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
     """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
 
-    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT and OPT. Raises ModelError for a
-    model without any of them, InputError when heads or widths do not divide by ``tp``.
+    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT, Llama and Mistral. Raises
+    ModelError for a model without any of them, InputError when heads or widths do not divide by ``tp``.
     """
     if tp == 1:
         return module
@@ -138,13 +146,18 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             for attr in _WIDTHS.get(cls, ()):
                 if isinstance(getattr(parent, attr, None), int):
                     setattr(parent, attr, getattr(parent, attr) // tp)
+        for attr in _CONFIG_HEADS.get(cls, ()):
+            heads = getattr(getattr(parent, "config", None), attr, None)
+            if isinstance(heads, int) and heads % tp:
+                raise InputError(f"tp={tp} does not divide the {heads} {attr} of {cls}. Fix: choose a tp that "
+                                 f"divides {heads}")
         for (owner, attr), how in _SPLITS.items():
             if cls == owner and isinstance(getattr(parent, attr, None), nn.Module):
                 setattr(parent, attr, _split(getattr(parent, attr), how, tp, f"{cls}.{attr}"))
                 found += 1
     if not found:
-        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT and OPT "
-                         f"blocks; {type(module).__name__} has none. Fix: use tp=1 (dp and pp work for any model)")
+        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT, "
+                         f"Llama and Mistral blocks; {type(module).__name__} has none. Fix: use tp=1 (dp and pp work for any model)")
     _split_vocab(module, tp)
     return module
 
@@ -286,7 +299,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     block = _block_numbers(k, index)
     stage = _stages(k, block, pp)
     tokens, hidden = _activation_shape(k, block) if tp > 1 or pp > 1 else (0.0, 0.0)
-    act_bytes = tokens * hidden * 4.0                    # FP32 activations of one micro-batch
+    act_bytes = tokens * hidden * (2.0 if g.amp or g.dtype in ("float16", "bfloat16") else 4.0)   # one micro-batch
     n = int(block.max()) + 1 if block.notna().any() else 0       # blocks are numbered 0 .. n - 1
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 

@@ -52,6 +52,18 @@ def test_tensor_parallel_shard_halves_the_gemm_work():
     assert ln(half) == ln(whole)
 
 
+def test_llama_blocks_split_like_megatron_with_grouped_query_heads():
+    whole = neusight.trace("llama-3-8b", batch_size=1, seq_len=32, mode="training", optimizer=None)
+    half = neusight.trace("llama-3-8b", batch_size=1, seq_len=32, mode="training", optimizer=None, tensor_parallel=2)
+    # q, k, v, gate, up split by output, o and down by input; the LM head by vocabulary (128256 = 501 x 256: no
+    # padding), so the GEMM work halves exactly
+    assert _gemm_flops(half) / _gemm_flops(whole) == pytest.approx(0.5, abs=1e-9)
+    k = {p.shape for p in half.params}
+    assert (2048, 4096) in k and (512, 4096) in k and (7168, 4096) in k and (4096, 7168) in k   # q, k/v, up, down
+    with pytest.raises(InputError, match="does not divide the 8 num_key_value_heads of LlamaAttention"):
+        neusight.trace("llama-3-8b", batch_size=1, seq_len=16, mode="inference", tensor_parallel=16)
+
+
 def test_one_gpu_is_the_single_gpu_forecast():
     one = predict_parallel("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128)
     single = neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", optimizer=None,
