@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -300,3 +301,46 @@ def test_llama_family_presets_have_their_published_sizes(name, billions, layers)
     # per layer q, k, v, o, gate, up, down projections, plus the LM head; RMSNorm, SwiGLU, rotary: modelled ops
     assert (g.kernels["family"] == "linear").sum() == 7 * layers + 1
     assert g.unmodeled == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generation with a KV cache (kv_cache=): seq_len new tokens after kv_cache cached ones
+
+def test_a_decode_step_attends_over_the_whole_cache_and_grows_it():
+    g = neusight.trace("gpt2", batch_size=2, seq_len=1, mode="inference", kv_cache=63)
+    assert g.kv_cache == 63 and any("KV cache" in n for n in g.notes)
+    k = g.kernels
+    qk = k[(k["family"] == "bmm") & (k["module"].str.endswith("h.0.attn"))]
+    assert len(qk) == 2 and {d[-1] for d in qk["dims"]} | {d[-2] for d in qk["dims"]} >= {64}   # 1 query x 64 keys
+    grow = k[(k["aten_op"].str.startswith("aten.cat")) & k["module"].str.endswith("h.0.attn")]
+    assert len(grow) == 2                                      # keys and values, each cache concatenated with the new token
+    assert {d for d in grow["dims"]} == {(2 * 12 * 64, 64)}     # (batch x heads x 64 positions, head_dim)
+
+
+def test_generation_costs_grow_with_the_context_and_the_cache_is_held_in_memory():
+    short, long = (neusight.predict("gpt2", "a100-80gb-pcie", batch_size=4, seq_len=1, kv_cache=n) for n in (64, 960))
+    assert long.latency_ms > short.latency_ms
+    cache_bytes = 2 * 12 * 4 * 12 * (960 - 64) * 64 * 4       # k and v x layers x batch x heads x extra tokens x dim x FP32
+    assert long.memory.peak_bytes - short.memory.peak_bytes >= cache_bytes
+
+
+def test_the_cache_has_the_dtype_the_model_stores_under_autocast():
+    def cache_dtype(model):   # of the grown cache the output holds: (batch, kv heads, 16 positions, head_dim) per layer
+        g = neusight.trace(model, batch_size=1, seq_len=1, mode="inference", kv_cache=15, amp="float16")
+        return {t.dtype for t in g.held if len(t.shape) == 4 and t.shape[2] == 16}
+
+    assert cache_dtype("gpt2") == {"float16"}          # its K / V come straight from the FP16 projection
+    assert cache_dtype("llama-2-7b") == {"float32"}    # rotary embedding in FP32 promotes them
+
+
+@pytest.mark.parametrize("model, kw, fragment", [
+    ("gpt2", dict(mode="training", kv_cache=8), "mode='training'"),
+    ("bert-base", dict(kv_cache=8), "decoder-only causal language model"),
+    ("gpt2", dict(kv_cache=1020, seq_len=8), "exceeds gpt2's maximum of 1024"),
+    ("gpt2", dict(kv_cache=0), "kv_cache=0"),
+    ("gpt2", dict(kv_cache=8, tensor_parallel=2), "tensor_parallel=2"),
+])
+def test_bad_generation_runs_are_refused(model, kw, fragment):
+    kw = {"seq_len": 1, **kw}
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.trace(model, batch_size=1, **kw)

@@ -64,6 +64,7 @@ class PredictConfig:
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true (= float16); null = none
+    kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
     top: int = 10                        # rows of the kernel and layer tables
@@ -249,7 +250,7 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp)
+              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache)
     preds = []
     for dev in devices:
         p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
@@ -311,7 +312,7 @@ def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
 
             best = find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
                                   optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-                                  image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp)
+                                  image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache)
             print(f"largest batch that fits on {p.device.name}: {best}" + ("" if best else " (batch 1 does not fit)"))
 
 
@@ -387,7 +388,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             amp=cfg.amp)
+                             amp=cfg.amp, kv_cache=cfg.kv_cache)
         print(("\n" if i else "") + p.summary())
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))

@@ -29,6 +29,7 @@ class TraceConfig:
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
+    kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 
 
@@ -45,7 +46,7 @@ def _app(cfg: TraceConfig) -> None:
     quiet_third_party_logs()
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp)
+              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache)
     s = g.summary()
     total = pd.DataFrame([s.sum()], index=["total"])
     print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")

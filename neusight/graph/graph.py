@@ -40,6 +40,7 @@ class Graph:
     param_names: list[str] = field(default_factory=list)   # ``named_parameters()`` names, in the order of ``params``
     keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)
     amp: str | None = None      # the autocast dtype of a mixed-precision trace ("float16", "bfloat16"), else None
+    kv_cache: int | None = None  # tokens already in the KV cache of a generation step, else None
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

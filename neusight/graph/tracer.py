@@ -10,6 +10,7 @@ runs as the fused ``native_dropout`` kernel (meta would otherwise decompose it i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any
 
@@ -30,6 +31,8 @@ from neusight.kernels.registry import build_kernels
 log = logging.getLogger(__name__)
 
 MODES = ("inference", "training")
+KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} cached ones (transformers' "
+           "DynamicCache, read by every layer and grown by concatenation, as eager generate() runs)")
 AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
             "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
@@ -166,7 +169,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
-          clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None) -> Graph:
+          clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
+          kv_cache: int | None = None) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -198,6 +202,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         (:mod:`neusight.graph.amp`: GEMMs and convolutions in ``amp``, softmax, norms and losses in FP32, the
         casts between them); True = float16. Training in float16 adds ``torch.cuda.amp.GradScaler``'s kernels:
         the loss scaling, the unscale pass over the gradients before the step and the scale update.
+    kv_cache : int, optional
+        Generation with a KV cache (inference of a decoder-only causal LM): ``seq_len`` new tokens per sequence
+        after ``kv_cache`` tokens already in the cache, e.g. ``seq_len=1, kv_cache=2047`` for one decode step at
+        context 2048. The cache (transformers' ``DynamicCache``, filled before the trace, so it counts as a model
+        input) is read by every layer's attention and grown by ``seq_len``, as Hugging Face's eager generation does.
 
     Returns
     -------
@@ -216,6 +225,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                         input_shapes=input_shapes, dtype=torch_dtype)
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
     amp_t = amp_dtype(amp)
+    _check_kv_cache(built, kv_cache, mode, seq_len, tensor_parallel)
     if amp_t is not None and torch_dtype != torch.float32:
         dt = str(torch_dtype).removeprefix("torch.")
         raise InputError(f"amp={amp!r} casts an FP32 model's operations, but dtype={dt!r}. Fix: dtype='float32' with "
@@ -234,6 +244,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     training = mode == "training"
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
+    if kv_cache:
+        kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t))
     tracker = ModuleTracker()
     rec = _Recorder(tracker, type(module).__name__)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
@@ -290,13 +302,62 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                 r.kernels = []
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops,
-                 notes=tuple(built.notes) + ((AMP_NOTE.format(dtype=str(amp_t).removeprefix("torch."),
+                 notes=tuple(built.notes) + ((KV_NOTE.format(n=kv_cache, t=seq_len),) if kv_cache else ())
+                 + ((AMP_NOTE.format(dtype=str(amp_t).removeprefix("torch."),
                                                               scaler=" with GradScaler" if scaler else ""),)
                                              if amp_t is not None else ()),
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
-                 amp=str(amp_t).removeprefix("torch.") if amp_t is not None else None)
+                 amp=str(amp_t).removeprefix("torch.") if amp_t is not None else None, kv_cache=kv_cache or None)
+
+
+def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | None, tensor_parallel: int) -> None:
+    """``kv_cache=`` needs an inference pass of a decoder-only causal LM whose positions hold cache + new tokens."""
+    if kv_cache is None or kv_cache is False:
+        return
+    if not isinstance(kv_cache, int) or isinstance(kv_cache, bool) or kv_cache < 1:
+        raise InputError(f"kv_cache={kv_cache!r} is not a positive number of cached tokens. Fix: e.g. kv_cache=2047 "
+                         "with seq_len=1 for one decode step at context 2048, or leave it out")
+    if mode != "inference":
+        raise InputError(f"kv_cache={kv_cache} forecasts generation, an inference pass; mode={mode!r}. Fix: "
+                         "mode='inference', or leave kv_cache out")
+    forward = getattr(built.module, "forward", None)
+    params = inspect.signature(forward).parameters if forward is not None else {}
+    config = getattr(built.module, "config", None)
+    if built.kind != "hf" or "cache" not in params or getattr(config, "is_encoder_decoder", False) \
+            or not type(built.module).__name__.endswith("ForCausalLM") and not type(built.module).__name__.endswith("LMHeadModel"):
+        raise InputError(f"kv_cache={kv_cache} needs a decoder-only causal language model; {built.name} "
+                         f"({type(built.module).__name__}) is not one. Fix: a GPT / OPT / Llama-style model, or "
+                         "leave kv_cache out")
+    if tensor_parallel != 1:
+        raise InputError(f"kv_cache={kv_cache} with tensor_parallel={tensor_parallel} is not modelled. Fix: "
+                         "tensor_parallel=1 (tp=1), or leave kv_cache out")
+    if built.max_seq_len and kv_cache + (seq_len or 0) > built.max_seq_len:
+        raise InputError(f"kv_cache={kv_cache} + seq_len={seq_len} exceeds {built.name}'s maximum of "
+                         f"{built.max_seq_len} positions. Fix: kv_cache + seq_len <= {built.max_seq_len}")
+
+
+def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torch.dtype | None) -> dict[str, Any]:
+    """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, in the
+    dtype the model's own first step stores (under autocast that depends on the model: GPT-2 caches its FP16
+    projections, Llama the FP32 result of its rotary embedding)."""
+    from transformers import DynamicCache
+
+    probe = DynamicCache()
+    with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
+        module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
+    dtype = probe.layers[0].keys.dtype
+    cfg = module.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")) // heads
+    cache = DynamicCache()
+    for i in range(layers):
+        kv = torch.zeros(batch, kv_heads, length, head_dim, dtype=dtype, device="meta")
+        cache.update(kv, kv.clone(), i)
+    return {"cache": cache, "use_cache": True}
 
 
 def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[TensorMeta]:
