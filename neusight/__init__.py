@@ -3,10 +3,12 @@
 from neusight.api import Prediction, load_predictor, predict, predict_graph, predict_kernel_table
 from neusight.devices import Device, list_devices, load_device
 from neusight.errors import NeuSightError
+from neusight.generation import GenerationForecast, predict_generation
 from neusight.graph.models import list_models
 from neusight.graph.tracer import trace
 from neusight.parallel import ParallelPrediction, predict_parallel
 
-__all__ = ["Device", "NeuSightError", "ParallelPrediction", "Prediction", "list_devices", "list_models", "load_device",
-           "load_predictor", "predict", "predict_graph", "predict_kernel_table", "predict_parallel", "trace"]
+__all__ = ["Device", "GenerationForecast", "NeuSightError", "ParallelPrediction", "Prediction", "list_devices", "list_models",
+           "load_device", "load_predictor", "predict", "predict_generation", "predict_graph", "predict_kernel_table",
+           "predict_parallel", "trace"]
 __version__ = "0.1.0"

@@ -39,6 +39,8 @@ BAD = {
     "evaluate-unknown-option": (("neusight-evaluate", "labels.options=[dp4]", "cnn.enabled=false"), "'dp4'"),
     "predict-kv-cache-on-an-encoder": (("neusight-predict", "model=bert-base", "device=t4", "seq_len=8", "kv_cache=16"),
                                        "decoder-only causal language model"),
+    "predict-generation-training": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8", "mode=training"),
+                                    "new_tokens=8"),
     "predict-unknown-amp": (("neusight-predict", "model=gpt2", "device=t4", "amp=float8"), "amp='float8'"),
     "predict-unknown-tf32": (("neusight-predict", "model=gpt2", "device=a100-pcie-40gb", "tf32=fast"), "tf32='fast'"),
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),

@@ -65,6 +65,7 @@ class PredictConfig:
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true (= float16); null = none
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
+    new_tokens: Optional[int] = None     # forecast generate(): prefill of seq_len prompt tokens + new_tokens decode steps
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
     top: int = 10                        # rows of the kernel and layer tables
@@ -351,6 +352,8 @@ def _app(cfg: PredictConfig) -> float:
     if _asks_for_list(cfg.model) or _asks_for_list(cfg.device):
         print_library(models=_asks_for_list(cfg.model), devices=_asks_for_list(cfg.device))
         return 0.0
+    if cfg.new_tokens is not None:
+        return _generation(cfg)
     if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron:
         return _parallel(cfg)
     preds = forecast(cfg)
@@ -368,6 +371,37 @@ def _app(cfg: PredictConfig) -> float:
         records = [{**summary_record(p), "overrides": list(hc.overrides.task), "in_job": len(preds)} for p in preds]
         atomic_write_text(os.path.join(hc.runtime.output_dir, SUMMARY_FILE), _json.dumps(records, default=float))
     return float(preds[0].latency_ms)
+
+
+def _generation(cfg: PredictConfig) -> float:
+    """``new_tokens=N``: generate() of N tokens after a ``seq_len``-token prompt on every GPU of ``cfg.device``."""
+    from neusight.errors import InputError
+    from neusight.generation import predict_generation
+    from neusight.util import atomic_write_text
+
+    other = [k for k in ("csv", "layers_csv", "plot", "kv_cache", "head") if getattr(cfg, k)]
+    other += [k for k in ("find_max_batch", "megatron", "fused") if getattr(cfg, k)]
+    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
+    if cfg.mode != "inference" or other:
+        raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
+                         f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt length)")
+    rows = []
+    for i, dev in enumerate(_devices(cfg.device)):
+        f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
+                               predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp,
+                               attn_implementation=cfg.attn_implementation)
+        print(("\n" if i else "") + f.summary())
+        rows.append({"device": f.device.key, "time_to_first_token_ms": f.prefill_ms,
+                     "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
+                     "generated_tokens_per_s": f.tokens_per_s, "decode_steps": [list(s) for s in f.steps]})
+    if len(rows) > 1:
+        import pandas as pd
+
+        table = pd.DataFrame(rows).set_index("device").drop(columns="decode_steps").T
+        print("\nside by side:\n" + table.to_string(float_format=lambda v: f"{v:,.2f}"))
+    if cfg.json:
+        atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
+    return float(rows[0]["total_ms"])
 
 
 def _parallel(cfg: PredictConfig) -> float:

@@ -1,0 +1,105 @@
+"""Forecast text generation end to end: the prompt's prefill, then ``new_tokens`` decode steps.
+
+``predict_generation("llama-2-7b", "l4", batch_size=8, prompt_len=512, new_tokens=128, dtype="float16")``
+forecasts what Hugging Face's eager ``generate()`` spends on the GPU: one forward of the whole prompt (which
+fills the KV cache; its time is the time to first token) and one step per further token, each attending over
+a cache one token longer than the last (:func:`neusight.trace`'s ``kv_cache=``). A step's cost grows with its
+context (the attention and the cache copy scale with it; the weights do not), so the decode steps are forecast
+at a few context lengths spread over the run and the total is their trapezoidal integral over the steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from neusight.errors import InputError
+
+__all__ = ["GenerationForecast", "predict_generation"]
+
+# decode steps are forecast at this many context lengths, evenly spread (the cost is smooth in the context)
+SAMPLES = 3
+
+
+@dataclass
+class GenerationForecast:
+    """Prefill and decode of one ``generate()`` call of ``batch_size`` sequences."""
+
+    model: str
+    device: Any
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    prefill_ms: float                    # the prompt's forward: time to first token
+    decode_ms: float                     # all steps after the first token
+    steps: list[tuple[int, float]] = field(default_factory=list)   # (cached tokens, step ms) as forecast
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+    @property
+    def time_per_output_token_ms(self) -> float:
+        """Mean decode step (each step emits one token per sequence)."""
+        return self.decode_ms / max(self.new_tokens - 1, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the whole call, all sequences."""
+        return self.batch_size * self.new_tokens / (self.total_ms / 1e3)
+
+    def summary(self) -> str:
+        return (f"{self.model} on {self.device.name}: batch {self.batch_size}, prompt {self.prompt_len}, "
+                f"{self.new_tokens} new tokens\n"
+                f"time to first token {self.prefill_ms:,.1f} ms | per output token {self.time_per_output_token_ms:,.2f} ms"
+                f" | total {self.total_ms:,.1f} ms | {self.tokens_per_s:,.0f} generated tokens/s\n"
+                "decode steps forecast at " + ", ".join(f"context {n + 1}: {ms:.2f} ms" for n, ms in self.steps)
+                + "".join(f"\nnote: {n}" for n in self.notes))
+
+
+def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
+                       *, predictor: Any = None, **trace_kwargs: Any) -> GenerationForecast:
+    """Forecast ``generate()`` of ``new_tokens`` tokens after a ``prompt_len``-token prompt (see the module
+    docstring). ``trace_kwargs`` go to :func:`neusight.trace` (``dtype=``, ``amp=``, ``attn_implementation=``...).
+
+    >>> f = predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=32, new_tokens=16)
+    >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
+    True
+    """
+    from neusight.api import predict
+    from neusight.devices import load_device
+
+    for name, v in (("batch_size", batch_size), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InputError(f"{name}={v!r} is not a positive integer. Fix: {name} >= 1")
+    if {"mode", "seq_len", "kv_cache"} & set(trace_kwargs):
+        raise InputError("predict_generation sets mode, seq_len and kv_cache itself. Fix: give prompt_len and "
+                         "new_tokens instead")
+    device = load_device(device)
+    first = predict(model, device, batch_size, prompt_len, "inference", predictor=predictor, memory=False,
+                    **trace_kwargs)
+    steps: list[tuple[int, float]] = []
+    notes = first.notes
+    if new_tokens > 1:
+        # step i (1 .. new_tokens - 1) feeds token i with prompt_len + i - 1 tokens cached
+        cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
+        for c in cached:
+            try:
+                p = predict(model, device, batch_size, 1, "inference", predictor=predictor, memory=False, kv_cache=c,
+                            **trace_kwargs)
+            except InputError as e:
+                raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: {e}") from None
+            steps.append((c, p.latency_ms))
+            notes = p.notes
+        xs = np.array([c for c, _ in steps], dtype=float)
+        ys = np.array([ms for _, ms in steps])
+        at = np.arange(prompt_len, prompt_len + new_tokens - 1, dtype=float)   # every step's cached tokens
+        decode = float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
+    else:
+        decode = 0.0
+    # the host-bound warning of the last step forecast (decode steps are where it matters), if it has one
+    return GenerationForecast(first.model, device, batch_size, prompt_len, new_tokens, first.latency_ms, decode,
+                              steps, tuple(n for n in notes if "kernel launches" in n))

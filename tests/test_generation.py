@@ -1,0 +1,47 @@
+"""Generation forecasts (neusight.predict_generation): prefill, then decode steps over a growing KV cache."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import neusight
+from neusight.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return neusight.predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=100, new_tokens=41)
+
+
+def test_prefill_is_the_prompt_forward_and_steps_span_the_run(gen):
+    prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference", memory=False)
+    assert gen.prefill_ms == prompt.latency_ms
+    # step i feeds token i with 100 + i - 1 cached tokens, i = 1 .. 40: sampled at the first, middle and last
+    assert [c for c, _ in gen.steps] == [100, 120, 139]
+    step = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=1, mode="inference", kv_cache=120,
+                            memory=False)
+    assert dict(gen.steps)[120] == step.latency_ms
+
+
+def test_totals_integrate_the_steps(gen):
+    xs, ys = zip(*gen.steps)
+    assert gen.decode_ms == pytest.approx(np.interp(np.arange(100, 140), xs, ys).sum(), rel=1e-12)
+    assert gen.total_ms == gen.prefill_ms + gen.decode_ms
+    assert gen.time_per_output_token_ms == pytest.approx(gen.decode_ms / 40)
+    assert gen.tokens_per_s == pytest.approx(2 * 41 / (gen.total_ms / 1e3))
+    assert gen.steps[0][1] <= gen.steps[-1][1]            # a longer context never costs less
+    one = neusight.predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=100, new_tokens=1)
+    assert one.decode_ms == 0 and one.steps == [] and one.total_ms == gen.prefill_ms
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(new_tokens=0), "new_tokens=0"),
+    (dict(prompt_len=1000, new_tokens=100), "prompt_len=1000 + new_tokens=100"),
+    (dict(mode="training"), "sets mode, seq_len and kv_cache itself"),
+])
+def test_bad_generation_requests_are_refused(kw, fragment):
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.predict_generation("gpt2", "t4", **{"prompt_len": 16, "new_tokens": 4, **kw})
