@@ -54,7 +54,8 @@ class GenerationForecast:
     def summary(self) -> str:
         return (f"{self.model} on {self.device.name}: batch {self.batch_size}, prompt {self.prompt_len}, "
                 f"{self.new_tokens} new tokens\n"
-                f"time to first token {self.prefill_ms:,.1f} ms | per output token {self.time_per_output_token_ms:,.2f} ms"
+                f"time to first token {self.prefill_ms:,.1f} ms | per output token "
+                f"{self.time_per_output_token_ms:,.2f} ms"
                 f" | total {self.total_ms:,.1f} ms | {self.tokens_per_s:,.0f} generated tokens/s\n"
                 "decode steps forecast at " + ", ".join(f"context {n + 1}: {ms:.2f} ms" for n, ms in self.steps)
                 + "".join(f"\nnote: {n}" for n in self.notes))
@@ -91,7 +92,8 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
                 p = predict(model, device, batch_size, 1, "inference", predictor=predictor, memory=False, kv_cache=c,
                             **trace_kwargs)
             except InputError as e:
-                raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: {e}") from None
+                raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
+                                 f"{e}") from None
             steps.append((c, p.latency_ms))
             notes = p.notes
         xs = np.array([c for c, _ in steps], dtype=float)

@@ -55,7 +55,7 @@ class PredictConfig:
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training; null: no step)
     attn_implementation: str = "eager"   # eager | sdpa
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)
-    tf32: Any = None                     # FP32 on TF32 tensor cores (Ampere+): null = convs (PyTorch), all|true, off|false
+    tf32: Any = None                     # FP32 on TF32 cores (Ampere+): null = convs (PyTorch), all|true, off|false
     dp: int = 1                          # data-parallel replicas (batch_size is the global batch)
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
@@ -63,9 +63,9 @@ class PredictConfig:
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
-    amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true (= float16); null = none
+    amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
-    new_tokens: Optional[int] = None     # forecast generate(): prefill of seq_len prompt tokens + new_tokens decode steps
+    new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
     top: int = 10                        # rows of the kernel and layer tables

@@ -127,7 +127,7 @@ def _softmax_backward(args: tuple, kwargs: dict) -> Any:
 
 def _addmm(args: tuple, kwargs: dict) -> Any:
     bias, m1, m2 = args[:3]
-    if len(args) > 3 or set(kwargs) - {"beta", "alpha"} or not (isinstance(m1, torch.Tensor) and isinstance(m2, torch.Tensor)):
+    if len(args) > 3 or set(kwargs) - {"beta", "alpha"} or not all(isinstance(m, torch.Tensor) for m in (m1, m2)):
         return NotImplemented
     if m1.dim() != 2 or m2.dim() != 2 or m1.dtype != m2.dtype or m1.dtype not in _FLOATS or m1.shape[1] != m2.shape[0]:
         return NotImplemented

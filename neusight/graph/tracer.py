@@ -300,16 +300,18 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         for r in rec.ops:
             if r.phase == "loss":
                 r.kernels = []
+    amp_name = str(amp_t).removeprefix("torch.") if amp_t is not None else None
+    notes = tuple(built.notes)
+    if kv_cache:
+        notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
+    if amp_name:
+        notes += (AMP_NOTE.format(dtype=amp_name, scaler=" with GradScaler" if scaler else ""),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
-                 dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops,
-                 notes=tuple(built.notes) + ((KV_NOTE.format(n=kv_cache, t=seq_len),) if kv_cache else ())
-                 + ((AMP_NOTE.format(dtype=str(amp_t).removeprefix("torch."),
-                                                              scaler=" with GradScaler" if scaler else ""),)
-                                             if amp_t is not None else ()),
+                 dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
-                 amp=str(amp_t).removeprefix("torch.") if amp_t is not None else None, kv_cache=kv_cache or None)
+                 amp=amp_name, kv_cache=kv_cache or None)
 
 
 def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | None, tensor_parallel: int) -> None:
@@ -324,9 +326,9 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
                          "mode='inference', or leave kv_cache out")
     forward = getattr(built.module, "forward", None)
     params = inspect.signature(forward).parameters if forward is not None else {}
-    config = getattr(built.module, "config", None)
-    if built.kind != "hf" or "cache" not in params or getattr(config, "is_encoder_decoder", False) \
-            or not type(built.module).__name__.endswith("ForCausalLM") and not type(built.module).__name__.endswith("LMHeadModel"):
+    causal_lm = type(built.module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    encoder_decoder = getattr(getattr(built.module, "config", None), "is_encoder_decoder", False)
+    if built.kind != "hf" or "cache" not in params or encoder_decoder or not causal_lm:
         raise InputError(f"kv_cache={kv_cache} needs a decoder-only causal language model; {built.name} "
                          f"({type(built.module).__name__}) is not one. Fix: a GPT / OPT / Llama-style model, or "
                          "leave kv_cache out")
@@ -339,23 +341,19 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
 
 
 def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torch.dtype | None) -> dict[str, Any]:
-    """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, in the
-    dtype the model's own first step stores (under autocast that depends on the model: GPT-2 caches its FP16
-    projections, Llama the FP32 result of its rotary embedding)."""
+    """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, shaped and
+    typed as the model's own first step stores it (under autocast the dtype depends on the model: GPT-2 caches its
+    FP16 projections, Llama the FP32 result of its rotary embedding)."""
     from transformers import DynamicCache
 
+    # one token through the model into an empty cache: each layer's (1, kv heads, 1, head_dim) keys and their dtype
     probe = DynamicCache()
     with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
-    dtype = probe.layers[0].keys.dtype
-    cfg = module.config
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")) // heads
     cache = DynamicCache()
-    for i in range(layers):
-        kv = torch.zeros(batch, kv_heads, length, head_dim, dtype=dtype, device="meta")
+    for i, layer in enumerate(probe.layers):
+        _, kv_heads, _, head_dim = layer.keys.shape
+        kv = torch.zeros(batch, kv_heads, length, head_dim, dtype=layer.keys.dtype, device="meta")
         cache.update(kv, kv.clone(), i)
     return {"cache": cache, "use_cache": True}
 
