@@ -114,7 +114,10 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         rate, unit = self.throughput
         d = {"model": self.model, "device": self.device.key, "device_name": self.device.name, "mode": self.mode,
-             "batch_size": self.batch_size, "seq_len": self.seq_len, "latency_ms": self.latency_ms,
+             "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": getattr(self.graph, "dtype", None),
+             "amp": getattr(self.graph, "amp", None), "kv_cache": getattr(self.graph, "kv_cache", None),
+             "tf32_kernels": int((self.kernels["dtype"] == "tf32").sum()),
+             "latency_ms": self.latency_ms,
              "throughput": rate, "throughput_unit": unit, "phases": self.phases,
              "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
              "families": self.by_family().reset_index().to_dict(orient="records")}

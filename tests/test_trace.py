@@ -322,6 +322,8 @@ def test_generation_costs_grow_with_the_context_and_the_cache_is_held_in_memory(
     assert long.latency_ms > short.latency_ms
     cache_bytes = 2 * 12 * 4 * 12 * (960 - 64) * 64 * 4       # k and v x layers x batch x heads x extra tokens x dim x FP32
     assert long.memory.peak_bytes - short.memory.peak_bytes >= cache_bytes
+    d = long.to_dict()   # the forecast says what it forecast
+    assert (d["kv_cache"], d["seq_len"], d["dtype"], d["amp"], d["tf32_kernels"]) == (960, 1, "float32", None, 0)
 
 
 def test_the_cache_has_the_dtype_the_model_stores_under_autocast():
