@@ -8,7 +8,8 @@ Two kinds of ground truth, both read in place from ``../shared/datasets``:
 2. Public CNN benchmarks (``public-benchmarks/cnn_dle.csv``, ``cnn_lambda.csv``): ResNet in true FP32 on
    V100 and T4. Inference = forward (+ cross-entropy + top-k, negligible) at batch >= 32; training = the
    full step with SGD. TF32 / AMP / FP16 rows are outside issue 4's scope: forecast in sections of their own
-   (TF32 as PyTorch runs FP32 convolutions on Ampere and later, AMP / FP16 as pure FP16), never fitted to.
+   (TF32 as PyTorch runs FP32 convolutions on Ampere and later, AMP under an emulated torch.autocast, FP16 as a
+   pure FP16 model), never fitted to.
 
 Error everywhere: ``(predicted - measured) / measured x 100`` (signed; "abs" = its absolute value).
 """
@@ -248,8 +249,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
     In scope: ``precisions`` (default FP32, issue 4's; any of :data:`CNN_DTYPES`); GPUs in :data:`CNN_GPUS`
-    (half-precision rows: :data:`CNN_HALF_GPUS`, TF32 rows: :data:`CNN_TF32_GPUS`; column ``scope``: the V100 and T4 of issue 4's acceptance, or
-    the others); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
+    (half-precision rows: :data:`CNN_HALF_GPUS`, TF32 rows: :data:`CNN_TF32_GPUS`; column ``scope``: the V100
+    and T4 of issue 4's acceptance, or the others); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
     EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are host-bound), one row per
     (GPU, model, precision, batch): the ``in_head`` row when there is one, else the newest container, never a
     SUSPECT row;
@@ -258,8 +259,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     Returns
     -------
     selected : DataFrame
-        ``source_name, gpu_name, gpu, scope, model, mode, precision, dtype, batch, image_size, measured_ms,
-        measure, in_head, version, source``.
+        ``source_name, gpu_name, gpu, scope, model, mode, precision, dtype, amp, batch, image_size,
+        measured_ms, measure, in_head, version, source``.
     skipped : DataFrame
         ``source_name, gpu_name, model, mode, precision, batch, reason``.
     """
