@@ -379,7 +379,7 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.generation import predict_generation
     from neusight.util import atomic_write_text
 
-    other = [k for k in ("csv", "layers_csv", "plot", "kv_cache", "head") if getattr(cfg, k)]
+    other = [k for k in ("csv", "layers_csv", "plot", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "megatron", "fused") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
@@ -388,7 +388,7 @@ def _generation(cfg: PredictConfig) -> float:
     rows = []
     for i, dev in enumerate(_devices(cfg.device)):
         f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
-                               predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp,
+                               predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp, head=cfg.head,
                                attn_implementation=cfg.attn_implementation)
         print(("\n" if i else "") + f.summary())
         rows.append({"device": f.device.key, "time_to_first_token_ms": f.prefill_ms,
