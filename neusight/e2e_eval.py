@@ -358,7 +358,7 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
         size = int(getattr(r, "image_size", CNN_IMAGE_SIZE))
         dtype = str(getattr(r, "dtype", "float32"))
         amp = getattr(r, "amp", None)
-        amp = None if amp is None or (isinstance(amp, float) and np.isnan(amp)) else str(amp)
+        amp = None if pd.isna(amp) else str(amp)
         key = (r.model, int(r.batch), r.mode, size, dtype, amp)
         if key not in graphs:
             graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=size,

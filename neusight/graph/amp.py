@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from neusight.errors import InputError
+
 __all__ = ["AMP_DTYPES", "Autocast", "amp_dtype"]
 
 AMP_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -51,8 +53,6 @@ _LOW = (torch.float16, torch.bfloat16)
 def amp_dtype(amp: Any) -> torch.dtype | None:
     """``amp=`` of neusight.trace / predict as a torch dtype: None / False -> None (no autocast), True -> float16,
     "float16" / "fp16" / "half" / "bfloat16" / "bf16" (or the torch dtype)."""
-    from neusight.errors import InputError
-
     if amp is None or amp is False:
         return None
     if amp is True:

@@ -289,7 +289,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
             if scaler:                                         # GradScaler.update
                 torch._amp_update_scale_(scaler["scale"], scaler["growth"], scaler["found_inf"], 2.0, 0.5, 2000)
             if zero_grad:   # zero_grad(set_to_none=False) with foreach kernels, as on CUDA: one memset pass
-                torch._foreach_zero_([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])
+                torch._foreach_zero_(grads)
         state = [TensorMeta.of(t) for st in opt.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.device.type == "meta"]
     named = list(module.named_parameters())
