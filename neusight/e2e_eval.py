@@ -30,7 +30,7 @@ from neusight.errors import DataError, InputError
 log = logging.getLogger(__name__)
 
 __all__ = ["CNN_AMP", "CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "CNN_TF32", "CNN_TF32_GPUS", "HALF_PRECISIONS",
-           "TF32_PRECISIONS", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
+           "TF32_PRECISIONS", "cnn_device_key", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
            "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn", "render_markdown", "scatter_plot",
            "select_labels", "write_doc_section"]
 
@@ -49,6 +49,11 @@ CNN_TF32_GPUS = {"A10": "a10", "A40": "a40", "A100-PCIe-40GB": "a100-pcie-40gb",
                  "RTX 3080": "rtx-3080", "RTX 3090": "rtx-3090", "RTX 4090": "rtx-4090", "RTX A6000": "rtx-a6000",
                  "RTX 6000 Ada": "rtx-6000-ada"}
 CNN_HALF_GPUS = {**CNN_GPUS, **CNN_TF32_GPUS}
+# Any other GPU name of the benchmark CSVs (a newer table, a card the tables above do not list) is looked up in
+# the device library (neusight.devices.load_device: key or alias, ignoring case, spaces and dashes) and kept when
+# its precision fits the card (cnn_device_key).
+REASON_NO_SPEC = "GPU without a device spec"
+REASON_PRECISION = "precision the GPU does not run that way (TF32 on a card without TF32, FP32 label on a TF32 card)"
 CNN_ACCEPTANCE_GPUS = ("v100-sxm2-16gb", "v100-sxm2-32gb", "t4")   # issue 4: V100 and T4
 SCOPE_ACCEPTANCE, SCOPE_OTHER = "V100, T4 (issue 4)", "other FP32 GPUs"
 CNN_PRECISION = "fp32"          # the only precision in issue 4's scope
@@ -244,13 +249,41 @@ def _skip(df: pd.DataFrame, reason: str) -> pd.DataFrame:
     return df.assign(reason=reason)
 
 
+def cnn_device_key(gpu_name: str, precision: str) -> tuple[str | None, str]:
+    """The device key a benchmark row of ``gpu_name`` in ``precision`` is forecast on, or None and the reason.
+
+    The tables above first (they hold the names that need an assumption, e.g. Lambda's "V100-16GB"), then the
+    device library. A library card is kept for FP32 rows only if it runs true FP32 (no TF32 tensor cores, or an
+    AMD card: cuDNN's TF32 default is NVIDIA's), for TF32 rows only if it has TF32 tensor cores; half-precision
+    rows run on any card.
+    """
+    from neusight.devices import load_device
+    from neusight.errors import DeviceError
+
+    half, tf32 = precision in HALF_PRECISIONS, precision in TF32_PRECISIONS
+    table = CNN_HALF_GPUS if half else CNN_TF32_GPUS if tf32 else CNN_GPUS
+    if gpu_name in table:
+        return table[gpu_name], ""
+    if gpu_name in CNN_HALF_GPUS:          # a listed card, in a precision its table does not hold
+        return None, REASON_PRECISION
+    try:
+        dev = load_device(str(gpu_name))
+    except DeviceError:
+        return None, REASON_NO_SPEC
+    has_tf32 = dev.vendor == "nvidia" and bool(dev.tf32_tensor_tflops)
+    if (tf32 and not has_tf32) or (not half and not tf32 and has_tf32):
+        return None, REASON_PRECISION
+    return dev.key, ""
+
+
 def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, models: Sequence[str] | None = None,
                         precisions: Sequence[str] = (CNN_PRECISION,)) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
     In scope: ``precisions`` (default FP32, issue 4's; any of :data:`CNN_DTYPES`); GPUs in :data:`CNN_GPUS`
-    (half-precision rows: :data:`CNN_HALF_GPUS`, TF32 rows: :data:`CNN_TF32_GPUS`; column ``scope``: the V100
-    and T4 of issue 4's acceptance, or the others); models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
+    (half-precision rows: :data:`CNN_HALF_GPUS`, TF32 rows: :data:`CNN_TF32_GPUS`), else any GPU of the device
+    library whose precision fits (:func:`cnn_device_key`); column ``scope``: the V100 and T4 of issue 4's
+    acceptance, or the others; models with a preset (``models``, default every CNN preset: ResNet, ResNeXt, SE-ResNeXt,
     EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are host-bound), one row per
     (GPU, model, precision, batch): the ``in_head`` row when there is one, else the newest container, never a
     SUSPECT row;
@@ -296,12 +329,14 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
         skipped.append(_skip(df[other], "TF32 / AMP / FP16: sections of their own" if set(precisions) == {CNN_PRECISION}
                              else f"precision not in this selection ({', '.join(precisions)})"))
         df = df[modelled & ~other]
-        df = df.assign(gpu=[(CNN_HALF_GPUS if p in HALF_PRECISIONS else CNN_TF32_GPUS if p in TF32_PRECISIONS
-                             else CNN_GPUS).get(g) for g, p in zip(df["gpu_name"], df["precision"])])
+        found = [cnn_device_key(g, p) for g, p in zip(df["gpu_name"], df["precision"])]
+        df = df.assign(gpu=[k for k, _ in found], _why=[why for _, why in found])
         no_gpu = df["gpu"].isna()
         laptop = no_gpu & df["gpu_name"].str.contains("laptop", case=False)
         skipped.append(_skip(df[laptop], "laptop part: clocks and power set by each laptop maker, no device spec"))
-        skipped.append(_skip(df[no_gpu & ~laptop], "GPU without a device spec"))
+        for why in (REASON_NO_SPEC, REASON_PRECISION):
+            skipped.append(_skip(df[no_gpu & ~laptop & (df["_why"] == why)], why))
+        df = df.drop(columns="_why")
         df = df[~no_gpu]
         no_model = ~df["model"].isin(presets)
         skipped.append(_skip(df[no_model], "model without a preset"))

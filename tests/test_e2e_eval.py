@@ -22,9 +22,9 @@ from torch import nn
 import neusight
 from neusight.cli.common import CONF_DIR
 from neusight.devices import load_device
-from neusight.e2e_eval import (CNN_TF32_GPUS, HALF_PRECISIONS, SCOPE_ACCEPTANCE, SCOPE_OTHER, TF32_PRECISIONS, cnn_summary,
-                               error_table, load_cnn_benchmarks, markdown_table, per_gpu_summary, predict_cnn,
-                               write_doc_section)
+from neusight.e2e_eval import (CNN_TF32_GPUS, HALF_PRECISIONS, SCOPE_ACCEPTANCE, SCOPE_OTHER, TF32_PRECISIONS,
+                               cnn_device_key, cnn_summary, error_table, load_cnn_benchmarks, markdown_table,
+                               per_gpu_summary, predict_cnn, write_doc_section)
 from neusight.errors import InputError
 from tests.conftest import DATASET, SHARED, need_shared
 
@@ -253,7 +253,9 @@ def test_tf32_rows_are_the_ampere_cards_float_runs_forecast_with_tf32_convolutio
     sel, skipped = load_cnn_benchmarks(need_shared(SHARED / "datasets" / "public-benchmarks"),
                                        precisions=TF32_PRECISIONS)
     assert set(sel["precision"]) == {"tf32"} and (sel["dtype"] == "float32").all()
-    assert {"a100-pcie-40gb", "a100-sxm4-40gb", "rtx-3090"} <= set(sel["gpu"]) <= set(CNN_TF32_GPUS.values())
+    # the cards of CNN_TF32_GPUS, plus the library's other Ampere cards of Lambda's table (found by alias)
+    assert {"a100-pcie-40gb", "a100-sxm4-40gb", "rtx-3090"} <= set(sel["gpu"])
+    assert {"rtx-a4000", "rtx-a4500", "rtx-a5000", "rtx-a5500", "rtx-3070"} <= set(sel["gpu"]) - set(CNN_TF32_GPUS.values())
     assert all(load_device(g).tf32_tensor_tflops for g in sel["gpu"])    # every one has TF32 tensor cores
     assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32", "amp",
                                                                                                       "fp16"}
@@ -263,6 +265,27 @@ def test_tf32_rows_are_the_ampere_cards_float_runs_forecast_with_tf32_convolutio
     p = neusight.predict("resnet50", "a100-pcie-40gb", batch_size=b, image_size=224, mode="training",
                          optimizer="sgd", tf32="default", memory=False)
     assert res["predicted_ms"].iloc[0] == p.latency_ms < as_fp32["predicted_ms"].iloc[0]
+
+
+def test_cnn_rows_of_gpus_outside_the_tables_are_found_in_the_library(tmp_path):
+    """A benchmark table with cards the name tables do not list (a newer table, a held-out card): each is
+    looked up in the device library and kept when its precision fits the card; the others are skipped with
+    the reason, never dropped silently."""
+    bench = need_shared(SHARED / "datasets" / "public-benchmarks")
+    lam = pd.read_csv(bench / "cnn_lambda.csv")
+    base = lam[(lam["model"] == "resnet50") & (lam["precision"] == "fp32")].iloc[0]
+    cards = [("RTX 2080 Ti", "fp32"), ("GTX 1080 Ti", "fp32"), ("A100-SXM4-80GB", "tf32"), ("H100 PCIe 80GB", "tf32"),
+             ("TITAN V", "tf32"), ("A10", "fp32"), ("Tesla K80", "fp32")]
+    rows = pd.DataFrame([base.to_dict() | {"gpu": g, "precision": p} for g, p in cards])
+    rows.to_csv(tmp_path / "cnn_lambda.csv", index=False)
+    pd.read_csv(bench / "cnn_dle.csv").head(0).to_csv(tmp_path / "cnn_dle.csv", index=False)
+    sel, skipped = load_cnn_benchmarks(tmp_path, precisions=("fp32", "tf32"))
+    assert dict(zip(sel["gpu_name"], sel["gpu"])) == {"RTX 2080 Ti": "rtx-2080-ti", "GTX 1080 Ti": "gtx-1080-ti",
+                                                      "A100-SXM4-80GB": "a100-sxm4-80gb", "H100 PCIe 80GB": "h100-pcie"}
+    why = dict(zip(skipped["gpu_name"], skipped["reason"]))
+    assert why["Tesla K80"] == "GPU without a device spec"
+    assert why["TITAN V"].startswith("precision the GPU does not run") and why["A10"] == why["TITAN V"]
+    assert cnn_device_key("V100-16GB", "fp32") == ("v100-sxm2-16gb", "")   # the table's assumption comes first
 
 
 def test_unknown_cnn_precision_is_refused():
