@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -150,14 +151,18 @@ def _one_thread():
 
 # --- predictions and errors ------------------------------------------------------------------------
 
-def predict_methods(predictor: Predictor, gbr: RawFeatureGBR, df: pd.DataFrame) -> pd.DataFrame:
+def predict_methods(predictor: Predictor | Mapping[str, Predictor], gbr: RawFeatureGBR,
+                    df: pd.DataFrame) -> pd.DataFrame:
     """One row per kernel of ``df``: identity columns, ``measured_ms``, ``<method>_ms`` for every method in
     :data:`METHODS`, the decomposition (tiles, waves, bound, utilization) and ``trained_on`` (the
-    predictor saw this GPU in training)."""
-    parts = [predictor.predict(d, dev) for dev, d in df.groupby("device", sort=True)]
+    predictor saw this GPU in training). ``predictor``: one for every GPU, or a predictor per device key."""
+    def pick(dev: str) -> Predictor:
+        return predictor[dev] if isinstance(predictor, Mapping) else predictor
+
+    parts = [pick(dev).predict(d, dev) for dev, d in df.groupby("device", sort=True)]
     dec = pd.concat(parts).loc[df.index]
     out = df[list(_ID_COLUMNS)].copy()
-    out.insert(3, "trained_on", df["device"].isin(predictor.train_devices_).to_numpy())
+    out.insert(3, "trained_on", [dev in pick(dev).train_devices_ for dev in df["device"]])
     out["measured_ms"] = df["latency_ms"].to_numpy(float)
     out["neusight_ms"] = dec["latency_ms"].to_numpy(float)
     out["roofline_ms"] = dec["roofline_ms"].to_numpy(float)
@@ -315,18 +320,23 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
     timings: dict[str, float] = {}
     data = subsample(load_kernel_traces([str(p) for p in traces], devices=devices, families=families),
                      max_rows_per_family, seed)
+    per_device: dict[str, Predictor] = {}
     if checkpoint is None and len(data):
         from neusight.api import shipped_predictor_dir
 
-        shipped = {shipped_predictor_dir(load_device(d)) for d in data["device"].unique()}
+        shipped_of = {d: shipped_predictor_dir(load_device(d)) for d in data["device"].unique()}
+        shipped = set(shipped_of.values())
         if shipped == {SHIPPED_AMD}:
             # AMD kernels only: the shipped AMD predictor, and (unless told otherwise) a GBR on the AMD sweeps
             checkpoint = SHIPPED_AMD
             if tuple(map(str, train_traces)) == TRAIN_TRACES and tuple(train_devices) == tuple(TRAINING_GPUS):
                 train_traces, train_devices = AMD_TRAIN_TRACES, AMD_TRAINING_GPUS
         elif len(shipped) > 1:
-            log.warning("the AMD kernels are scored by the NVIDIA predictor; evaluate them on their own (or pass "
-                        "checkpoint=%s) for the AMD one", SHIPPED_AMD)
+            # NVIDIA and AMD kernels together: each GPU by its vendor's shipped predictor, as neusight.predict
+            # does; the GBR baseline and any leave-one-GPU-out stay those of the NVIDIA predictor
+            per_device = {d: Predictor.load(path) for d, path in shipped_of.items()}
+            log.info("NVIDIA and AMD kernels: each GPU is scored by its vendor's shipped predictor (%s)",
+                     ", ".join(f"{d}: {_short(path)}" for d, path in sorted(shipped_of.items())))
     predictor = Predictor.load(checkpoint)
     train_families = list(families) if families else None
     if not logo:  # the baseline only needs the families it is scored on
@@ -339,7 +349,7 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
     baseline = RawFeatureGBR(gbr or GBRConfig(seed=seed)).fit(train)
     timings["gbr_fit_s"] = time.time() - t
     t = time.time()
-    results = predict_methods(predictor, baseline, data)
+    results = predict_methods(per_device or predictor, baseline, data)
     timings["predict_s"] = time.time() - t
     summary = error_table(results)
 
@@ -351,8 +361,10 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
         timings["logo_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     info = {
-        "checkpoint": (f"{Path(checkpoint).relative_to(REPO)} (shipped)" if Path(checkpoint).parent == REPO / "data"
-                       else str(checkpoint)) if checkpoint else "data/predictor (shipped)",
+        "checkpoint": (f"{_short(checkpoint)} (shipped)" if Path(checkpoint).parent == REPO / "data"
+                       else str(checkpoint)) if checkpoint else
+                      ("data/predictor (shipped); the AMD GPUs by data/predictor-amd (shipped), trained on "
+                       + ", ".join(Predictor.load(SHIPPED_AMD).train_devices_) if per_device else "data/predictor (shipped)"),
         "predictor_train_devices": list(predictor.train_devices_),
         "traces": [str(p) for p in traces], "train_traces": [str(p) for p in train_traces],
         "train_devices": sorted(train["device"].unique()), "train_rows": len(train), "eval_rows": len(data),
@@ -360,6 +372,12 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
         "skipped": data.attrs.get("skipped", {}), "timings": timings,
     }
     return KernelEvaluation(results, summary, logo_table, info)
+
+
+def _short(path: str | os.PathLike) -> str:
+    """A path inside the repository relative to it (data/predictor-amd), others as given."""
+    p = Path(path)
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
 
 
 # --- plots --------------------------------------------------------------------------------------------

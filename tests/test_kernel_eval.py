@@ -164,3 +164,23 @@ def test_amd_kernels_are_scored_by_the_amd_predictor_by_default():
     assert ev.info["checkpoint"] == "data/predictor-amd (shipped)"
     assert ev.info["predictor_train_devices"] == ["mi100", "mi210"] == ev.info["train_devices"]
     assert ev.results["trained_on"].all()          # its own training GPUs: in-sample, and marked so
+
+
+def test_nvidia_and_amd_kernels_together_are_each_scored_by_their_vendors_predictor(tmp_path):
+    """One folder with both vendors' kernels: every GPU gets the predictor neusight.predict would use for it."""
+    need_shared(DATASET)
+    import neusight
+    from neusight.kernel_eval import evaluate_kernels
+
+    l4 = pd.read_csv(LARGE_LN)
+    l4 = l4[l4["Device"] == "NVIDIA L4"].head(20)
+    mi210 = pd.read_csv(KERNELS / "amd" / "ln" / "AMD_Instinct_MI210.csv").head(20)
+    l4.to_csv(tmp_path / "l4.csv", index=False)
+    mi210.to_csv(tmp_path / "mi210.csv", index=False)
+    ev = evaluate_kernels([tmp_path], max_rows_per_family=100, gbr=GBRConfig(max_iter=20))
+    assert "data/predictor-amd" in ev.info["checkpoint"]
+    res = ev.results.set_index("device")
+    assert bool(res.loc["mi210", "trained_on"].all()) and not bool(res.loc["l4", "trained_on"].any())
+    for dev, raw in (("l4", l4), ("mi210", mi210)):   # the same numbers as the vendor's shipped predictor
+        np.testing.assert_allclose(np.sort(res.loc[dev, "neusight_ms"].to_numpy(float)),
+                                   np.sort(neusight.predict_kernel_table(raw).to_numpy(float)), rtol=1e-9)
