@@ -181,6 +181,29 @@ DEPTHWISE_NOTE = ("{n} depthwise-convolution kernels are forecast as memory-boun
 # than forecast whatever the GPU (docs/evaluation.md, "Small batches": DeepLearningExamples' batch-1 ResNets
 # take the same time on a T4 and a V100). The host is not modelled; such a forecast says so.
 HOST_BOUND_US = 50.0
+# A GPU whose spec-sheet descriptors (compute capability, board power, memory type) lie outside the training GPUs'
+# range: the models that take them hold them at the range's edge (and inside the envelope of the training GPUs'
+# combinations), so those kernels are forecast as on the nearest training GPU of that kind, scaled by the new
+# GPU's own roofline. Stated, with the share of the time that rests on it (kernels' ``beyond_training``).
+EXTRAPOLATION_NOTE = ("{device}'s {what} lie{s} outside the range of the GPUs the predictor was trained on ({where}); "
+                      "the {fams} models hold {them} at the edge of that range, so {share:.0f} % of the forecast time "
+                      "is extrapolated from the nearest training GPUs, scaled by this GPU's own roofline")
+
+
+def extrapolation_note(device: Device, found: list[dict[str, Any]], kernels: pd.DataFrame) -> str | None:
+    """EXTRAPOLATION_NOTE for ``Predictor.device_extrapolation(device)``'s findings, None when there are none."""
+    if not found:
+        return None
+    feats = [f["feature"] for f in found]
+    flagged = kernels["beyond_training"].astype(str).str.split(",").map(lambda names: bool(set(names) & set(feats)))
+    share = 100.0 * float(kernels.loc[flagged, "latency_ms"].sum()) / max(float(kernels["latency_ms"].sum()), 1e-12)
+    fams = sorted({fam for f in found for fam in f["families"]})
+    return EXTRAPOLATION_NOTE.format(
+        device=device.key, what=" and ".join(f"{f['label']} {f['value']}" for f in found), s="" if len(found) > 1 else "s",
+        where="; ".join(f"{f['label']} {f['range']}" for f in found), fams=" and ".join(fams),
+        them="them" if len(found) > 1 else "it", share=share)
+
+
 HOST_BOUND_NOTE = ("{n} kernel launches averaging {avg:.0f} us of GPU time each: eager PyTorch spends roughly "
                    "10-50 us of host (CPU) time per launch, so this run may be bound by the host issuing kernels, "
                    "which is not modelled: then it takes longer than forecast, on any GPU")
@@ -265,6 +288,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     if n_dw:
         notes += (DEPTHWISE_NOTE.format(n=n_dw),)
     total = float(kernels["latency_ms"].sum())
+    if beyond := extrapolation_note(device, pred.device_extrapolation(device), kernels):
+        notes += (beyond,)
     if host := host_bound_note(total, len(kernels)):
         notes += (host,)
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, total, phases,

@@ -435,3 +435,25 @@ def test_host_bound_note_fires_below_the_threshold_only():
     big = neusight.predict("resnet50", "v100-sxm2-16gb", batch_size=64, memory=False)
     assert any("host" in n and "not modelled" in n for n in small.notes)
     assert not any("host (CPU)" in n for n in big.notes)
+
+
+def test_a_gpu_beyond_the_training_gpus_descriptors_is_said_to_be_extrapolated():
+    """H100's compute capability and board power lie outside the training GPUs'; the forecast says so, names
+    both with their ranges, and its GEMM kernels carry them in ``beyond_training``. A training GPU gets no
+    such note, and a sweep-sized GEMM on it is inside every range while a far larger one is beyond it."""
+    from neusight.api import load_predictor
+    from neusight.dataset import kernel_frame
+
+    h100 = neusight.predict("gpt2", "h100-sxm5-80gb", batch_size=2, seq_len=256, memory=False)
+    note = [n for n in h100.notes if "outside the range of the GPUs" in n]
+    assert len(note) == 1 and "compute capability 9.0" in note[0] and "board power 700 W" in note[0]
+    gemm = h100.kernels["family"].isin(["linear", "bmm"])
+    assert h100.kernels.loc[gemm, "beyond_training"].str.contains("compute_capability").all()
+    assert not h100.kernels.loc[~gemm, "beyond_training"].str.contains("compute_capability").any()
+    t4 = neusight.predict("gpt2", "t4", batch_size=2, seq_len=256, memory=False)
+    assert not any("outside the range of the GPUs" in n for n in t4.notes)
+    assert load_predictor(None, "t4").device_extrapolation("t4") == []
+    rows = kernel_frame(pd.DataFrame({"OPName": ["linear", "linear"], "Device": ["Tesla T4"] * 2, "B": [1, 1],
+                                      "M": [512, 65536], "N": [512, 16384], "K": [512, 16384]}), measured=False)
+    beyond = load_predictor(None, "t4").predict(rows, "t4")["beyond_training"].tolist()
+    assert beyond[0] == "" and "log2_roofline" in beyond[1].split(",")

@@ -253,6 +253,15 @@ def _rows(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     return t
 
 
+# The device descriptors the models take, as a GPU's spec sheet gives them: name -> (label, spec value of a
+# device, how to print a value of the feature). A GPU outside the training GPUs' range of one is extrapolated.
+DEVICE_DESCRIPTORS = {
+    "compute_capability": ("compute capability", lambda d: _cc(d), lambda v: f"{v:.1f}"),
+    "log2_tdp": ("board power", lambda d: float(np.log2(d.tdp_w)), lambda v: f"{2.0 ** v:.0f} W"),
+    "hbm_memory": ("memory type", lambda d: float(d.hbm), lambda v: "HBM" if v >= 0.5 else "GDDR"),
+}
+
+
 def _cc(device: Device) -> float:
     """Compute capability as a number (8.9 -> 8.9); AMD gfx targets map to 0 (a separate regime)."""
     try:

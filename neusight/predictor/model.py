@@ -19,9 +19,9 @@ import torch
 
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
-from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES, LAYOUTS,
-                                         MODEL_FAMILIES, conv_backward_class, decompose, feature_names,
-                                         n_work_features)
+from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES,
+                                         DEVICE_DESCRIPTORS, LAYOUTS, MODEL_FAMILIES, conv_backward_class, decompose,
+                                         feature_names, n_work_features)
 from neusight.predictor.mlp import MLPConfig, MLPEnsemble, UtilizationMLP, build_model
 from neusight.predictor.train import FitResult, fit_ensemble_logo, fit_mlp, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
@@ -144,7 +144,9 @@ class Predictor:
         ``conv_backward=False`` leaves out the convolution-gradient factors (used when fitting them).
 
         Returns a frame indexed like ``df``: tile_m, tile_n, elems_per_block, threads_per_block, tiles,
-        waves, bound, roofline_ms, utilization, overhead_ms, latency_ms, model_family.
+        waves, bound, roofline_ms, utilization, overhead_ms, latency_ms, beyond_training (the features of the
+        row outside the range its model was trained on, comma-separated; "" for none: :func:`beyond_training`),
+        model_family.
         """
         self._check_fitted()
         device = load_device(device)
@@ -167,6 +169,7 @@ class Predictor:
         out["utilization"] = np.nan
         out["overhead_ms"] = np.nan
         out["latency_ms"] = np.nan
+        out["beyond_training"] = ""
         for fam, rows in dec.groupby("model_family"):
             model, fam = self._model_for(fam)
             feats = list(feature_names(fam))
@@ -175,7 +178,9 @@ class Predictor:
                 cols = ["tile_m", "tile_n", "elems_per_block", "threads_per_block", "tiles", "waves", "bound",
                         "roofline_ms"]
                 out.loc[rows.index, cols] = rows[cols]
-            lat, u = predict_mlp(model, rows[feats].to_numpy(float), rows["roofline_ms"].to_numpy(float))
+            x = rows[feats].to_numpy(float)
+            lat, u = predict_mlp(model, x, rows["roofline_ms"].to_numpy(float))
+            out.loc[rows.index, "beyond_training"] = beyond_training(model, x, feats)
             out.loc[rows.index, "latency_ms"] = lat
             out.loc[rows.index, "utilization"] = u
             out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
@@ -183,6 +188,28 @@ class Predictor:
             self._apply_conv_backward(uniq, out)
         merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
         return merged.loc[df.index, out.columns]
+
+    def device_extrapolation(self, device: Device | str) -> list[dict[str, Any]]:
+        """The spec-sheet descriptors of ``device`` (:data:`DEVICE_DESCRIPTORS`) outside the range of the GPUs a
+        family model was trained on: one dict per descriptor (``feature``, ``label``, ``value``, ``range``,
+        ``families``), [] for a GPU inside every range. Those models hold the descriptor at the range's edge."""
+        self._check_fitted()
+        device = load_device(device)
+        found: dict[str, dict[str, Any]] = {}
+        for fam, model in sorted(self.models_.items()):
+            names = list(feature_names(fam))
+            lo, hi = feature_range(model)
+            for feat, (label, spec, show) in DEVICE_DESCRIPTORS.items():
+                if feat not in names:
+                    continue
+                i, v = names.index(feat), spec(device)
+                if not _outside(np.array([v]), lo[i], hi[i])[0]:
+                    continue
+                rng = show(lo[i]) if lo[i] == hi[i] else f"{show(lo[i])}-{show(hi[i])}"
+                entry = found.setdefault(feat, {"feature": feat, "label": label, "value": show(v), "range": rng,
+                                                "families": []})
+                entry["families"].append(fam)
+        return list(found.values())
 
     def _apply_conv_backward(self, rows: pd.DataFrame, out: pd.DataFrame) -> None:
         """Convolution gradients work ``factor`` x as long as the GEMM model predicts (launch overhead
@@ -323,6 +350,27 @@ def _saved_config(manifest: dict, path: Path) -> PredictorConfig:
                                   f"regenerate the checkpoint with `neusight-train`") from None
     return PredictorConfig(families=families, val_devices=tuple(manifest.get("val_devices") or ("logo",)),
                            seed=int(manifest.get("seed", 0)))
+
+
+def feature_range(model: UtilizationMLP | MLPEnsemble) -> tuple[np.ndarray, np.ndarray]:
+    """The (min, max) of every feature over the rows a model was trained on (its clamp range)."""
+    m = model.members[0] if isinstance(model, MLPEnsemble) else model
+    return m.lo.detach().double().numpy(), m.hi.detach().double().numpy()
+
+
+def beyond_training(model: UtilizationMLP | MLPEnsemble, x: np.ndarray, names: list[str]) -> list[str]:
+    """Per row of features ``x``: the names of the features outside the model's training range, comma-separated
+    ("" when every one is inside). The model holds such a feature at the range's edge (and the device features
+    inside the envelope of the training GPUs'), so the forecast of that row is an extrapolation."""
+    lo, hi = feature_range(model)
+    out = _outside(x, lo, hi)
+    return [",".join(n for n, o in zip(names, row) if o) for row in out]
+
+
+def _outside(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """x below lo or above hi by more than the rounding of the float32 range the model keeps."""
+    tol = 1e-5 * np.maximum(1.0, np.maximum(np.abs(lo), np.abs(hi)))
+    return (x < lo - tol) | (x > hi + tol)
 
 
 def scale_work(latency_ms: np.ndarray, overhead_ms: np.ndarray, roofline_ms: np.ndarray,
