@@ -35,7 +35,12 @@ GEMM_FAMILIES = (Family.LINEAR.value, Family.BMM.value, Family.CONV.value)
 # SGEMM would have to issue an FFMA every clock, with its loads and integer address arithmetic on top; we count
 # half the spec-sheet FP32 peak as SGEMM's. An architectural statement, not a number fitted to any GPU's data
 # (L4 reaches 0.33-0.43 of its spec peak on its large GEMMs, a public H100 SXM5 SGEMM 0.53; both Device specs
-# carry it as ``fp32_dual_issue``).
+# carry it as ``fp32_dual_issue``). Measured 2026-11-25 (session 16; the predictor's utilization models do not
+# compensate, L4 being the one such GPU with data): fraction 0.5 / 0.6 / 0.65 / 0.75 -> L4 large linear MAPE
+# 11.1 / 14.6 / 19.9 / 29.7 % (median signed +3.6 / -12.7 / -19.0 / -29.2), L4 label runs inference 9.2 / 8.8 /
+# 11.0 / 16.5 % (mean signed +1.8 / -7.6 / -11.0 / -16.5), training 2.7 / 12.6 / 16.3 / 22.1 %; the H100 SXM5
+# 4096x16384x8192 SGEMM forecast 27.2 / 32.4 / 35.0 / 40.1 TFLOP/s against the public 35.5. L4 (72 W) holds
+# it at 0.5; an unthrottled H100 may run its FP32 GEMMs faster than forecast (the one public point: 23 %).
 DUAL_ISSUE_GEMM_FRACTION = 0.5
 
 
