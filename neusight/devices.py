@@ -365,6 +365,59 @@ def device_rows() -> list[dict[str, Any]]:
             for k, d in sorted(devices.items())]
 
 
+# What-if edits (modify_device): the peaks that follow the SM count and the clock when only those are changed.
+_SCALED_PEAKS = ("fp32_tflops", "fp32_matrix_tflops", "tf32_tensor_tflops", "fp16_tensor_tflops",
+                 "bf16_tensor_tflops")
+_FIXED = ("key", "name", "aliases", "source", "vendor")
+
+
+def modify_device(device: str | os.PathLike[str] | Device, **changes: Any) -> Device:
+    """A GPU of the library (or any Device) with some spec-sheet numbers changed: "what if H100 had 4.8 TB/s?".
+
+    ``changes`` are Device fields with values as a spec file would give them (units accepted, e.g.
+    ``mem_bandwidth_gbps="4.8 TB/s"``), checked the same way. Changing ``sm_count``, ``boost_clock_mhz`` or
+    ``fp32_cores_per_sm`` without giving the peaks rescales every FLOP/s peak with them (the FP32 peaks by SMs
+    x lanes x clock, the tensor peaks by SMs x clock), so the sheet stays consistent. The result is keyed
+    ``<key>+<field>=<value>...`` and named after the base GPU and its changes; it has no aliases.
+
+    >>> modify_device("h100-sxm5-80gb", mem_bandwidth_gbps="4.8 TB/s").mem_bandwidth_gbps
+    4800.0
+    >>> round(modify_device("a100-pcie-40gb", sm_count=54).fp32_tflops, 2)
+    9.75
+    """
+    base = load_device(device)
+    if not changes:
+        return base
+    where = f"modify_device({base.key})"
+    fixed = [k for k in changes if k in _FIXED]
+    unknown = [k for k in changes if k not in _FIELDS]
+    if unknown or fixed:
+        bad = (unknown or fixed)[0]
+        close = difflib.get_close_matches(bad, [f for f in _FIELDS if f not in _FIXED], 1)
+        raise _fail(where, bad, changes[bad], "not a spec number that can be changed" if fixed else "unknown field",
+                    (f"did you mean '{close[0]}'? " if close else "") + "change one of "
+                    + ", ".join(f for f in _FIELDS if f not in _FIXED))
+    raw = base.to_dict()
+    raw.update(changes)
+    new = {f: _convert(f, raw[f], where) if f in changes else getattr(base, f) for f in changes}
+    lanes = lambda d: d["sm_count"] * d["boost_clock_mhz"] * d["fp32_cores_per_sm"]   # noqa: E731
+    units = lambda d: d["sm_count"] * d["boost_clock_mhz"]                             # noqa: E731
+    old_d = {f: getattr(base, f) for f in ("sm_count", "boost_clock_mhz", "fp32_cores_per_sm")}
+    new_d = {**old_d, **{f: new[f] for f in old_d if f in new}}
+    for peak in _SCALED_PEAKS:
+        if peak in changes or getattr(base, peak) is None or new_d == old_d:
+            continue
+        ratio = (lanes(new_d) / lanes(old_d)) if peak.startswith("fp32") else (units(new_d) / units(old_d))
+        raw[peak] = getattr(base, peak) * ratio
+    show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)   # noqa: E731
+    desc = ", ".join(f"{f} {show(getattr(base, f))} -> {show(new[f])}" for f in changes)
+    raw.update({"name": f"{base.name} (what-if: {desc})", "aliases": [],
+                "source": f"{base.source}; modified: {desc}"})
+    raw.pop("key")
+    key = base.key + "".join(f"+{f}={show(new[f])}" for f in changes)
+    return _from_mapping(raw, key=key, where=where)
+
+
 def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
     """Find a GPU by key, alias or spec-file path and return its validated :class:`Device`.
 

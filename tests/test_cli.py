@@ -44,6 +44,8 @@ BAD = {
     "predict-unknown-amp": (("neusight-predict", "model=gpt2", "device=t4", "amp=float8"), "amp='float8'"),
     "predict-unknown-tf32": (("neusight-predict", "model=gpt2", "device=a100-pcie-40gb", "tf32=fast"), "tf32='fast'"),
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
+    "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
+                                         "did you mean 'mem_bandwidth_gbps'"),
 }
 
 
@@ -175,3 +177,26 @@ def test_predict_a_megatron_step_from_the_command_line(tmp_path):
     assert "Megatron-LM kernels" in r.stdout
     (rec,) = json.loads((tmp_path / "run" / "meg.json").read_text())
     assert rec["gpus"] == 2 and rec["optimizer_ms"] > 0 and rec["dp_allreduce_ms"] > 0
+
+
+def test_predict_what_if_spec_changes_the_gpu_it_forecasts(tmp_path):
+    """+spec.<field>=<value> forecasts the GPU with that spec number changed, named as such, the same as a spec
+    file with the changed number would (here: T4 with twice its memory bandwidth)."""
+    import yaml
+
+    from neusight.devices import load_device
+
+    spec = load_device("t4").to_dict()
+    spec.update(mem_bandwidth_gbps=640.0, aliases=[])
+    spec.pop("key")
+    (tmp_path / "t4-fast.yaml").write_text(yaml.safe_dump(spec))
+    runs = {}
+    for name, dev in (("what-if", ["device=t4", "+spec.mem_bandwidth_gbps=640"]), ("file", ["device=t4-fast.yaml"])):
+        r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", *dev, "batch_size=1", "seq_len=32",
+                            "memory=false", "json=out.json", f"hydra.run.dir={tmp_path / name}"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        runs[name] = json.loads((tmp_path / name / "out.json").read_text())
+    assert runs["what-if"]["device"] == "t4+mem_bandwidth_gbps=640"
+    assert "what-if: mem_bandwidth_gbps 320 -> 640" in runs["what-if"]["device_name"]
+    assert runs["what-if"]["latency_ms"] == pytest.approx(runs["file"]["latency_ms"], rel=1e-12)

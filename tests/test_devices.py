@@ -391,3 +391,48 @@ def test_every_neusight_json_of_the_dataset_loads_but_the_tensor_parallel_one():
                 load_device(f)
         else:
             assert load_device(f).key == load_device(name).key, f
+
+
+
+# ---- what-if edits --------------------------------------------------------------------------------------
+
+def test_modify_device_changes_one_number_and_says_so():
+    from neusight.devices import modify_device
+
+    base = load_device("h100-sxm5-80gb")
+    d = modify_device(base, mem_bandwidth_gbps="4.8 TB/s", memory_gib=141)
+    assert (d.mem_bandwidth_gbps, d.memory_gib) == (4800.0, 141.0)
+    assert d.key == "h100-sxm5-80gb+mem_bandwidth_gbps=4800+memory_gib=141" and d.aliases == ()
+    assert "what-if" in d.name and "3350 -> 4800" in d.name
+    same = {f.name for f in dataclasses.fields(Device)} - {"key", "name", "aliases", "source", "mem_bandwidth_gbps",
+                                                            "memory_gib"}
+    assert all(getattr(d, f) == getattr(base, f) for f in same)
+    assert modify_device(base) is base
+
+
+def test_modify_device_rescales_the_peaks_with_sms_and_clock_unless_given():
+    from neusight.devices import modify_device
+
+    base = load_device("a100-pcie-40gb")
+    half = modify_device(base, sm_count=base.sm_count // 2)
+    for peak in ("fp32_tflops", "fp32_matrix_tflops", "tf32_tensor_tflops", "fp16_tensor_tflops", "bf16_tensor_tflops"):
+        assert getattr(half, peak) == pytest.approx(getattr(base, peak) / 2)
+    pinned = modify_device(base, boost_clock_mhz=2 * base.boost_clock_mhz, fp16_tensor_tflops=400)
+    assert pinned.fp16_tensor_tflops == 400 and pinned.fp32_tflops == pytest.approx(2 * base.fp32_tflops)
+    lanes = modify_device(base, fp32_cores_per_sm=128)        # twice the FP32 lanes: FP32 peaks only
+    assert lanes.fp32_tflops == pytest.approx(2 * base.fp32_tflops)
+    assert lanes.fp16_tensor_tflops == pytest.approx(base.fp16_tensor_tflops)
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"mem_bandwith_gbps": 1000}, "did you mean 'mem_bandwidth_gbps'"),
+    ({"name": "my GPU"}, "not a spec number that can be changed"),
+    ({"sm_count": -4}, "sm_count"),
+    ({"memory_type": "HBM9"}, "HBM9"),
+    ({"mem_bandwidth_gbps": "fast"}, "mem_bandwidth_gbps"),
+])
+def test_modify_device_refuses_bad_changes_by_name(changes, fragment):
+    from neusight.devices import modify_device
+
+    with pytest.raises(DeviceError, match=re.escape(fragment)):
+        modify_device("t4", **changes)

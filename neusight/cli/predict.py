@@ -22,9 +22,9 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from neusight.api import Prediction
+    from neusight.devices import Device
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class PredictConfig:
     layers_csv: Optional[str] = None     # write the per-layer report (time, share, bound, saved memory) as CSV
     plot: Optional[str] = None           # directory for the pictures (roofline, time roofline, memory, layers)
     find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory
+    spec: Dict[str, Any] = field(default_factory=dict)   # what-if: spec numbers changed on every GPU, e.g.
+    #                                      +spec.mem_bandwidth_gbps=4800 (neusight.devices.modify_device)
 
 
 ConfigStore.instance().store(name="predict_schema", node=PredictConfig)
@@ -233,6 +236,14 @@ def _devices(cfg_device: Any) -> list[str]:
     return [str(d) for d in devices]
 
 
+def _gpus(cfg: PredictConfig) -> list[Device]:
+    """The GPUs of ``cfg.device``, each with the what-if changes of ``cfg.spec``."""
+    from neusight.devices import load_device, modify_device
+
+    changes = OmegaConf.to_container(cfg.spec, resolve=True) if OmegaConf.is_config(cfg.spec) else dict(cfg.spec or {})
+    return [modify_device(load_device(d), **changes) for d in _devices(cfg.device)]
+
+
 def _out_path(path: str) -> str:
     from hydra.core.hydra_config import HydraConfig
 
@@ -247,7 +258,7 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
-    devices = [load_device(d) for d in _devices(cfg.device)]
+    devices = _gpus(cfg)
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
@@ -386,7 +397,7 @@ def _generation(cfg: PredictConfig) -> float:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt length)")
     rows = []
-    for i, dev in enumerate(_devices(cfg.device)):
+    for i, dev in enumerate(_gpus(cfg)):
         f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
                                predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp, head=cfg.head,
                                attn_implementation=cfg.attn_implementation)
@@ -417,7 +428,7 @@ def _parallel(cfg: PredictConfig) -> float:
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
-    for i, dev in enumerate(_devices(cfg.device)):
+    for i, dev in enumerate(_gpus(cfg)):
         p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
