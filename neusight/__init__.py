@@ -8,7 +8,7 @@ from neusight.graph.models import list_models
 from neusight.graph.tracer import trace
 from neusight.parallel import ParallelPrediction, predict_parallel
 
-__all__ = ["Device", "GenerationForecast", "NeuSightError", "ParallelPrediction", "Prediction", "list_devices", "list_models",
-           "load_device", "load_predictor", "modify_device", "predict", "predict_generation", "predict_graph", "predict_kernel_table",
-           "predict_parallel", "trace"]
+__all__ = ["Device", "GenerationForecast", "NeuSightError", "ParallelPrediction", "Prediction", "list_devices",
+           "list_models", "load_device", "load_predictor", "modify_device", "predict", "predict_generation",
+           "predict_graph", "predict_kernel_table", "predict_parallel", "trace"]
 __version__ = "0.1.0"

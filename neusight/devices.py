@@ -399,7 +399,7 @@ def modify_device(device: str | os.PathLike[str] | Device, **changes: Any) -> De
                     + ", ".join(f for f in _FIELDS if f not in _FIXED))
     raw = base.to_dict()
     raw.update(changes)
-    new = {f: _convert(f, raw[f], where) if f in changes else getattr(base, f) for f in changes}
+    new = {f: _convert(f, v, where) for f, v in changes.items()}
     lanes = lambda d: d["sm_count"] * d["boost_clock_mhz"] * d["fp32_cores_per_sm"]   # noqa: E731
     units = lambda d: d["sm_count"] * d["boost_clock_mhz"]                             # noqa: E731
     old_d = {f: getattr(base, f) for f in ("sm_count", "boost_clock_mhz", "fp32_cores_per_sm")}

@@ -30,8 +30,8 @@ from neusight.errors import DataError, InputError
 log = logging.getLogger(__name__)
 
 __all__ = ["CNN_AMP", "CNN_DTYPES", "CNN_GPUS", "CNN_HALF_GPUS", "CNN_TF32", "CNN_TF32_GPUS", "HALF_PRECISIONS",
-           "TF32_PRECISIONS", "cnn_device_key", "cnn_summary", "error_table", "gpu_order", "label_frame", "load_cnn_benchmarks",
-           "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn", "render_markdown", "scatter_plot",
+           "TF32_PRECISIONS", "cnn_device_key", "cnn_summary", "error_table", "gpu_order", "label_frame",
+           "load_cnn_benchmarks", "markdown_table", "per_gpu_summary", "precision_summary", "predict_cnn", "render_markdown", "scatter_plot",
            "select_labels", "write_doc_section"]
 
 # GPU names of the public benchmark CSVs -> device keys. NB: the DeepLearningExamples tables were measured

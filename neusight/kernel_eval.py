@@ -321,6 +321,7 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
     data = subsample(load_kernel_traces([str(p) for p in traces], devices=devices, families=families),
                      max_rows_per_family, seed)
     per_device: dict[str, Predictor] = {}
+    amd_trained: list[str] = []
     if checkpoint is None and len(data):
         from neusight.api import shipped_predictor_dir
 
@@ -334,7 +335,9 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
         elif len(shipped) > 1:
             # NVIDIA and AMD kernels together: each GPU by its vendor's shipped predictor, as neusight.predict
             # does; the GBR baseline and any leave-one-GPU-out stay those of the NVIDIA predictor
-            per_device = {d: Predictor.load(path) for d, path in shipped_of.items()}
+            by_path = {path: Predictor.load(path) for path in shipped}
+            per_device = {d: by_path[path] for d, path in shipped_of.items()}
+            amd_trained = list(by_path[SHIPPED_AMD].train_devices_)
             log.info("NVIDIA and AMD kernels: each GPU is scored by its vendor's shipped predictor (%s)",
                      ", ".join(f"{d}: {_short(path)}" for d, path in sorted(shipped_of.items())))
     predictor = Predictor.load(checkpoint)
@@ -363,8 +366,8 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
     info = {
         "checkpoint": (f"{_short(checkpoint)} (shipped)" if Path(checkpoint).parent == REPO / "data"
                        else str(checkpoint)) if checkpoint else
-                      ("data/predictor (shipped); the AMD GPUs by data/predictor-amd (shipped), trained on "
-                       + ", ".join(Predictor.load(SHIPPED_AMD).train_devices_) if per_device else "data/predictor (shipped)"),
+                      (f"data/predictor (shipped); the AMD GPUs by data/predictor-amd (shipped), trained on "
+                       f"{', '.join(amd_trained)}" if per_device else "data/predictor (shipped)"),
         "predictor_train_devices": list(predictor.train_devices_),
         "traces": [str(p) for p in traces], "train_traces": [str(p) for p in train_traces],
         "train_devices": sorted(train["device"].unique()), "train_rows": len(train), "eval_rows": len(data),
