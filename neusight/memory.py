@@ -445,7 +445,7 @@ class _MetaToCpu(TorchFunctionMode):
 
 def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
                 optimizer: str | None = "adamw", onednn: bool = False, seed: int = 0,
-                **build_kwargs: Any) -> CpuMeasurement:
+                gradient_checkpointing: bool = False, **build_kwargs: Any) -> CpuMeasurement:
     """Run ``model`` for real on the CPU and measure the peak of allocated tensor bytes.
 
     The module is the one :func:`neusight.trace` traces (same builder, random weights), run the way the tracer
@@ -459,7 +459,7 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
 
     Parameters
     ----------
-    model, batch_size, seq_len, mode, optimizer, **build_kwargs
+    model, batch_size, seq_len, mode, optimizer, gradient_checkpointing, **build_kwargs
         As for :func:`neusight.trace`.
     onednn : bool
         Let convolutions run through oneDNN. Off by default: oneDNN reorders every conv weight into a blocked
@@ -473,7 +473,7 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
     from torch.profiler import ProfilerActivity, profile
 
     from neusight.graph.models import build_model
-    from neusight.graph.tracer import _CudaPaths, _make_optimizer
+    from neusight.graph.tracer import _CudaPaths, _enable_checkpointing, _make_optimizer
 
     training = mode == "training"
     built = build_model(model, **build_kwargs)
@@ -491,13 +491,14 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
             p.normal_(0.0, 0.02)
         for b in module.buffers():
             b.fill_(1 if b.is_floating_point() else 0)
+    recompute = _enable_checkpointing(built, mode) if gradient_checkpointing else contextlib.nullcontext()
     module.train(training)
     with _MetaToCpu():
         args, kwargs = built.make_inputs(batch_size, seq_len)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
 
     def step() -> tuple:
-        with _MetaToCpu(), _CudaPaths():
+        with _MetaToCpu(), _CudaPaths(), recompute:
             if not training:
                 with torch.no_grad():
                     return (module(*args, **kwargs),)

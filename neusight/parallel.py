@@ -288,6 +288,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                          f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
     micro = batch_size // (dp * microbatches)
     training = mode == "training"
+    if megatron and trace_kwargs.get("gradient_checkpointing"):
+        raise InputError("gradient_checkpointing=True is Hugging Face's activation checkpointing; Megatron-LM's own "
+                         "activation recompute is not modelled (megatron=True). Fix: leave one of them out")
     if megatron and training:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}

@@ -1,7 +1,8 @@
 """Benchmark the memory forecast and write the numbers into docs/memory.md (between the bench markers).
 
 1. Ground truth: GPT-2 small (batch 4 x 512) and ResNet-18 (batch 16, 224x224), inference and one AdamW training
-   step, run for real on this CPU (neusight.memory.measure_cpu) against the forecast (allocator="exact").
+   step (GPT-2 also with gradient checkpointing), run for real on this CPU (neusight.memory.measure_cpu) against
+   the forecast (allocator="exact").
 2. Korthikanti et al. 2022: saved activations per layer of GPT-2 Large (36 layers, FP32, dropout) vs
    s*b*h*(66 + 9*a*s/h) bytes (the 16-bit formula with the 2-byte tensors doubled, tests/test_memory.py).
 3. Fits: GPT-3 2.7B training (batch 8 x 2048, AdamW) on an L4; every single-GPU run NeuSight measured, on its GPU.
@@ -55,17 +56,20 @@ def table(df: pd.DataFrame) -> str:
 
 def cpu_ground_truth() -> pd.DataFrame:
     rows = []
-    for model, kw in (("gpt2", dict(batch_size=4, seq_len=512)), ("resnet18", dict(batch_size=16))):
-        for mode in ("inference", "training"):
-            t0 = time.time()
-            r = estimate_memory(neusight.trace(model, mode=mode, optimizer="adamw", **kw), allocator="exact")
-            m = measure_cpu(model, mode=mode, optimizer="adamw", **kw)
-            rows.append({"model": model, "mode": mode + (" (AdamW)" if mode == "training" else ""),
-                         "batch": kw["batch_size"], "forecast MiB": f"{r.tensor_peak_bytes / MiB:.1f}",
-                         "measured MiB": f"{m.peak_bytes / MiB:.1f}",
-                         "error %": f"{100 * (r.tensor_peak_bytes / m.peak_bytes - 1):+.2f}",
-                         "peak at": f"{r.where['aten_op']} ({r.where['phase']})", "s": f"{time.time() - t0:.0f}"})
-            log.info("%s", rows[-1])
+    runs = [(model, kw, mode) for model, kw in (("gpt2", dict(batch_size=4, seq_len=512)),
+                                                ("resnet18", dict(batch_size=16))) for mode in ("inference", "training")]
+    runs.insert(2, ("gpt2", dict(batch_size=4, seq_len=512, gradient_checkpointing=True), "training"))
+    for model, kw, mode in runs:
+        t0 = time.time()
+        r = estimate_memory(neusight.trace(model, mode=mode, optimizer="adamw", **kw), allocator="exact")
+        m = measure_cpu(model, mode=mode, optimizer="adamw", **kw)
+        what = ", gradient checkpointing" if kw.get("gradient_checkpointing") else ""
+        rows.append({"model": model, "mode": mode + (f" (AdamW{what})" if mode == "training" else ""),
+                     "batch": kw["batch_size"], "forecast MiB": f"{r.tensor_peak_bytes / MiB:.1f}",
+                     "measured MiB": f"{m.peak_bytes / MiB:.1f}",
+                     "error %": f"{100 * (r.tensor_peak_bytes / m.peak_bytes - 1):+.2f}",
+                     "peak at": f"{r.where['aten_op']} ({r.where['phase']})", "s": f"{time.time() - t0:.0f}"})
+        log.info("%s", rows[-1])
     return pd.DataFrame(rows)
 
 
@@ -94,7 +98,10 @@ def fits_examples() -> pd.DataFrame:
     runs = [("gpt3-2.7b", "l4", dict(batch_size=8, seq_len=2048, mode="training", optimizer="adamw")),
             ("gpt2-large", "l4", dict(batch_size=1, seq_len=1024, mode="training", optimizer=None)),
             ("gpt2-large", "l4", dict(batch_size=1, seq_len=1024, mode="training", optimizer="adamw")),
-            ("gpt2-large", "h100-sxm5-80gb", dict(batch_size=4, seq_len=1024, mode="training", optimizer="adamw"))]
+            ("gpt2-large", "h100-sxm5-80gb", dict(batch_size=4, seq_len=1024, mode="training", optimizer="adamw")),
+            ("gpt3-2.7b", "h100-sxm5-80gb", dict(batch_size=2, seq_len=2048, mode="training", optimizer="adamw")),
+            ("gpt3-2.7b", "h100-sxm5-80gb", dict(batch_size=2, seq_len=2048, mode="training", optimizer="adamw",
+                                                gradient_checkpointing=True))]
     rows = []
     for model, dev, kw in runs:
         r = estimate_memory(neusight.trace(model, **kw), dev)
@@ -104,7 +111,8 @@ def fits_examples() -> pd.DataFrame:
 
 def _fit_row(model: str, dev: str, kw: dict, r) -> dict:
     b = r.breakdown
-    return {"model": model, "device": dev, "mode": kw["mode"], "optimizer": kw.get("optimizer") or "-",
+    mode = kw["mode"] + (" + gradient checkpointing" if kw.get("gradient_checkpointing") else "")
+    return {"model": model, "device": dev, "mode": mode, "optimizer": kw.get("optimizer") or "-",
             "batch x seq": f"{kw['batch_size']} x {kw.get('seq_len') or '-'}", "peak GiB": f"{r.peak_gib:.2f}",
             "device GiB": f"{r.device_memory_bytes / GiB:.0f}", "fits": "yes" if r.fits else "**no**",
             "weights+grads+opt GiB": f"{(b['weights'] + b['gradients'] + b['optimizer']) / GiB:.2f}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -124,6 +125,39 @@ def test_forecast_matches_cpu_run(case, mode, tiny_gpt2):
     forecast = estimate_memory(neusight.trace(model, mode=mode, optimizer="adamw", **kw), allocator="exact")
     measured = measure_cpu(model, mode=mode, optimizer="adamw", **kw)
     assert forecast.tensor_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+
+
+
+def test_gradient_checkpointing_matches_a_cpu_run_and_trades_memory_for_a_recompute(tiny_gpt2):
+    """With Hugging Face's activation checkpointing, the step keeps only the layers' inputs (a real CPU run with
+    the same checkpointing agrees with the forecast) and runs each layer's forward again in the backward pass:
+    the backward gains about one forward of the layers' FLOPs, and the forecast step takes longer."""
+    kw = dict(batch_size=4, seq_len=256, mode="training", optimizer=None)
+    plain, ckpt = (neusight.trace(tiny_gpt2, gradient_checkpointing=gc, **kw) for gc in (False, True))
+    assert ckpt.gradient_checkpointing and not plain.gradient_checkpointing
+    assert any("gradient checkpointing" in n for n in ckpt.notes)
+    forecast = estimate_memory(ckpt, allocator="exact")
+    measured = measure_cpu(tiny_gpt2, gradient_checkpointing=True, **kw)
+    assert forecast.tensor_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+    assert forecast.tensor_peak_bytes < estimate_memory(plain, allocator="exact").tensor_peak_bytes
+    in_layers = {name: saved_activations(g) for name, g in (("plain", plain), ("ckpt", ckpt))}
+    in_layers = {k: v[v.index.str.contains(r"\.h\.\d", regex=True)].sum() for k, v in in_layers.items()}
+    assert in_layers["ckpt"] < 0.05 * in_layers["plain"]          # the layers keep (almost) nothing for backward
+    flops = {name: g.kernels.groupby("phase")["flops"].sum() for name, g in (("plain", plain), ("ckpt", ckpt))}
+    assert flops["ckpt"]["forward"] == flops["plain"]["forward"]
+    layers = plain.kernels[plain.kernels["module"].str.contains(r"\.h\.\d", regex=True)
+                           & (plain.kernels["phase"] == "forward")]["flops"].sum()
+    assert flops["ckpt"]["backward"] - flops["plain"]["backward"] == pytest.approx(layers, rel=0.01)
+    t = {name: neusight.predict_graph(g, "a100-pcie-40gb").latency_ms for name, g in (("plain", plain), ("ckpt", ckpt))}
+    assert t["ckpt"] > t["plain"]
+
+
+@pytest.mark.parametrize("model, mode, fragment", [("gpt2", "inference", "mode='inference'"),
+                                                   ("resnet18", "training", "does not")])
+def test_gradient_checkpointing_needs_a_training_step_of_a_hugging_face_model(model, mode, fragment):
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.trace(model, batch_size=1, seq_len=16 if model == "gpt2" else None, mode=mode,
+                       gradient_checkpointing=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

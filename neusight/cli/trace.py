@@ -30,6 +30,7 @@ class TraceConfig:
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
+    gradient_checkpointing: bool = False  # training: each layer recomputes its forward in backward (HF models)
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 
 
@@ -46,7 +47,7 @@ def _app(cfg: TraceConfig) -> None:
     quiet_third_party_logs()
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache)
+              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, gradient_checkpointing=cfg.gradient_checkpointing)
     s = g.summary()
     total = pd.DataFrame([s.sum()], index=["total"])
     print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")

@@ -41,6 +41,7 @@ class Graph:
     keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)
     amp: str | None = None      # the autocast dtype of a mixed-precision trace ("float16", "bfloat16"), else None
     kv_cache: int | None = None  # tokens already in the KV cache of a generation step, else None
+    gradient_checkpointing: bool = False   # a training step whose layers recompute their forward in backward
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

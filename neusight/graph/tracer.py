@@ -36,6 +36,9 @@ KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} 
 AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
             "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
+CHECKPOINT_NOTE = ("gradient checkpointing: every layer's forward runs again in the backward pass "
+                   "(Hugging Face's activation checkpointing, non-reentrant torch.utils.checkpoint); only the "
+                   "layers' inputs are kept between the passes")
 
 # Metadata / bookkeeping ops that never reach the GPU as a kernel and need no record at all.
 _SKIP = frozenset(getattr(torch.ops.aten, n) for n in (
@@ -170,7 +173,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
-          kv_cache: int | None = None) -> Graph:
+          kv_cache: int | None = None, gradient_checkpointing: bool = False) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -197,6 +200,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tensor_parallel : int
         Trace one GPU's share of a Megatron-style tensor-parallel model over this many GPUs
         (:func:`neusight.parallel.shard_tensor_parallel`); 1 = the whole model.
+    gradient_checkpointing : bool
+        Training with activation (gradient) checkpointing, as ``model.gradient_checkpointing_enable()`` runs it
+        in Hugging Face models: each layer keeps only its input and runs its forward again in the backward pass.
+        Fewer activations held (the memory forecast), one more forward's work (the latency forecast).
     amp : {None, "float16", "bfloat16"} or bool
         Automatic mixed precision: the FP32 model's forward and loss under ``torch.autocast("cuda", amp)``
         (:mod:`neusight.graph.amp`: GEMMs and convolutions in ``amp``, softmax, norms and losses in FP32, the
@@ -237,6 +244,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
         raise InputError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number. Fix: e.g. clip_grad_norm=1.0")
     module = built.module
+    recompute_ctx = _enable_checkpointing(built, mode) if gradient_checkpointing else contextlib.nullcontext()
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
 
@@ -255,7 +263,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
               if training and amp_t == torch.float16 else None)
     grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
     try:
-        with grad_ctx, tracker, _CudaPaths(), rec:
+        with grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
                 out = module(*args, **kwargs)
                 held = _held_tensors(out)
@@ -306,12 +314,48 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
     if amp_name:
         notes += (AMP_NOTE.format(dtype=amp_name, scaler=" with GradScaler" if scaler else ""),)
+    if gradient_checkpointing:
+        notes += (CHECKPOINT_NOTE,)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
-                 amp=amp_name, kv_cache=kv_cache or None)
+                 amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=bool(gradient_checkpointing))
+
+
+def _enable_checkpointing(built: BuiltModel, mode: str) -> contextlib.AbstractContextManager:
+    """Turn on a Hugging Face model's activation checkpointing for the trace; returns the context the trace runs
+    in. The recomputation in the backward pass takes the same CUDA code paths as the forward (``context_fn``);
+    transformers' check for packed sequences, which reads the position ids' values (a device sync on a GPU,
+    impossible on meta), is skipped: the traced inputs are plain sequences."""
+    module = built.module
+    if mode != "training":
+        raise InputError(f"gradient_checkpointing=True recomputes activations in the backward pass; mode={mode!r} "
+                         "has none. Fix: mode='training', or leave gradient_checkpointing out")
+    enable = getattr(module, "activation_checkpointing_enable", None)
+    legacy = getattr(module, "gradient_checkpointing_enable", None)
+    if not getattr(module, "supports_gradient_checkpointing", False) or (enable is None and legacy is None):
+        raise InputError(f"gradient_checkpointing=True needs a Hugging Face model that supports it; {built.name} "
+                         f"({type(module).__name__}) does not. Fix: a transformer preset or config, or leave "
+                         "gradient_checkpointing out")
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False        # what transformers switches to itself under checkpointing (with a warning)
+    kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _CudaPaths())}
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        legacy(gradient_checkpointing_kwargs=kwargs)
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        return contextlib.nullcontext()
+    from unittest import mock
+
+    return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | None, tensor_parallel: int) -> None:
