@@ -445,7 +445,8 @@ class _MetaToCpu(TorchFunctionMode):
 
 def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
                 optimizer: str | None = "adamw", onednn: bool = False, seed: int = 0,
-                gradient_checkpointing: bool = False, **build_kwargs: Any) -> CpuMeasurement:
+                gradient_checkpointing: bool = False, lora_rank: int | None = None,
+                lora_targets: Any = None, **build_kwargs: Any) -> CpuMeasurement:
     """Run ``model`` for real on the CPU and measure the peak of allocated tensor bytes.
 
     The module is the one :func:`neusight.trace` traces (same builder, random weights), run the way the tracer
@@ -459,7 +460,7 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
 
     Parameters
     ----------
-    model, batch_size, seq_len, mode, optimizer, gradient_checkpointing, **build_kwargs
+    model, batch_size, seq_len, mode, optimizer, gradient_checkpointing, lora_rank, lora_targets, **build_kwargs
         As for :func:`neusight.trace`.
     onednn : bool
         Let convolutions run through oneDNN. Off by default: oneDNN reorders every conv weight into a blocked
@@ -480,6 +481,10 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
     if built.needs_seq_len and not seq_len:
         raise InputError(f"{built.name} needs seq_len (a positive integer) for a real run")
     torch.manual_seed(seed)
+    if lora_rank is not None:
+        from neusight.graph.lora import apply_lora
+
+        apply_lora(built.module, lora_rank, lora_targets)
     tied = _tied_names(module := built.module)
     module = module.to_empty(device="cpu")
     for first, *others in tied:   # to_empty allocates every name anew: tie shared parameters again

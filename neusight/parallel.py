@@ -291,6 +291,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if megatron and trace_kwargs.get("gradient_checkpointing"):
         raise InputError("gradient_checkpointing=True is Hugging Face's activation checkpointing; Megatron-LM's own "
                          "activation recompute is not modelled (megatron=True). Fix: leave one of them out")
+    if megatron and trace_kwargs.get("lora_rank") is not None:
+        raise InputError(f"lora_rank={trace_kwargs['lora_rank']} with megatron=True is not modelled (Megatron-LM's "
+                         "kernels are those of full training). Fix: leave one of them out")
     if megatron and training:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}

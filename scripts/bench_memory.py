@@ -1,8 +1,8 @@
 """Benchmark the memory forecast and write the numbers into docs/memory.md (between the bench markers).
 
 1. Ground truth: GPT-2 small (batch 4 x 512) and ResNet-18 (batch 16, 224x224), inference and one AdamW training
-   step (GPT-2 also with gradient checkpointing), run for real on this CPU (neusight.memory.measure_cpu) against
-   the forecast (allocator="exact").
+   step (GPT-2 also with gradient checkpointing, and LoRA), run for real on this CPU (neusight.memory.measure_cpu)
+   against the forecast (allocator="exact").
 2. Korthikanti et al. 2022: saved activations per layer of GPT-2 Large (36 layers, FP32, dropout) vs
    s*b*h*(66 + 9*a*s/h) bytes (the 16-bit formula with the 2-byte tensors doubled, tests/test_memory.py).
 3. Fits: GPT-3 2.7B training (batch 8 x 2048, AdamW) on an L4; every single-GPU run NeuSight measured, on its GPU.
@@ -59,11 +59,13 @@ def cpu_ground_truth() -> pd.DataFrame:
     runs = [(model, kw, mode) for model, kw in (("gpt2", dict(batch_size=4, seq_len=512)),
                                                 ("resnet18", dict(batch_size=16))) for mode in ("inference", "training")]
     runs.insert(2, ("gpt2", dict(batch_size=4, seq_len=512, gradient_checkpointing=True), "training"))
+    runs.insert(3, ("gpt2", dict(batch_size=4, seq_len=512, lora_rank=8), "training"))
     for model, kw, mode in runs:
         t0 = time.time()
         r = estimate_memory(neusight.trace(model, mode=mode, optimizer="adamw", **kw), allocator="exact")
         m = measure_cpu(model, mode=mode, optimizer="adamw", **kw)
-        what = ", gradient checkpointing" if kw.get("gradient_checkpointing") else ""
+        what = (", gradient checkpointing" if kw.get("gradient_checkpointing") else "") + (
+            f", LoRA rank {kw['lora_rank']}" if kw.get("lora_rank") else "")
         rows.append({"model": model, "mode": mode + (f" (AdamW{what})" if mode == "training" else ""),
                      "batch": kw["batch_size"], "forecast MiB": f"{r.tensor_peak_bytes / MiB:.1f}",
                      "measured MiB": f"{m.peak_bytes / MiB:.1f}",
@@ -101,7 +103,11 @@ def fits_examples() -> pd.DataFrame:
             ("gpt2-large", "h100-sxm5-80gb", dict(batch_size=4, seq_len=1024, mode="training", optimizer="adamw")),
             ("gpt3-2.7b", "h100-sxm5-80gb", dict(batch_size=2, seq_len=2048, mode="training", optimizer="adamw")),
             ("gpt3-2.7b", "h100-sxm5-80gb", dict(batch_size=2, seq_len=2048, mode="training", optimizer="adamw",
-                                                gradient_checkpointing=True))]
+                                                gradient_checkpointing=True)),
+            ("llama-2-7b", "l4", dict(batch_size=4, seq_len=512, mode="training", optimizer="adamw",
+                                      dtype="bfloat16", lora_rank=16)),
+            ("llama-2-7b", "l4", dict(batch_size=4, seq_len=512, mode="training", optimizer="adamw",
+                                      dtype="bfloat16", lora_rank=16, gradient_checkpointing=True))]
     rows = []
     for model, dev, kw in runs:
         r = estimate_memory(neusight.trace(model, **kw), dev)
@@ -111,7 +117,8 @@ def fits_examples() -> pd.DataFrame:
 
 def _fit_row(model: str, dev: str, kw: dict, r) -> dict:
     b = r.breakdown
-    mode = kw["mode"] + (" + gradient checkpointing" if kw.get("gradient_checkpointing") else "")
+    mode = kw["mode"] + (f" + LoRA rank {kw['lora_rank']}, {kw.get('dtype')}" if kw.get("lora_rank") else "") + (
+        " + gradient checkpointing" if kw.get("gradient_checkpointing") else "")
     return {"model": model, "device": dev, "mode": mode, "optimizer": kw.get("optimizer") or "-",
             "batch x seq": f"{kw['batch_size']} x {kw.get('seq_len') or '-'}", "peak GiB": f"{r.peak_gib:.2f}",
             "device GiB": f"{r.device_memory_bytes / GiB:.0f}", "fits": "yes" if r.fits else "**no**",

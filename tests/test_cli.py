@@ -46,6 +46,8 @@ BAD = {
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
     "predict-checkpointing-inference": (("neusight-predict", "model=gpt2", "device=t4", "gradient_checkpointing=true"),
                                         "mode='inference'"),
+    "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
+                                     "lora_targets"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }

@@ -152,6 +152,35 @@ def test_gradient_checkpointing_matches_a_cpu_run_and_trades_memory_for_a_recomp
     assert t["ckpt"] > t["plain"]
 
 
+def test_lora_freezes_the_base_and_matches_a_cpu_run(tiny_gpt2):
+    """LoRA (rank 8 on GPT-2's c_attn): gradients and optimizer state for the adapters only, no weight-gradient
+    GEMM for a frozen weight, and a memory forecast that agrees with a real CPU run of the same adapted model."""
+    kw = dict(batch_size=4, seq_len=256, mode="training", optimizer="adamw")
+    full, lora = neusight.trace(tiny_gpt2, **kw), neusight.trace(tiny_gpt2, lora_rank=8, **kw)
+    assert lora.lora_rank == 8 and any("LoRA" in n for n in lora.notes)
+    adapters = [n for n in lora.param_names if ".lora_" in n]
+    assert len(adapters) == 2 * 2                                     # lora_A and lora_B of 2 layers' c_attn
+    assert len(lora.grads) == len(adapters) and len(lora.optimizer_state) == 2 * len(adapters)   # AdamW: 2 moments
+    forecast = estimate_memory(lora, allocator="exact")
+    measured = measure_cpu(tiny_gpt2, lora_rank=8, **kw)
+    assert forecast.tensor_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+    assert forecast.tensor_peak_bytes < estimate_memory(full, allocator="exact").tensor_peak_bytes
+    back = {name: g.kernels.query("phase == 'backward'")["flops"].sum() for name, g in (("full", full), ("lora", lora))}
+    assert back["lora"] < 0.75 * back["full"]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(model="gpt2", lora_rank=0), "lora_rank=0"),
+    (dict(model="gpt2", lora_rank=4, lora_targets=["q_proj"]), "match no linear projection"),
+    (dict(model="resnet18", lora_rank=4), "no default LoRA target modules"),
+    (dict(model="gpt2", lora_rank=4, tensor_parallel=2), "tensor parallelism"),
+])
+def test_lora_refuses_what_it_cannot_do(kwargs, fragment):
+    model = kwargs.pop("model")
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.trace(model, batch_size=2, seq_len=16 if model == "gpt2" else None, mode="training", **kwargs)
+
+
 @pytest.mark.parametrize("model, mode, fragment", [("gpt2", "inference", "mode='inference'"),
                                                    ("resnet18", "training", "does not")])
 def test_gradient_checkpointing_needs_a_training_step_of_a_hugging_face_model(model, mode, fragment):

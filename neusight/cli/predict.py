@@ -24,7 +24,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -67,6 +67,8 @@ class PredictConfig:
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     gradient_checkpointing: bool = False  # training: each layer recomputes its forward in backward (HF models)
+    lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
+    lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
@@ -237,6 +239,12 @@ def _devices(cfg_device: Any) -> list[str]:
     return [str(d) for d in devices]
 
 
+def _step_options(cfg: Any) -> dict[str, Any]:
+    """The training-step options of a predict or trace config, as ``neusight.trace`` takes them."""
+    targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
+    return {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets}
+
+
 def _gpus(cfg: PredictConfig) -> list[Device]:
     """The GPUs of ``cfg.device``, each with the what-if changes of ``cfg.spec``."""
     from neusight.devices import load_device, modify_device
@@ -263,7 +271,7 @@ def forecast(cfg: PredictConfig) -> list[Prediction]:
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, gradient_checkpointing=cfg.gradient_checkpointing)
+              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
     preds = []
     for dev in devices:
         p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
@@ -326,7 +334,7 @@ def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
             best = find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
                                   optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
                                   image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
-                                  gradient_checkpointing=cfg.gradient_checkpointing)
+                                  **_step_options(cfg))
             print(f"largest batch that fits on {p.device.name}: {best}" + ("" if best else " (batch 1 does not fit)"))
 
 
@@ -393,7 +401,7 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     other = [k for k in ("csv", "layers_csv", "plot", "kv_cache") if getattr(cfg, k)]
-    other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing") if getattr(cfg, k)]
+    other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing", "lora_rank") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
@@ -435,7 +443,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, gradient_checkpointing=cfg.gradient_checkpointing)
+                             amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))

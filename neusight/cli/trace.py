@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.predict import _step_options
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ class TraceConfig:
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     gradient_checkpointing: bool = False  # training: each layer recomputes its forward in backward (HF models)
+    lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
+    lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 
 
@@ -47,7 +50,7 @@ def _app(cfg: TraceConfig) -> None:
     quiet_third_party_logs()
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, gradient_checkpointing=cfg.gradient_checkpointing)
+              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
     s = g.summary()
     total = pd.DataFrame([s.sum()], index=["total"])
     print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")

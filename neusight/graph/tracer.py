@@ -36,6 +36,8 @@ KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} 
 AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
             "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
+LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
+             "weight gradient or optimizer state for it)")
 CHECKPOINT_NOTE = ("gradient checkpointing: every layer's forward runs again in the backward pass "
                    "(Hugging Face's activation checkpointing, non-reentrant torch.utils.checkpoint); only the "
                    "layers' inputs are kept between the passes")
@@ -173,7 +175,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
-          kv_cache: int | None = None, gradient_checkpointing: bool = False) -> Graph:
+          kv_cache: int | None = None, gradient_checkpointing: bool = False, lora_rank: int | None = None,
+          lora_targets: list[str] | tuple[str, ...] | None = None) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -200,6 +203,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tensor_parallel : int
         Trace one GPU's share of a Megatron-style tensor-parallel model over this many GPUs
         (:func:`neusight.parallel.shard_tensor_parallel`); 1 = the whole model.
+    lora_rank, lora_targets
+        LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
+        projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
+        architecture, e.g. the attention's query and value projections).
     gradient_checkpointing : bool
         Training with activation (gradient) checkpointing, as ``model.gradient_checkpointing_enable()`` runs it
         in Hugging Face models: each layer keeps only its input and runs its forward again in the backward pass.
@@ -244,6 +251,14 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
         raise InputError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number. Fix: e.g. clip_grad_norm=1.0")
     module = built.module
+    adapted: list[str] = []
+    if lora_rank is not None:
+        if tensor_parallel != 1:
+            raise InputError(f"lora_rank={lora_rank} with tensor parallelism (tp={tensor_parallel}) is not modelled. "
+                             "Fix: tp=1 (data or pipeline parallelism work), or leave lora_rank out")
+        from neusight.graph.lora import apply_lora
+
+        adapted = apply_lora(module, lora_rank, lora_targets)
     recompute_ctx = _enable_checkpointing(built, mode) if gradient_checkpointing else contextlib.nullcontext()
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
@@ -314,6 +329,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
     if amp_name:
         notes += (AMP_NOTE.format(dtype=amp_name, scaler=" with GradScaler" if scaler else ""),)
+    if adapted:
+        kinds = sorted({n.rpartition(".")[2] for n in adapted})
+        notes += (LORA_NOTE.format(r=lora_rank, n=len(adapted), targets=", ".join(kinds)),)
     if gradient_checkpointing:
         notes += (CHECKPOINT_NOTE,)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
@@ -321,7 +339,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
-                 amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=bool(gradient_checkpointing))
+                 amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=bool(gradient_checkpointing),
+                 lora_rank=lora_rank if adapted else None)
 
 
 def _enable_checkpointing(built: BuiltModel, mode: str) -> contextlib.AbstractContextManager:
