@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,39 @@ HOST_BOUND_US = 50.0
 EXTRAPOLATION_NOTE = ("{device}'s {what} lie{s} outside the range of the GPUs the predictor was trained on ({where}); "
                       "the {fams} models hold {them} at the edge of that range, so {share:.0f} % of the forecast time "
                       "is extrapolated from the nearest training GPUs, scaled by this GPU's own roofline")
+
+
+def run_time(step_ms: float, batch_size: int, seq_len: int | None = None, *, gpus: int = 1,
+             total_samples: float | None = None, total_tokens: float | None = None) -> dict[str, float]:
+    """How long a whole run takes at a forecast step time: ``total_samples`` (or, for sequence models,
+    ``total_tokens``) processed ``batch_size`` samples (x ``seq_len`` tokens) per step of ``step_ms``.
+
+    Returns ``steps`` (rounded up), ``hours`` of wall time and ``gpu_hours`` (x ``gpus``). Nothing but the step
+    time is forecast: data loading, evaluation, checkpoint saving and restarts are not counted.
+
+    >>> run_time(1000.0, batch_size=8, seq_len=1024, total_tokens=8192 * 3600)["hours"]
+    1.0
+    """
+    if (total_samples is None) == (total_tokens is None):
+        raise InputError("a run is total_samples or total_tokens, one of them. Fix: e.g. total_tokens=1e10 for a "
+                         "language model, total_samples=1.28e6 for an ImageNet epoch")
+    total = total_tokens if total_tokens is not None else total_samples
+    if not isinstance(total, (int, float)) or isinstance(total, bool) or not total > 0:
+        name = "total_tokens" if total_tokens is not None else "total_samples"
+        raise InputError(f"{name}={total!r} is not a positive number. Fix: e.g. {name}=1e9")
+    if total_tokens is not None and not seq_len:
+        raise InputError(f"total_tokens={total_tokens:g} needs a sequence model (a step processes batch x seq_len "
+                         "tokens). Fix: total_samples= for a model without a sequence length")
+    per_step = batch_size * (seq_len if total_tokens is not None else 1)
+    steps = math.ceil(total / per_step)
+    hours = steps * step_ms / 3.6e6
+    return {"steps": float(steps), "hours": hours, "gpu_hours": hours * gpus}
+
+
+def run_line(run: dict[str, float], gpus: int, what: str) -> str:
+    """One line for a :func:`run_time` result."""
+    return (f"run: {what} = {run['steps']:,.0f} steps, {run['hours']:,.1f} h on {gpus} GPU{'s' if gpus > 1 else ''} "
+            f"({run['gpu_hours']:,.1f} GPU-hours; step time only: no data loading, evaluation or checkpointing)")
 
 
 def extrapolation_note(device: Device, found: list[dict[str, Any]], kernels: pd.DataFrame) -> str | None:

@@ -48,6 +48,8 @@ BAD = {
                                         "mode='inference'"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
                                      "lora_targets"),
+    "predict-tokens-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "total_tokens=1e6"),
+                                "total_samples="),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }
@@ -204,3 +206,15 @@ def test_predict_what_if_spec_changes_the_gpu_it_forecasts(tmp_path):
     assert runs["what-if"]["device"] == "t4+mem_bandwidth_gbps=640"
     assert "what-if: mem_bandwidth_gbps 320 -> 640" in runs["what-if"]["device_name"]
     assert runs["what-if"]["latency_ms"] == pytest.approx(runs["file"]["latency_ms"], rel=1e-12)
+
+
+def test_run_time_counts_steps_hours_and_gpu_hours():
+    from neusight.api import run_time
+    from neusight.errors import InputError
+
+    run = run_time(1000.0, 8, 1024, gpus=4, total_tokens=8192 * 3600 + 1)    # one token past 3,600 steps
+    assert run == {"steps": 3601.0, "hours": pytest.approx(3601 / 3600), "gpu_hours": pytest.approx(4 * 3601 / 3600)}
+    assert run_time(50.0, 256, None, total_samples=1.28e6)["steps"] == 5000
+    for bad in (dict(), dict(total_tokens=1e6, total_samples=1e3), dict(total_samples=-5), dict(total_tokens=1e6)):
+        with pytest.raises(InputError):
+            run_time(10.0, 4, None, **bad)

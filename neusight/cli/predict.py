@@ -70,6 +70,8 @@ class PredictConfig:
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
+    total_tokens: Optional[float] = None  # a whole run: tokens to process (sequence models) -> steps and hours
+    total_samples: Optional[float] = None  # a whole run: samples to process (e.g. 1.28e6, an ImageNet epoch)
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
     top: int = 10                        # rows of the kernel and layer tables
@@ -245,6 +247,22 @@ def _step_options(cfg: Any) -> dict[str, Any]:
     return {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets}
 
 
+def _wants_run(cfg: PredictConfig) -> bool:
+    return cfg.total_tokens is not None or cfg.total_samples is not None
+
+
+def _run_text(cfg: PredictConfig, step_ms: float, batch_size: int, seq_len: int | None, gpus: int) -> str:
+    """The whole-run line (``total_tokens=`` / ``total_samples=``) for one forecast step."""
+    from neusight.api import run_line, run_time
+
+    run = run_time(step_ms, batch_size, seq_len, gpus=gpus, total_samples=cfg.total_samples,
+                   total_tokens=cfg.total_tokens)
+    total = cfg.total_tokens if cfg.total_tokens is not None else cfg.total_samples
+    shown = f"{int(total):,}" if float(total).is_integer() else f"{total:,.1f}"
+    what = f"{shown} {'tokens' if cfg.total_tokens is not None else 'samples'}"
+    return run_line(run, gpus, what)
+
+
 def _gpus(cfg: PredictConfig) -> list[Device]:
     """The GPUs of ``cfg.device``, each with the what-if changes of ``cfg.spec``."""
     from neusight.devices import load_device, modify_device
@@ -382,6 +400,8 @@ def _app(cfg: PredictConfig) -> float:
         if i:
             print()
         print(format_summary(p, cfg.top))
+        if _wants_run(cfg):
+            print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, 1))
     if len(preds) > 1:
         print("\nside by side:")
         print(comparison_table([summary_record(p) for p in preds]).to_string())
@@ -401,7 +421,8 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     other = [k for k in ("csv", "layers_csv", "plot", "kv_cache") if getattr(cfg, k)]
-    other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing", "lora_rank") if getattr(cfg, k)]
+    other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing", "lora_rank",
+                          "total_tokens", "total_samples") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
@@ -445,6 +466,8 @@ def _parallel(cfg: PredictConfig) -> float:
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
                              amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
+        if _wants_run(cfg):
+            print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
         records.append({"device": p.device.key, "gpus": p.parallelism.gpus, "latency_ms": p.latency_ms,
