@@ -50,6 +50,8 @@ BAD = {
                                      "lora_targets"),
     "predict-tokens-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "total_tokens=1e6"),
                                 "total_samples="),
+    "predict-anchor-without-its-gpu": (("neusight-predict", "model=gpt2", "device=t4", "anchor_ms=12"),
+                                       "anchor_device"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }
@@ -218,3 +220,19 @@ def test_run_time_counts_steps_hours_and_gpu_hours():
     for bad in (dict(), dict(total_tokens=1e6, total_samples=1e3), dict(total_samples=-5), dict(total_tokens=1e6)):
         with pytest.raises(InputError):
             run_time(10.0, 4, None, **bad)
+
+
+def test_anchored_forecast_scales_a_measurement_by_the_forecast_speed_up():
+    import neusight
+    from neusight.api import anchored_ms, predict_graph
+    from neusight.errors import InputError
+
+    g = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training")
+    t4, v100 = predict_graph(g, "t4"), predict_graph(g, "v100-pcie-32gb")
+    assert anchored_ms(v100, t4, 100.0) == pytest.approx(100.0 * v100.latency_ms / t4.latency_ms)
+    assert anchored_ms(t4, t4, 37.5) == pytest.approx(37.5)
+    other = predict_graph(neusight.trace("gpt2", batch_size=4, seq_len=64, mode="training"), "t4")
+    with pytest.raises(InputError, match="batch_size"):
+        anchored_ms(v100, other, 100.0)
+    with pytest.raises(InputError, match="anchor_ms"):
+        anchored_ms(v100, t4, 0)

@@ -70,6 +70,8 @@ class PredictConfig:
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
+    anchor_ms: Optional[float] = None    # a step time you measured on anchor_device: forecasts scaled to it
+    anchor_device: Optional[str] = None  # the GPU anchor_ms was measured on
     total_tokens: Optional[float] = None  # a whole run: tokens to process (sequence models) -> steps and hours
     total_samples: Optional[float] = None  # a whole run: samples to process (e.g. 1.28e6, an ImageNet epoch)
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
@@ -277,15 +279,29 @@ def _out_path(path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(HydraConfig.get().runtime.output_dir, path)
 
 
-def forecast(cfg: PredictConfig) -> list[Prediction]:
-    """Trace once, predict on every GPU of ``cfg.device`` (memory too when ``cfg.memory``)."""
+def _anchor_device(cfg: PredictConfig) -> Device | None:
+    """The GPU of ``anchor_ms`` (None without an anchor); both or neither must be given."""
+    from neusight.devices import load_device
+    from neusight.errors import InputError
+
+    if (cfg.anchor_ms is None) != (cfg.anchor_device is None):
+        raise InputError(f"anchor_ms={cfg.anchor_ms!r} and anchor_device={cfg.anchor_device!r} go together: a step "
+                         "time and the GPU it was measured on. Fix: give both, e.g. anchor_ms=412.5 anchor_device=v100")
+    if cfg.anchor_device is None:
+        return None
+    return load_device(cfg.anchor_device)
+
+
+def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction]:
+    """Trace once, predict on every GPU of ``cfg.device`` (memory too when ``cfg.memory``), then on ``extra``
+    (an anchor GPU, last in the list) when given."""
     from neusight.api import load_predictor, predict_graph, tf32_mode
     from neusight.devices import load_device
     from neusight.graph.tracer import trace
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
-    devices = _gpus(cfg)
+    devices = _gpus(cfg) + ([extra] if extra is not None else [])
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
@@ -395,16 +411,32 @@ def _app(cfg: PredictConfig) -> float:
         return _generation(cfg)
     if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron:
         return _parallel(cfg)
-    preds = forecast(cfg)
+    reference = _anchor_device(cfg)
+    preds = forecast(cfg, extra=reference)
+    anchor = None
+    if reference is not None:
+        from neusight.api import anchored_ms
+
+        anchor = preds.pop()
+        anchored = {p.device.key: anchored_ms(p, anchor, cfg.anchor_ms) for p in preds}
     for i, p in enumerate(preds):
         if i:
             print()
         print(format_summary(p, cfg.top))
+        if anchor is not None:
+            print(f"anchored: {anchored[p.device.key]:,.2f} ms = the {cfg.anchor_ms:,.2f} ms measured on "
+                  f"{anchor.device.key} x the forecast speed-up {anchor.latency_ms / p.latency_ms:.3f}x (forecast "
+                  f"there: {anchor.latency_ms:,.2f} ms; speed-ups measured to 8.3 % mean error, docs/evaluation.md)")
         if _wants_run(cfg):
-            print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, 1))
+            step = anchored[p.device.key] if anchor is not None else p.latency_ms
+            print(_run_text(cfg, step, p.batch_size, p.seq_len, 1))
     if len(preds) > 1:
         print("\nside by side:")
-        print(comparison_table([summary_record(p) for p in preds]).to_string())
+        table = comparison_table([summary_record(p) for p in preds])
+        if anchor is not None:
+            table.loc[f"anchored ms ({anchor.device.key} = {cfg.anchor_ms:g})"] = [
+                f"{anchored[p.device.key]:,.2f}" for p in preds]
+        print(table.to_string())
     _write_outputs(cfg, preds)
     _extras(cfg, preds)
     hc = HydraConfig.get()
@@ -422,7 +454,7 @@ def _generation(cfg: PredictConfig) -> float:
 
     other = [k for k in ("csv", "layers_csv", "plot", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing", "lora_rank",
-                          "total_tokens", "total_samples") if getattr(cfg, k)]
+                          "total_tokens", "total_samples", "anchor_ms") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
@@ -453,6 +485,7 @@ def _parallel(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     unsupported = [k for k in ("csv", "layers_csv", "plot") if getattr(cfg, k)] + (["find_max_batch"] if cfg.find_max_batch else [])
+    unsupported += ["anchor_ms"] if cfg.anchor_ms is not None else []
     if unsupported:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
                          "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
