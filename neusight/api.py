@@ -193,10 +193,8 @@ EXTRAPOLATION_NOTE = ("{device}'s {what} lie{s} outside the range of the GPUs th
 
 def anchored_ms(target: Prediction, reference: Prediction, measured_ms: float) -> float:
     """A forecast anchored to a measurement: ``measured_ms`` (the same run timed on ``reference``'s GPU) times the
-    forecast speed-up of ``target``'s GPU over it. Errors the forecast makes alike on both GPUs cancel; the
-    speed-up itself was measured to 8.3 % mean error over 81 GPU pairs of the NeuSight labels
-    (docs/evaluation.md, "GPU against GPU"), against 5.7 % for absolute forecasts on the training GPUs and 9.2 % on
-    L4's inference runs."""
+    forecast speed-up of ``target``'s GPU over it. Errors the forecast makes alike on both GPUs cancel; how far
+    forecast speed-ups are off is measured in docs/evaluation.md ("GPU against GPU")."""
     if isinstance(measured_ms, bool) or not isinstance(measured_ms, (int, float)) or not measured_ms > 0:
         raise InputError(f"anchor_ms={measured_ms!r} is not a positive time in ms. Fix: the step time you measured, "
                          "e.g. anchor_ms=412.5")

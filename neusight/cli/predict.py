@@ -426,7 +426,7 @@ def _app(cfg: PredictConfig) -> float:
         if anchor is not None:
             print(f"anchored: {anchored[p.device.key]:,.2f} ms = the {cfg.anchor_ms:,.2f} ms measured on "
                   f"{anchor.device.key} x the forecast speed-up {anchor.latency_ms / p.latency_ms:.3f}x (forecast "
-                  f"there: {anchor.latency_ms:,.2f} ms; speed-ups measured to 8.3 % mean error, docs/evaluation.md)")
+                  f"there: {anchor.latency_ms:,.2f} ms; forecast speed-ups against measured ones: docs/evaluation.md)")
         if _wants_run(cfg):
             step = anchored[p.device.key] if anchor is not None else p.latency_ms
             print(_run_text(cfg, step, p.batch_size, p.seq_len, 1))
