@@ -38,6 +38,10 @@ RUNS = [
      dict(batch_size=16, seq_len=512, mode="training")),
     ("ResNet-50 training, batch 128, float (TF32 convolutions where the GPU has them), SGD", "resnet50",
      dict(batch_size=128, mode="training", optimizer="sgd")),
+    ("GPT-3 2.7B training, batch 2, seq 2048, FP32, AdamW, gradient checkpointing", "gpt3-2.7b",
+     dict(batch_size=2, seq_len=2048, mode="training", gradient_checkpointing=True)),
+    ("Llama-2-7B LoRA fine-tuning (rank 16), batch 4, seq 512, bf16, gradient checkpointing", "llama-2-7b",
+     dict(batch_size=4, seq_len=512, mode="training", dtype="bfloat16", lora_rank=16, gradient_checkpointing=True)),
     ("Llama-2-7B decode step, batch 8, context 2048, FP16", "llama-2-7b",
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="float16")),
 ]
