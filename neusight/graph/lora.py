@@ -5,7 +5,9 @@ unmerged): every target projection computes ``base(x) + lora_B(lora_A(x)) * alph
 scaling and an add on top of the frozen one. Every base weight is frozen, so the backward pass computes no
 weight gradient for it (only the input gradients that carry the gradient down to the adapters below), keeps
 fewer activations, and the optimizer holds state for the adapters alone. Written here rather than by depending on
-PEFT: the module names it targets by default are public facts of each architecture.
+PEFT: the module names it targets by default are public facts of each architecture. The adapters take the base
+weights' dtype; PEFT upcasts them to FP32 by default on a half-precision base (``autocast_adapter_dtype``), which
+makes its two thin GEMMs FP32 with casts around them: not modelled (tiny next to the base GEMMs).
 """
 
 from __future__ import annotations
