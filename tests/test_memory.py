@@ -158,6 +158,8 @@ def test_lora_freezes_the_base_and_matches_a_cpu_run(tiny_gpt2):
     kw = dict(batch_size=4, seq_len=256, mode="training", optimizer="adamw")
     full, lora = neusight.trace(tiny_gpt2, **kw), neusight.trace(tiny_gpt2, lora_rank=8, **kw)
     assert lora.lora_rank == 8 and any("LoRA" in n for n in lora.notes)
+    d = neusight.predict_graph(lora, "t4").to_dict()
+    assert (d["lora_rank"], d["gradient_checkpointing"]) == (8, False)
     adapters = [n for n in lora.param_names if ".lora_" in n]
     assert len(adapters) == 2 * 2                                     # lora_A and lora_B of 2 layers' c_attn
     assert len(lora.grads) == len(adapters) and len(lora.optimizer_state) == 2 * len(adapters)   # AdamW: 2 moments

@@ -324,6 +324,7 @@ def test_generation_costs_grow_with_the_context_and_the_cache_is_held_in_memory(
     assert long.memory.peak_bytes - short.memory.peak_bytes >= cache_bytes
     d = long.to_dict()   # the forecast says what it forecast
     assert (d["kv_cache"], d["seq_len"], d["dtype"], d["amp"], d["tf32_kernels"]) == (960, 1, "float32", None, 0)
+    assert (d["gradient_checkpointing"], d["lora_rank"]) == (False, None)
 
 
 def test_the_cache_has_the_dtype_the_model_stores_under_autocast():
