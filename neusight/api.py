@@ -156,6 +156,40 @@ class Prediction:
         k["dims"] = k["dims"].map(lambda d: "x".join(str(x) for x in d))
         atomic_write_text(path, k.to_csv(index=False))
 
+    def chrome_trace(self) -> dict[str, Any]:
+        """The forecast as a timeline in the Chrome trace-event format (open it in ui.perfetto.dev or
+        chrome://tracing): the kernels back to back on one GPU stream in program order, each an event named by
+        its kernel with its family, phase, module, dims, bound, utilization and roofline; the phases as spans on
+        a second track. Times in microseconds from the step's start."""
+        k = self.kernels
+        dur = k["latency_ms"].to_numpy(float) * 1e3
+        start = np.concatenate([[0.0], np.cumsum(dur)[:-1]])
+        gpu = f"{self.device.name} (forecast)"
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": gpu}},
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "phases"}},
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "kernels"}}]
+        for phase in dict.fromkeys(k["phase"]):
+            mine = (k["phase"] == phase).to_numpy()
+            t0, t1 = float(start[mine].min()), float((start + dur)[mine].max())
+            events.append({"name": phase, "ph": "X", "pid": 0, "tid": 0, "ts": t0, "dur": t1 - t0, "cat": "phase"})
+        for i, row in enumerate(k[["kernel", "family", "phase", "module", "dims", "bound", "utilization",
+                                   "roofline_ms"]].itertuples(index=False)):
+            events.append({"name": str(row.kernel), "ph": "X", "pid": 0, "tid": 1, "ts": float(start[i]),
+                           "dur": float(dur[i]), "cat": str(row.family),
+                           "args": {"phase": row.phase, "module": row.module,
+                                    "dims": "x".join(str(x) for x in row.dims), "bound": row.bound,
+                                    "utilization": round(float(row.utilization), 4),
+                                    "roofline_us": round(float(row.roofline_ms) * 1e3, 3)}})
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"model": self.model, "device": self.device.key, "mode": self.mode,
+                              "batch_size": self.batch_size, "seq_len": self.seq_len,
+                              "latency_ms": self.latency_ms, "note": "a forecast, not a measurement"}}
+
+    def to_chrome_trace(self, path: str | Path) -> None:
+        """Write :meth:`chrome_trace` as JSON (atomically)."""
+        atomic_write_text(path, json.dumps(self.chrome_trace(), default=float))
+
 
 def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms: np.ndarray, scale: float,
                   floor: float = 1.0) -> np.ndarray:

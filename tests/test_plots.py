@@ -132,3 +132,21 @@ def test_roofline_pictures_draw_the_gemm_roof_the_predictor_uses(key, dtype, das
     assert (roof[1].split()[0] if roof else None) == dashed
     if dashed:
         assert roof[0] == device_rates(dev, dtype).gemm_flops != peak
+
+
+def test_chrome_trace_lays_the_kernels_back_to_back_and_spans_the_phases(tmp_path):
+    import json
+
+    p = neusight.predict("gpt2", "t4", batch_size=2, seq_len=64, mode="training", memory=False)
+    p.to_chrome_trace(tmp_path / "timeline.json")
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    kernels = [e for e in trace["traceEvents"] if e.get("tid") == 1 and e["ph"] == "X"]
+    phases = {e["name"]: e for e in trace["traceEvents"] if e.get("tid") == 0 and e["ph"] == "X"}
+    assert len(kernels) == len(p.kernels) and set(phases) == set(p.phases)
+    assert kernels[0]["ts"] == 0.0
+    for a, b in zip(kernels, kernels[1:]):          # back to back, in program order
+        assert b["ts"] == pytest.approx(a["ts"] + a["dur"])
+    assert kernels[-1]["ts"] + kernels[-1]["dur"] == pytest.approx(p.latency_ms * 1e3)
+    for name, ms in p.phases.items():               # each phase span holds its kernels' time
+        assert phases[name]["dur"] == pytest.approx(ms * 1e3)
+    assert {"dims", "bound", "utilization", "module"} <= set(kernels[0]["args"])

@@ -79,6 +79,7 @@ class PredictConfig:
     top: int = 10                        # rows of the kernel and layer tables
     json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
     csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
+    timeline: Optional[str] = None       # write the forecast as a Chrome / Perfetto trace (JSON), one per GPU
     layers_csv: Optional[str] = None     # write the per-layer report (time, share, bound, saved memory) as CSV
     plot: Optional[str] = None           # directory for the pictures (roofline, time roofline, memory, layers)
     find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory
@@ -342,6 +343,17 @@ def _write_outputs(cfg: PredictConfig, preds: list[Prediction]) -> None:
                 frames.append(k)
             atomic_write_text(path, pd.concat(frames, ignore_index=True).to_csv(index=False))
         print(f"kernel table: {path}")
+    if cfg.timeline:
+        for p in preds:
+            path = _out_path(cfg.timeline if len(preds) == 1 else _per_device(cfg.timeline, p.device.key))
+            p.to_chrome_trace(path)
+            print(f"timeline (ui.perfetto.dev or chrome://tracing): {path}")
+
+
+def _per_device(path: str, key: str) -> str:
+    """``timeline.json`` -> ``timeline_<key>.json``: one file per GPU of a side-by-side forecast."""
+    root, ext = os.path.splitext(path)
+    return f"{root}_{key}{ext or '.json'}"
 
 
 def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
@@ -452,7 +464,7 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.generation import predict_generation
     from neusight.util import atomic_write_text
 
-    other = [k for k in ("csv", "layers_csv", "plot", "kv_cache") if getattr(cfg, k)]
+    other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
@@ -484,7 +496,7 @@ def _parallel(cfg: PredictConfig) -> float:
     from neusight.parallel import predict_parallel
     from neusight.util import atomic_write_text
 
-    unsupported = [k for k in ("csv", "layers_csv", "plot") if getattr(cfg, k)] + (["find_max_batch"] if cfg.find_max_batch else [])
+    unsupported = [k for k in ("csv", "layers_csv", "plot", "timeline") if getattr(cfg, k)] + (["find_max_batch"] if cfg.find_max_batch else [])
     unsupported += ["anchor_ms"] if cfg.anchor_ms is not None else []
     if unsupported:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
