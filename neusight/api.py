@@ -117,7 +117,7 @@ class Prediction:
         d = {"model": self.model, "device": self.device.key, "device_name": self.device.name, "mode": self.mode,
              "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": getattr(self.graph, "dtype", None),
              "amp": getattr(self.graph, "amp", None), "kv_cache": getattr(self.graph, "kv_cache", None),
-             "gradient_checkpointing": bool(getattr(self.graph, "gradient_checkpointing", False)),
+             "gradient_checkpointing": getattr(self.graph, "gradient_checkpointing", False),
              "lora_rank": getattr(self.graph, "lora_rank", None),
              "tf32_kernels": int((self.kernels["dtype"] == "tf32").sum()),
              "latency_ms": self.latency_ms,

@@ -445,7 +445,7 @@ class _MetaToCpu(TorchFunctionMode):
 
 def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
                 optimizer: str | None = "adamw", onednn: bool = False, seed: int = 0,
-                gradient_checkpointing: bool = False, lora_rank: int | None = None,
+                gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
                 lora_targets: Any = None, **build_kwargs: Any) -> CpuMeasurement:
     """Run ``model`` for real on the CPU and measure the peak of allocated tensor bytes.
 
@@ -496,7 +496,8 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
             p.normal_(0.0, 0.02)
         for b in module.buffers():
             b.fill_(1 if b.is_floating_point() else 0)
-    recompute = _enable_checkpointing(built, mode) if gradient_checkpointing else contextlib.nullcontext()
+    recompute = (_enable_checkpointing(built, mode, gradient_checkpointing) if gradient_checkpointing
+                 else contextlib.nullcontext())
     module.train(training)
     with _MetaToCpu():
         args, kwargs = built.make_inputs(batch_size, seq_len)

@@ -183,6 +183,20 @@ def test_lora_refuses_what_it_cannot_do(kwargs, fragment):
         neusight.trace(model, batch_size=2, seq_len=16 if model == "gpt2" else None, mode="training", **kwargs)
 
 
+def test_checkpointing_every_second_layer_sits_between_none_and_all(tiny_gpt2):
+    """gradient_checkpointing=2 (transformers' every_n_layers): one layer in two recomputes; its memory, checked
+    against a real CPU run, and its backward work lie between no checkpointing and every layer's."""
+    kw = dict(batch_size=4, seq_len=256, mode="training", optimizer=None)
+    graphs = {gc: neusight.trace(tiny_gpt2, gradient_checkpointing=gc, **kw) for gc in (False, 2, True)}
+    assert graphs[2].gradient_checkpointing == 2 and any("one layer in 2" in n for n in graphs[2].notes)
+    peak = {gc: estimate_memory(g, allocator="exact").tensor_peak_bytes for gc, g in graphs.items()}
+    back = {gc: g.kernels.query("phase == 'backward'")["flops"].sum() for gc, g in graphs.items()}
+    assert peak[True] < peak[2] < peak[False] and back[False] < back[2] < back[True]
+    assert peak[2] == pytest.approx(measure_cpu(tiny_gpt2, gradient_checkpointing=2, **kw).peak_bytes, rel=0.05)
+    with pytest.raises(InputError, match="positive number of layers"):
+        neusight.trace(tiny_gpt2, gradient_checkpointing=0.5, **kw)
+
+
 @pytest.mark.parametrize("model, mode, fragment", [("gpt2", "inference", "mode='inference'"),
                                                    ("resnet18", "training", "does not")])
 def test_gradient_checkpointing_needs_a_training_step_of_a_hugging_face_model(model, mode, fragment):

@@ -31,7 +31,7 @@ class TraceConfig:
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
-    gradient_checkpointing: bool = False  # training: each layer recomputes its forward in backward (HF models)
+    gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip

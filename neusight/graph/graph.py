@@ -41,7 +41,7 @@ class Graph:
     keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)
     amp: str | None = None      # the autocast dtype of a mixed-precision trace ("float16", "bfloat16"), else None
     kv_cache: int | None = None  # tokens already in the KV cache of a generation step, else None
-    gradient_checkpointing: bool = False   # a training step whose layers recompute their forward in backward
+    gradient_checkpointing: bool | int = False   # layers recompute their forward in backward (n: every n-th)
     lora_rank: int | None = None   # LoRA fine-tuning: the adapters' rank (base weights frozen), else None
 
     @functools.cached_property

@@ -38,9 +38,9 @@ AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
              "weight gradient or optimizer state for it)")
-CHECKPOINT_NOTE = ("gradient checkpointing: every layer's forward runs again in the backward pass "
-                   "(Hugging Face's activation checkpointing, non-reentrant torch.utils.checkpoint); only the "
-                   "layers' inputs are kept between the passes")
+CHECKPOINT_NOTE = ("gradient checkpointing: {which} runs its forward again in the backward pass (Hugging Face's "
+                   "activation checkpointing, non-reentrant torch.utils.checkpoint), keeping only its input between "
+                   "the passes")
 
 # Metadata / bookkeeping ops that never reach the GPU as a kernel and need no record at all.
 _SKIP = frozenset(getattr(torch.ops.aten, n) for n in (
@@ -175,7 +175,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
-          kv_cache: int | None = None, gradient_checkpointing: bool = False, lora_rank: int | None = None,
+          kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
@@ -207,10 +207,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
         architecture, e.g. the attention's query and value projections).
-    gradient_checkpointing : bool
+    gradient_checkpointing : bool or int
         Training with activation (gradient) checkpointing, as ``model.gradient_checkpointing_enable()`` runs it
         in Hugging Face models: each layer keeps only its input and runs its forward again in the backward pass.
-        Fewer activations held (the memory forecast), one more forward's work (the latency forecast).
+        Fewer activations held (the memory forecast), one more forward's work (the latency forecast). An integer n
+        checkpoints every n-th layer only (transformers' ``every_n_layers``).
     amp : {None, "float16", "bfloat16"} or bool
         Automatic mixed precision: the FP32 model's forward and loss under ``torch.autocast("cuda", amp)``
         (:mod:`neusight.graph.amp`: GEMMs and convolutions in ``amp``, softmax, norms and losses in FP32, the
@@ -259,7 +260,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         from neusight.graph.lora import apply_lora
 
         adapted = apply_lora(module, lora_rank, lora_targets)
-    recompute_ctx = _enable_checkpointing(built, mode) if gradient_checkpointing else contextlib.nullcontext()
+    recompute_ctx = (_enable_checkpointing(built, mode, gradient_checkpointing) if gradient_checkpointing
+                     else contextlib.nullcontext())
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
 
@@ -332,23 +334,31 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if adapted:
         kinds = sorted({n.rpartition(".")[2] for n in adapted})
         notes += (LORA_NOTE.format(r=lora_rank, n=len(adapted), targets=", ".join(kinds)),)
-    if gradient_checkpointing:
-        notes += (CHECKPOINT_NOTE,)
+    # True (every layer) or n > 1 (every n-th layer), as given; False without checkpointing
+    ckpt = gradient_checkpointing if gradient_checkpointing in (False, True) else int(gradient_checkpointing)
+    ckpt = True if ckpt == 1 and ckpt is not True else ckpt
+    if ckpt:
+        notes += (CHECKPOINT_NOTE.format(which="every layer" if ckpt is True else f"one layer in {ckpt}"),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
-                 amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=bool(gradient_checkpointing),
+                 amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
                  lora_rank=lora_rank if adapted else None)
 
 
-def _enable_checkpointing(built: BuiltModel, mode: str) -> contextlib.AbstractContextManager:
-    """Turn on a Hugging Face model's activation checkpointing for the trace; returns the context the trace runs
-    in. The recomputation in the backward pass takes the same CUDA code paths as the forward (``context_fn``);
-    transformers' check for packed sequences, which reads the position ids' values (a device sync on a GPU,
-    impossible on meta), is skipped: the traced inputs are plain sequences."""
+def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True) -> contextlib.AbstractContextManager:
+    """Turn on a Hugging Face model's activation checkpointing for the trace (``every``: True = every layer, an
+    integer n = every n-th layer); returns the context the trace runs in. The recomputation in the backward pass
+    takes the same CUDA code paths as the forward (``context_fn``); transformers' check for packed sequences,
+    which reads the position ids' values (a device sync on a GPU, impossible on meta), is skipped: the traced
+    inputs are plain sequences."""
     module = built.module
+    if every is not True and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise InputError(f"gradient_checkpointing={every!r} is not true or a positive number of layers. Fix: true "
+                         "(every layer) or e.g. 2 (every second layer)")
+    every_n = 1 if every is True else int(every)
     if mode != "training":
         raise InputError(f"gradient_checkpointing=True recomputes activations in the backward pass; mode={mode!r} "
                          "has none. Fix: mode='training', or leave gradient_checkpointing out")
@@ -362,7 +372,12 @@ def _enable_checkpointing(built: BuiltModel, mode: str) -> contextlib.AbstractCo
     if getattr(config, "use_cache", None):
         config.use_cache = False        # what transformers switches to itself under checkpointing (with a warning)
     kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _CudaPaths())}
-    if enable is not None:
+    if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
+        enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n)
+    elif every_n > 1:
+        raise InputError(f"gradient_checkpointing={every_n} (every {every_n}th layer) needs a transformers version "
+                         "whose activation_checkpointing_enable takes every_n_layers. Fix: gradient_checkpointing=true")
+    elif enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         legacy(gradient_checkpointing_kwargs=kwargs)
