@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -388,28 +389,60 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     int
         0 if batch 1 does not fit.
     """
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
+    return _largest_fit(lambda b: dict(batch_size=b, seq_len=seq_len), "batch_size", max_batch, model, device, mode,
+                        trace_kwargs)
+
+
+def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str = "inference",
+                     max_seq_len: int | None = None, step: int = 64, **trace_kwargs: Any) -> int:
+    """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
+
+    The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
+    model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
+    tokens do not fit.
+    """
+    from neusight.graph.models import build_model
+
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise InputError(f"step={step!r} is not a positive integer; use e.g. step=64")
+    build = {k: trace_kwargs[k] for k in ("head", "attn_implementation", "dtype") if k in trace_kwargs}
+    built = build_model(model, **{k: v for k, v in build.items() if k != "dtype"})
+    if not built.needs_seq_len:
+        raise InputError(f"{built.name} takes no sequence length. Fix: find_max_batch for its batch size")
+    cap = max_seq_len or built.max_seq_len or 1 << 20
+    if cap < step:
+        return 0
+    return step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
+                               model, device, mode, trace_kwargs)
+
+
+def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,
+                 trace_kwargs: dict) -> int:
+    """Largest n in [1, hi_cap] whose trace ``shape(n)`` (trace keywords; ``key`` the one searched) fits in
+    ``device``'s memory, 0 when n = 1 does not: doubling from 1, then bisection between the last fit and the
+    first miss."""
     from neusight.devices import load_device
     from neusight.graph.tracer import trace
 
     device = load_device(device)
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
     cache: dict[int, bool] = {}
 
-    def fits(b: int) -> bool:
-        if b not in cache:
-            g = trace(model, batch_size=b, seq_len=seq_len, mode=mode, **trace_kwargs)
-            r = estimate_memory(g, device)
-            cache[b] = bool(r.fits)
-            log.info("batch %d: %.2f of %.2f GiB -> %s", b, r.peak_gib, device.memory_gib,
+    def fits(n: int) -> bool:
+        if n not in cache:
+            kw = shape(n)
+            r = estimate_memory(trace(model, mode=mode, **kw, **trace_kwargs), device)
+            cache[n] = bool(r.fits)
+            log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], r.peak_gib, device.memory_gib,
                      "fits" if r.fits else "does not fit")
-        return cache[b]
+        return cache[n]
 
     if not fits(1):
         return 0
-    lo = 1
-    while lo < max_batch:                   # doubling: lo fits, try 2 lo
-        hi = min(2 * lo, max_batch)
+    lo = hi = 1
+    while lo < hi_cap:                      # doubling: lo fits, try 2 lo
+        hi = min(2 * lo, hi_cap)
         if not fits(hi):
             break
         lo = hi

@@ -17,7 +17,8 @@ from neusight.errors import InputError
 from neusight.graph.graph import Graph
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
 from neusight.memory import (CUBLAS_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES, CUDA_CONTEXT_DEFAULT_MIB,
-                             estimate_memory, find_max_batch, measure_cpu, saved_activations)
+                             estimate_memory, find_max_batch, find_max_seq_len, measure_cpu,
+                             saved_activations)
 
 MiB = 2**20
 
@@ -265,6 +266,21 @@ def test_find_max_batch_brackets_the_limit():
     assert peak == {best: True, best + 1: False}
     tiny = dataclasses.replace(small, memory_gib=0.25)   # below the CUDA context alone
     assert find_max_batch("resnet18", tiny, mode="inference", image_size=64) == 0
+
+
+def test_find_max_seq_len_brackets_the_limit(tmp_path):
+    cfg = tmp_path / "long-tiny-gpt2.json"     # 4,096 positions, so memory binds before the positions do
+    cfg.write_text(json.dumps(dict(model_type="gpt2", n_layer=2, n_embd=128, n_head=4, n_positions=4096,
+                                   vocab_size=50257)))
+    small = dataclasses.replace(load_device("l4"), memory_gib=1.0)
+    kw = dict(batch_size=2, mode="training", optimizer="adamw")
+    best = find_max_seq_len(str(cfg), small, **kw)
+    assert 0 < best < 4096 and best % 64 == 0
+    fits = {n: estimate_memory(neusight.trace(str(cfg), seq_len=n, **kw), small).fits for n in (best, best + 64)}
+    assert fits == {best: True, best + 64: False}
+    assert find_max_seq_len(str(cfg), dataclasses.replace(small, memory_gib=0.25), **kw) == 0
+    with pytest.raises(InputError, match="no sequence length"):
+        find_max_seq_len("resnet18", small, mode="training")
 
 
 def test_gradients_kept_by_zero_grad_live_all_step():

@@ -83,6 +83,7 @@ class PredictConfig:
     layers_csv: Optional[str] = None     # write the per-layer report (time, share, bound, saved memory) as CSV
     plot: Optional[str] = None           # directory for the pictures (roofline, time roofline, memory, layers)
     find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory
+    find_max_seq_len: bool = False       # also search the longest sequence (multiple of 64) that fits at batch_size
     spec: Dict[str, Any] = field(default_factory=dict)   # what-if: spec numbers changed on every GPU, e.g.
     #                                      +spec.mem_bandwidth_gbps=4800 (neusight.devices.modify_device)
 
@@ -382,6 +383,14 @@ def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
                                   image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
                                   **_step_options(cfg))
             print(f"largest batch that fits on {p.device.name}: {best}" + ("" if best else " (batch 1 does not fit)"))
+        if cfg.find_max_seq_len:
+            from neusight.memory import find_max_seq_len
+
+            longest = find_max_seq_len(cfg.model, p.device, batch_size=cfg.batch_size, mode=cfg.mode, head=cfg.head,
+                                       optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
+                                       dtype=cfg.dtype, amp=cfg.amp, **_step_options(cfg))
+            print(f"longest sequence that fits on {p.device.name} at batch {cfg.batch_size}: {longest}"
+                  + ("" if longest else " (64 tokens do not fit)"))
 
 
 def _asks_for_list(value: Any) -> bool:
@@ -465,7 +474,7 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
-    other += [k for k in ("find_max_batch", "megatron", "fused", "gradient_checkpointing", "lora_rank",
+    other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
@@ -496,7 +505,8 @@ def _parallel(cfg: PredictConfig) -> float:
     from neusight.parallel import predict_parallel
     from neusight.util import atomic_write_text
 
-    unsupported = [k for k in ("csv", "layers_csv", "plot", "timeline") if getattr(cfg, k)] + (["find_max_batch"] if cfg.find_max_batch else [])
+    unsupported = [k for k in ("csv", "layers_csv", "plot", "timeline", "find_max_batch", "find_max_seq_len")
+                   if getattr(cfg, k)]
     unsupported += ["anchor_ms"] if cfg.anchor_ms is not None else []
     if unsupported:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
