@@ -184,6 +184,20 @@ def test_lora_refuses_what_it_cannot_do(kwargs, fragment):
         neusight.trace(model, batch_size=2, seq_len=16 if model == "gpt2" else None, mode="training", **kwargs)
 
 
+@pytest.mark.parametrize("amp", ["bfloat16", "float16"])
+def test_checkpointed_layers_recompute_under_the_forwards_autocast(tiny_gpt2, amp):
+    """The recomputation in the backward pass runs under the same (emulated) autocast as the forward, as
+    torch.utils.checkpoint restores the autocast state: every recomputed GEMM is in the autocast dtype."""
+    kw = dict(batch_size=2, seq_len=64, mode="training", amp=amp)
+    plain, ckpt = (neusight.trace(tiny_gpt2, gradient_checkpointing=gc, **kw) for gc in (False, True))
+    gemms = {name: g.kernels[g.kernels["family"].isin(["linear", "bmm"])] for name, g in (("plain", plain),
+                                                                                        ("ckpt", ckpt))}
+    layer_fwd = gemms["plain"].query("phase == 'forward'")["module"].str.contains(r"\.h\.\d", regex=True).sum()
+    back = gemms["ckpt"].query("phase == 'backward'")
+    assert len(back) == len(gemms["plain"].query("phase == 'backward'")) + layer_fwd
+    assert set(back["dtype"]) == {amp}
+
+
 def test_checkpointing_every_second_layer_sits_between_none_and_all(tiny_gpt2):
     """gradient_checkpointing=2 (transformers' every_n_layers): one layer in two recomputes; its memory, checked
     against a real CPU run, and its backward work lie between no checkpointing and every layer's."""

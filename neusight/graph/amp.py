@@ -89,8 +89,8 @@ class Autocast(TorchFunctionMode):
             return type(obj)(cast) if isinstance(obj, tuple) else cast
         return obj
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+    def cast_args(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``func``'s arguments as autocast hands them to it (unchanged for a function outside its lists)."""
         name = getattr(func, "__name__", "")
         if name in LOWER:
             to, src = self.dtype, (torch.float32,)
@@ -99,13 +99,15 @@ class Autocast(TorchFunctionMode):
         elif name in PROMOTE:
             floats = [t.dtype for t in _flat_tensors((args, kwargs)) if t.is_floating_point()]
             if not floats or len(set(floats)) == 1:
-                return func(*args, **kwargs)
+                return args, kwargs
             to = next(d for d in (torch.float64, torch.float32, *_LOW) if d in floats)
             src = tuple(d for d in (*_LOW, torch.float32) if d != to)
         else:
-            return func(*args, **kwargs)
-        args = self._cast(args, to, src)
-        kwargs = {k: self._cast(v, to, src) for k, v in kwargs.items()}
+            return args, kwargs
+        return self._cast(args, to, src), {k: self._cast(v, to, src) for k, v in kwargs.items()}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args, kwargs = self.cast_args(func, args, kwargs or {})
         return func(*args, **kwargs)
 
 

@@ -132,6 +132,23 @@ class _CudaPaths(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Recompute(TorchFunctionMode):
+    """What a checkpointed layer's recomputation in the backward pass runs under: the forward's CUDA code paths
+    (:class:`_CudaPaths`) and, under mixed precision, its autocast, as torch.utils.checkpoint restores a real
+    autocast state itself (not the emulated one). One mode for both: the recomputation runs inside the outer
+    modes' handling of ``backward()``, where a second stacked mode cannot be popped again."""
+
+    def __init__(self, amp: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.autocast = Autocast(amp) if amp is not None else None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.autocast is not None:
+            args, kwargs = self.autocast.cast_args(func, args, kwargs)
+        return _CudaPaths.__torch_function__(self, func, types, args, kwargs)
+
+
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                          enable_gqa: bool = False) -> torch.Tensor:
@@ -260,7 +277,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         from neusight.graph.lora import apply_lora
 
         adapted = apply_lora(module, lora_rank, lora_targets)
-    recompute_ctx = (_enable_checkpointing(built, mode, gradient_checkpointing) if gradient_checkpointing
+    recompute_ctx = (_enable_checkpointing(built, mode, gradient_checkpointing, amp_t) if gradient_checkpointing
                      else contextlib.nullcontext())
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
@@ -348,12 +365,13 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  lora_rank=lora_rank if adapted else None)
 
 
-def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True) -> contextlib.AbstractContextManager:
+def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
+                          amp: torch.dtype | None = None) -> contextlib.AbstractContextManager:
     """Turn on a Hugging Face model's activation checkpointing for the trace (``every``: True = every layer, an
     integer n = every n-th layer); returns the context the trace runs in. The recomputation in the backward pass
-    takes the same CUDA code paths as the forward (``context_fn``); transformers' check for packed sequences,
-    which reads the position ids' values (a device sync on a GPU, impossible on meta), is skipped: the traced
-    inputs are plain sequences."""
+    runs under :class:`_Recompute` (the forward's CUDA code paths and autocast ``amp``; ``context_fn``);
+    transformers' check for packed sequences, which reads the position ids' values (a device sync on a GPU,
+    impossible on meta), is skipped: the traced inputs are plain sequences."""
     module = built.module
     if every is not True and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise InputError(f"gradient_checkpointing={every!r} is not true or a positive number of layers. Fix: true "
@@ -371,7 +389,7 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True) -> co
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", None):
         config.use_cache = False        # what transformers switches to itself under checkpointing (with a warning)
-    kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _CudaPaths())}
+    kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _Recompute(amp))}
     if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
         enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n)
     elif every_n > 1:
