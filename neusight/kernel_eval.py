@@ -30,7 +30,7 @@ import pandas as pd
 from neusight.errors import CheckpointError, InputError
 from neusight.devices import load_device
 from neusight.predictor.mlp import MLPConfig
-from neusight.predictor.model import SHIPPED_AMD, TRAINING_GPUS, Predictor, PredictorConfig
+from neusight.predictor.model import SHIPPED, SHIPPED_AMD, TRAINING_GPUS, Predictor, PredictorConfig
 from neusight.util import atomic_write_text
 
 __all__ = ["METHODS", "TARGET_MAPE", "GBRConfig", "KernelEvaluation", "RawFeatureGBR", "error_table",
@@ -321,7 +321,7 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
     data = subsample(load_kernel_traces([str(p) for p in traces], devices=devices, families=families),
                      max_rows_per_family, seed)
     per_device: dict[str, Predictor] = {}
-    amd_trained: list[str] = []
+    by_path: dict[Path, Predictor] = {}   # the shipped predictors loaded for a mixed-vendor evaluation
     if checkpoint is None and len(data):
         from neusight.api import shipped_predictor_dir
 
@@ -337,10 +337,9 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
             # does; the GBR baseline and any leave-one-GPU-out stay those of the NVIDIA predictor
             by_path = {path: Predictor.load(path) for path in shipped}
             per_device = {d: by_path[path] for d, path in shipped_of.items()}
-            amd_trained = list(by_path[SHIPPED_AMD].train_devices_)
             log.info("NVIDIA and AMD kernels: each GPU is scored by its vendor's shipped predictor (%s)",
                      ", ".join(f"{d}: {_short(path)}" for d, path in sorted(shipped_of.items())))
-    predictor = Predictor.load(checkpoint)
+    predictor = by_path[SHIPPED] if SHIPPED in by_path else Predictor.load(checkpoint)
     train_families = list(families) if families else None
     if not logo:  # the baseline only needs the families it is scored on
         train_families = sorted(data["family"].unique())
@@ -367,7 +366,7 @@ def evaluate_kernels(traces: Sequence[str | os.PathLike] = EVAL_TRACES, *,
         "checkpoint": (f"{_short(checkpoint)} (shipped)" if Path(checkpoint).parent == REPO / "data"
                        else str(checkpoint)) if checkpoint else
                       (f"data/predictor (shipped); the AMD GPUs by data/predictor-amd (shipped), trained on "
-                       f"{', '.join(amd_trained)}" if per_device else "data/predictor (shipped)"),
+                       f"{', '.join(by_path[SHIPPED_AMD].train_devices_)}" if per_device else "data/predictor (shipped)"),
         "predictor_train_devices": list(predictor.train_devices_),
         "traces": [str(p) for p in traces], "train_traces": [str(p) for p in train_traces],
         "train_devices": sorted(train["device"].unique()), "train_rows": len(train), "eval_rows": len(data),

@@ -269,10 +269,10 @@ def _run_text(cfg: PredictConfig, step_ms: float, batch_size: int, seq_len: int 
 
 def _gpus(cfg: PredictConfig) -> list[Device]:
     """The GPUs of ``cfg.device``, each with the what-if changes of ``cfg.spec``."""
-    from neusight.devices import load_device, modify_device
+    from neusight.devices import modify_device
 
     changes = OmegaConf.to_container(cfg.spec, resolve=True) if OmegaConf.is_config(cfg.spec) else dict(cfg.spec or {})
-    return [modify_device(load_device(d), **changes) for d in _devices(cfg.device)]
+    return [modify_device(d, **changes) for d in _devices(cfg.device)]   # loads each GPU; no change: as loaded
 
 
 def _out_path(path: str) -> str:

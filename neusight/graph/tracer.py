@@ -132,7 +132,7 @@ class _CudaPaths(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Recompute(TorchFunctionMode):
+class _Recompute(_CudaPaths):
     """What a checkpointed layer's recomputation in the backward pass runs under: the forward's CUDA code paths
     (:class:`_CudaPaths`) and, under mixed precision, its autocast, as torch.utils.checkpoint restores a real
     autocast state itself (not the emulated one). One mode for both: the recomputation runs inside the outer
@@ -146,7 +146,7 @@ class _Recompute(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.autocast is not None:
             args, kwargs = self.autocast.cast_args(func, args, kwargs)
-        return _CudaPaths.__torch_function__(self, func, types, args, kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -351,9 +351,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if adapted:
         kinds = sorted({n.rpartition(".")[2] for n in adapted})
         notes += (LORA_NOTE.format(r=lora_rank, n=len(adapted), targets=", ".join(kinds)),)
-    # True (every layer) or n > 1 (every n-th layer), as given; False without checkpointing
-    ckpt = gradient_checkpointing if gradient_checkpointing in (False, True) else int(gradient_checkpointing)
-    ckpt = True if ckpt == 1 and ckpt is not True else ckpt
+    # True (every layer) or n > 1 (one layer in n); False without checkpointing (validated by _enable_checkpointing)
+    ckpt = int(gradient_checkpointing) if gradient_checkpointing else False
+    ckpt = True if ckpt == 1 else ckpt
     if ckpt:
         notes += (CHECKPOINT_NOTE.format(which="every layer" if ckpt is True else f"one layer in {ckpt}"),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
@@ -393,7 +393,7 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
     if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
         enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n)
     elif every_n > 1:
-        raise InputError(f"gradient_checkpointing={every_n} (every {every_n}th layer) needs a transformers version "
+        raise InputError(f"gradient_checkpointing={every_n} (one layer in {every_n}) needs a transformers version "
                          "whose activation_checkpointing_enable takes every_n_layers. Fix: gradient_checkpointing=true")
     elif enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
