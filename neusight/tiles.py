@@ -10,7 +10,9 @@ For a kernel on a device:
    registers, as NeuSight assumes); row-wise min(max_threads_per_sm / threads_per_block, max_blocks_per_sm)
 4. waves = ceil(tiles / concurrent tiles)
 5. per-wave roofline = max(wave FLOPs / peak FLOP/s, wave bytes / bandwidth); a tile runs on one SM, so
-   the compute leg is tile FLOPs / per-SM peak; roofline = waves x per-wave roofline.
+   the compute leg is tile FLOPs / per-SM peak; roofline = waves x per-wave roofline. The bytes of a forward
+   softmax or layer norm include the rows it re-reads from DRAM when its rows in flight spill out of L2
+   (``l2_reread_bytes``).
 
 Every bound here is non-decreasing in every kernel dimension (DESIGN.md: adding work never makes a kernel
 faster): GEMMs take the best (tile, split-K) pair of the device's library tiles, each pair's bound being
@@ -153,6 +155,63 @@ def rowwise_tiles(numel: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, elem
     ridge = rates.vector_flops / rates.bandwidth
     return _finish(blocks, concurrent, waves, tile_flops, tile_bytes, t_compute, t_memory,
                    (tile_flops / np.maximum(tile_bytes, 1e-30)) / ridge)
+
+
+# Multi-pass row kernels. PyTorch's softmax over rows longer than SOFTMAX_WARP_MAX_COLS (cunn_SoftMaxForward)
+# reads each row three times (max, sum of exponentials, then the output pass); its layer norm
+# (vectorized_layer_norm_kernel) twice (the mean and variance, then the normalisation). The re-reads are
+# served by L2 while the rows in flight fit there, and come from DRAM when they do not: the shared
+# large-shape traces show it as a softmax / layer norm bandwidth that falls with the row length on the 2-6 MB
+# L2 GPUs (V100 softmax 743 GB/s at 1,024 columns, 390 at 8-16k) and stays flat on L4's 48 MB. One row per
+# block, in blocks as the traces launch them (ROW_LAUNCH), so the rows in flight are SMs x resident blocks.
+# Each takes its input row and the output row being written in L2 (twice the input); the share of that
+# footprint beyond L2 is re-read from DRAM:
+#   extra bytes = re-reads x rows x cols x itemsize x clip(1 - L2 / (2 x in-flight input bytes), 0, 1).
+# Forward kernels only: no gradient kernel of either was measured. Non-decreasing in rows and cols (the
+# softmax footprint is taken as the larger of its two launch regimes, so the block-size steps cannot lower it).
+# Measured 2026-11-25 (session 17; predictors retrained with it, `neusight-evaluate-kernels`): large-shape MAPE
+# softmax A100 20.4 -> 15.7, P100 30.2 -> 9.5, P4 18.7 -> 9.0, T4 16.3 -> 10.1, L4 (unseen) 14.0 -> 7.9 %, but
+# V100 19.2 -> 25.3 %; layer norm A100 24.2 -> 13.6, P100 31.3 -> 21.6, P4 27.6 -> 17.8, T4 25.9 -> 21.0, V100
+# 16.4 -> 7.4, L4 13.8 -> 14.9 %. End to end (59 label runs) 5.7 -> 5.8 %: V100 5.0 -> 5.2 (its GPT-3 runs at
+# sequence 2048, whose 2,048-column attention softmax now spills its 6 MB L2), P100 1.3 -> 1.1, L4 9.2 -> 9.1.
+# V100 fits worst: its softmax re-reads stay cheaper than a 6 MB L2 implies (an L1 of 128 KB per SM could hold
+# them, but T4's data shows DRAM re-reads where the same L1 rule says none; no L1 term).
+SOFTMAX_WARP_MAX_COLS = 1024
+ROW_REREADS = {Family.SOFTMAX.value: 2.0, Family.LAYERNORM.value: 1.0}
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """Blocks of the multi-pass row kernels, as a vendor's traces launch them."""
+
+    softmax_elems_per_thread: int   # softmax blocks: cols / this threads (rounded up to a power of two) ...
+    softmax_max_threads: int        # ... up to this many
+    layernorm_threads: int
+
+
+# NVIDIA traces: softmax blocks of 256 threads up to 2,048 columns, 512 beyond; layer norm 32 x 4. AMD (ROCm)
+# traces: softmax blocks of 1,024 threads at every length past the warp kernel's; layer norm 64 x 4.
+ROW_LAUNCH = {"nvidia": RowLaunch(8, 512, 128), "amd": RowLaunch(1, 1024, 256)}
+
+
+def l2_reread_bytes(family: np.ndarray, rows: np.ndarray, cols: np.ndarray, size: np.ndarray,
+                    device: Device) -> np.ndarray:
+    """DRAM bytes a forward softmax / layer norm re-reads because its rows in flight spill out of L2 (see
+    above); 0 for every other family and for rows that fit."""
+    family = np.asarray(family, dtype=object)
+    rows, cols, size = (np.asarray(v, dtype=float) for v in (rows, cols, size))
+    launch = ROW_LAUNCH[device.vendor]
+    sms, threads = float(device.sm_count), float(device.max_threads_per_sm)
+    softmax_elems = np.maximum(sms * threads * launch.softmax_elems_per_thread,
+                               sms * max(np.floor(threads / launch.softmax_max_threads), 1.0) * cols)
+    ln_rows = sms * min(max(np.floor(threads / launch.layernorm_threads), 1.0), float(device.max_blocks_per_sm))
+    in_flight = np.where(family == Family.SOFTMAX.value, np.minimum(rows * cols, softmax_elems),
+                         np.minimum(rows, ln_rows) * cols) * size
+    spill = np.clip(1.0 - device.l2_cache_bytes / np.maximum(2.0 * in_flight, 1.0), 0.0, 1.0)
+    rereads = np.select([family == Family.LAYERNORM.value,
+                         (family == Family.SOFTMAX.value) & (cols > SOFTMAX_WARP_MAX_COLS)],
+                        [ROW_REREADS[Family.LAYERNORM.value], ROW_REREADS[Family.SOFTMAX.value]], 0.0)
+    return rereads * spill * rows * cols * size
 
 
 def _finish(tiles, concurrent, waves, tile_flops, tile_bytes, t_compute, t_memory, intensity_ratio) -> pd.DataFrame:

@@ -9,7 +9,6 @@ gradient-boosting baseline, per family x GPU (logic in :mod:`neusight.kernel_eva
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -78,8 +77,9 @@ def _app(cfg: EvaluateKernelsConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
     quiet_third_party_logs()
-    out_dir = HydraConfig.get().runtime.output_dir
-    command = " ".join(["neusight-evaluate-kernels", *sys.argv[1:]])
+    hc = HydraConfig.get()
+    out_dir = hc.runtime.output_dir
+    command = " ".join(["neusight-evaluate-kernels", *hc.overrides.task])   # no hydra.* overrides: same results
     ev, written = run(cfg, out_dir, command)
     overall = ev.summary[ev.summary["device"] == "all"]
     for _, r in overall.iterrows():

@@ -13,10 +13,11 @@ import numpy as np
 import pandas as pd
 
 from neusight.devices import Device
+from neusight.graph.fusion import FUSED_KERNEL
 from neusight.kernels.base import Family
 from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
-from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, rowwise_tiles, sizes_of
+from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of
 
 # Work features come first (the first is log2 roofline) and are each non-decreasing in every kernel dimension;
 # the utilization model is monotone in them (see neusight.predictor.mlp), which is how "adding work never
@@ -236,7 +237,9 @@ def _rows(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     rates = device_rates(device, str(d["dtype"].iloc[0]))
     nbytes = np.maximum(d["bytes"].to_numpy(float), 1.0)
     flops = d["flops"].to_numpy(float)
-    t = rowwise_tiles(rows * cols, flops, nbytes, epb, tpb, rates)
+    family = np.where(backward_kernels(d), "", d["family"].astype(str).to_numpy())
+    dram = nbytes + l2_reread_bytes(family, rows, cols, sizes_of(d["dtype"]), device)
+    t = rowwise_tiles(rows * cols, flops, dram, epb, tpb, rates)
     t.index = d.index
     t["tile_m"], t["tile_n"] = np.nan, np.nan
     t["elems_per_block"], t["threads_per_block"] = epb, tpb
@@ -251,6 +254,22 @@ def _rows(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     t["hbm_memory"] = float(device.hbm)
     t["native"] = 1.0
     return t
+
+
+# The kernel name Predictor.predict gives the gradient rows of the families it otherwise leaves unnamed.
+GRADIENT_KERNEL = "_bwd"
+
+
+def backward_kernels(d: pd.DataFrame) -> np.ndarray:
+    """Gradient kernels of a traced model: a ``_bwd`` kernel, or a fused group holding one (by its
+    ``aten_op``). Rows without a ``kernel`` column (measured traces) are forward kernels."""
+    if "kernel" not in d:
+        return np.zeros(len(d), bool)                    # measured traces: forward kernels
+    kern = d["kernel"].astype(str)
+    grad = kern.str.endswith(GRADIENT_KERNEL)
+    if "aten_op" in d:
+        grad |= (kern == FUSED_KERNEL) & d["aten_op"].astype(str).str.contains("_bwd", regex=False)
+    return grad.to_numpy()
 
 
 # The device descriptors the models take, as a GPU's spec sheet gives them: name -> (label, spec value of a

@@ -20,12 +20,13 @@ import torch
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
 from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES,
-                                         DEVICE_DESCRIPTORS, LAYOUTS, MODEL_FAMILIES, conv_backward_class, decompose,
-                                         feature_names, n_work_features)
+                                         DEVICE_DESCRIPTORS, GRADIENT_KERNEL, LAYOUTS, MODEL_FAMILIES,
+                                         backward_kernels, conv_backward_class, decompose, feature_names,
+                                         n_work_features)
 from neusight.predictor.mlp import MLPConfig, MLPEnsemble, UtilizationMLP, build_model
 from neusight.predictor.train import FitResult, fit_ensemble_logo, fit_mlp, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
-from neusight.tiles import GEMM_FAMILIES
+from neusight.tiles import GEMM_FAMILIES, ROW_REREADS
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,10 @@ class Predictor:
         work["kernel"] = work["kernel"].astype(object).where(work["kernel"].notna(), "conv_fwd")
         # names matter to convolutions (their kind) and, when this predictor routes layouts, to 2-D GEMMs
         named = ["conv", "linear"] if self.layout_models_ else ["conv"]
+        # a gradient softmax / layer norm is bounded without the forward's L2 re-reads (tiles.l2_reread_bytes)
+        grad = backward_kernels(df) & work["family"].isin(list(ROW_REREADS)).to_numpy()
         work["kernel"] = work["kernel"].where(work["family"].isin(named), "")
+        work.loc[grad, "kernel"] = GRADIENT_KERNEL
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)
         uniq = work.drop_duplicates().reset_index(drop=True)
