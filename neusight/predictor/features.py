@@ -62,6 +62,11 @@ from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_by
 # GPUs, the kind this tool is mostly asked about, get worse (A100 24.2 -> 35.8 %, below the roofline's 32.6;
 # V100 16.4 -> 21.8 %), and the unseen L4 goes from 13.8 to 25.7 % (L4 was looked at before deciding). Layer
 # norm stays unweighted; the score rule alone would have switched it.
+# Rerun after the L2 re-read bounds (tiles.l2_reread_bytes; 2026-11-25, session 17, seed 0): softmax none 17.3
+# (still lowest); layer norm none 14.7, HBM 12.9, p = 0.5 13.5. HBM passes the margin, so a predictor was
+# retrained with it for layer norm (a patched /tmp run, not shipped): large-shape layer norm 15.9 -> 16.3 % over
+# all GPUs, L4 14.9 -> 15.3 % (past its 15 % target), P100 21.6 -> 25.3, A100 13.6 -> 12.5, V100 7.4 -> 6.9 %;
+# labels 5.75 -> 5.74 %. Layer norm keeps no device feature.
 # Conv with waves^0.5 scores 33.2 vs 34.6 unweighted (docs/features.md; the same over seeds 0-2), past the margin.
 # A predictor retrained with it (`+predictor.families.conv.size_weight=0.5`, 15.1 min, against 12.5 min for the
 # layer-norm run above: the 15-minute budget is tight and this machine's times vary; the
