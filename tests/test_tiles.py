@@ -4,6 +4,7 @@ traced model's forward softmax and layer norm carry them in their bound while gr
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from hypothesis import given, settings
@@ -84,3 +85,14 @@ def test_forward_row_kernels_carry_rereads_in_their_bound_and_gradients_do_not()
     assert (k.loc[fwd, "roofline_ms"] > memory_ms[fwd] * 1.2).all()
     assert np.allclose(k.loc[bwd, "roofline_ms"], np.maximum(memory_ms[bwd], k.loc[bwd, "flops"]
                                                              / dev.peak_fp32_flops * 1e3))
+
+
+def test_gradient_kernels_are_told_apart_by_name_and_fused_groups_by_their_members():
+    from neusight.predictor.features import backward_kernels
+
+    traced = pd.DataFrame({"kernel": ["softmax", "softmax_bwd", "layernorm_bwd", "fused", "fused"],
+                           "aten_op": ["aten._softmax.default", "aten._softmax_backward_data.default",
+                                       "aten.native_layer_norm_backward.default", "fused:softmax_bwd+mul",
+                                       "fused:div+softmax"]})
+    assert backward_kernels(traced).tolist() == [False, True, True, True, False]
+    assert backward_kernels(pd.DataFrame({"family": ["softmax", "layernorm"]})).tolist() == [False, False]
