@@ -273,7 +273,7 @@ def backward_kernels(d: pd.DataFrame) -> np.ndarray:
     kern = d["kernel"].astype(str)
     grad = kern.str.endswith(GRADIENT_KERNEL)
     if "aten_op" in d:
-        grad |= (kern == FUSED_KERNEL) & d["aten_op"].astype(str).str.contains("_bwd", regex=False)
+        grad |= (kern == FUSED_KERNEL) & d["aten_op"].astype(str).str.contains(GRADIENT_KERNEL, regex=False)
     return grad.to_numpy()
 
 
