@@ -328,13 +328,13 @@ def device_dir() -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _library(directory: str) -> tuple[Mapping[str, Device], Mapping[str, str]]:
-    """Every spec in `directory` by key, and an index normalized key/alias -> key (cached, read-only)."""
+    """Every spec in `directory` by key, and an index normalized key/name/alias -> key (cached, read-only)."""
     devices: dict[str, Device] = {}
     index: dict[str, str] = {}
     for path in sorted(p for p in Path(directory).glob("*.y*ml") if p.suffix in (".yaml", ".yml")):
         device = _read_spec(path)
         devices[device.key] = device
-        for label in (device.key, *device.aliases):
+        for label in (device.key, device.name, *device.aliases):
             owner = index.setdefault(_normalize(label), device.key)
             if owner != device.key:
                 raise DeviceError(f"{path}: alias {label!r} also names device '{owner}' ({owner}.yaml). Fix: "
@@ -425,8 +425,9 @@ def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
     ----------
     name_or_path : str, os.PathLike or Device
         A Device (returned as is); a path to a ``.yaml``/``.yml``/``.json`` spec; or a library key
-        (``"h100-sxm5-80gb"``) or alias such as the exact ``torch.cuda.get_device_name()`` string. Names
-        match ignoring case, spaces, dashes and underscores.
+        (``"h100-sxm5-80gb"``), its display name (``"NVIDIA H100 SXM5 80GB"``, as forecasts print it) or an
+        alias such as the exact ``torch.cuda.get_device_name()`` string. Names match ignoring case, spaces,
+        dashes and underscores.
 
     Returns
     -------

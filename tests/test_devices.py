@@ -123,8 +123,16 @@ def test_no_two_devices_share_an_alias():
     owner: dict[str, str] = {}
     for key in list_devices():
         device = load_device(key)
-        for label in {_norm(a) for a in (key, *device.aliases)}:
+        for label in {_norm(a) for a in (key, device.name, *device.aliases)}:
             assert owner.setdefault(label, key) == key, f"{label!r} names both {owner[label]} and {key}"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_display_name_resolves(key: str):
+    """The name a forecast prints ("NVIDIA H100 SXM5 80GB") finds its GPU again."""
+    device = load_device(key)
+    assert load_device(device.name).key == key
+    assert load_device(device.name.upper().replace(" ", "_")).key == key
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -338,7 +346,7 @@ def test_neusight_data_env_and_duplicate_aliases(tmp_path: Path, monkeypatch: py
     other = tmp_path / "other"
     (other / "devices").mkdir(parents=True)
     _write(other / "devices", spec, "gpu-a.yaml")
-    _write(other / "devices", {**spec, "aliases": ["h100_sxm"]}, "gpu-b.yaml")
+    _write(other / "devices", {**spec, "name": "GPU B", "aliases": ["h100_sxm"]}, "gpu-b.yaml")
     monkeypatch.setenv("NEUSIGHT_DATA", str(other))
     with pytest.raises(DeviceError, match=r"gpu-b\.yaml: alias 'h100_sxm' also names device 'gpu-a'"):
         list_devices()
