@@ -103,8 +103,8 @@ def _dtype(kernels: pd.DataFrame) -> str:
 def _gemm_roof(device: Any, kernels: pd.DataFrame, peak: float) -> tuple[float, str] | None:
     """The GEMM peak the predictor bounds GEMM-like kernels by and its name, where it differs from the
     spec-sheet ``peak`` drawn as the compute roof: the TF32 tensor peak when kernels run in TF32
-    (neusight.api.TF32_MODES), else, in FP32 on GPUs whose SGEMM cannot fill every FP32 lane, half the FP32 peak
-    (neusight.tiles.DUAL_ISSUE_GEMM_FRACTION); None elsewhere."""
+    (neusight.api.TF32_MODES), else, in FP32 on GPUs whose SGEMM cannot fill every FP32 lane, the share of the FP32
+    peak it can (neusight.tiles.sgemm_lane_fraction); None elsewhere."""
     from neusight.devices import Device
     from neusight.tiles import device_rates
 

@@ -32,18 +32,40 @@ from neusight.kernels.formulas import itemsize
 
 GEMM_FAMILIES = (Family.LINEAR.value, Family.BMM.value, Family.CONV.value)
 
-# NB: on GPUs whose SM schedulers each feed 32 FP32 lanes while issuing one warp instruction per clock (GA10x
-# and Ada, where half of those lanes are shared with INT32; Hopper and datacenter Blackwell, where they are not),
-# SGEMM would have to issue an FFMA every clock, with its loads and integer address arithmetic on top; we count
-# half the spec-sheet FP32 peak as SGEMM's. An architectural statement, not a number fitted to any GPU's data
-# (L4 reaches 0.33-0.43 of its spec peak on its large GEMMs, a public H100 SXM5 SGEMM 0.53; both Device specs
-# carry it as ``fp32_dual_issue``). Measured 2026-11-25 (session 16; the predictor's utilization models do not
-# compensate, L4 being the one such GPU with data): fraction 0.5 / 0.6 / 0.65 / 0.75 -> L4 large linear MAPE
-# 11.1 / 14.6 / 19.9 / 29.7 % (median signed +3.6 / -12.7 / -19.0 / -29.2), L4 label runs inference 9.2 / 8.8 /
-# 11.0 / 16.5 % (mean signed +1.8 / -7.6 / -11.0 / -16.5), training 2.7 / 12.6 / 16.3 / 22.1 %; the H100 SXM5
-# 4096x16384x8192 SGEMM forecast 27.2 / 32.4 / 35.0 / 40.1 TFLOP/s against the public 35.5. L4 (72 W) holds
-# it at 0.5; an unthrottled H100 may run its FP32 GEMMs faster than forecast (the one public point: 23 %).
+# NB: on GPUs whose SM schedulers each feed 32 FP32 lanes while issuing one warp instruction per clock
+# (``Device.fp32_dual_issue``), SGEMM cannot fill every lane the spec sheet counts, and how many it fills depends
+# on whose lanes they are (``sgemm_lane_fraction``):
+# - GA10x and Ada, where half of those lanes are shared with INT32: we count half the spec-sheet FP32 peak.
+#   Held by L4, the one such GPU with data (the predictor's utilization models do not compensate). Measured
+#   2026-11-25 (session 16): fraction 0.5 / 0.6 / 0.65 / 0.75 -> L4 large linear MAPE 11.1 / 14.6 / 19.9 / 29.7 %
+#   (median signed +3.6 / -12.7 / -19.0 / -29.2), L4 label runs inference 9.2 / 8.8 / 11.0 / 16.5 % (mean signed
+#   +1.8 / -7.6 / -11.0 / -16.5), training 2.7 / 12.6 / 16.3 / 22.1 %. L4 is a 72 W card; public cuBLAS SGEMMs
+#   of bigger-power GA10x / Ada cards ran faster than this forecasts (session 18, scripts/bench_sgemm_public.py
+#   -> docs/sgemm-public.md: RTX 4090 and RTX A6000 at 0.65x of their measured speed), so their FP32 GEMMs may
+#   be forecast up to ~1.5x too slow. Not changed: no kernel trace of such a card.
+# - Hopper and datacenter Blackwell (compute capability 9.x / 10.x), whose FP32 lanes are their own (INT32 has
+#   separate lanes): SGEMM is bound by instruction issue alone. A register-tiled SGEMM inner loop (8 x 8
+#   outputs per thread) issues 64 FFMA per k step against 4 vector shared-memory loads, plus per 8-step k tile
+#   its global loads, shared stores, barrier and address updates: 512 FFMA in ~555 instructions, 0.92 of the
+#   issue slots; we count 0.9 of the spec-sheet peak. Derived, not fitted (no Hopper kernel is in the data).
+#   Against public cuBLAS SGEMMs on H100 80GB HBM3 (docs/sgemm-public.md): 4096^3 and 8192^3 on one machine
+#   forecast at 0.96x / 0.95x their measured speed (its 2048^3 at 1.68x); 4096 x 16384 x 8192 on another
+#   machine, whose own copy kernel reached 2.0 of 3.35 TB/s, at 1.35x. Until session 18 Hopper took the GA10x
+#   half (0.55x / 0.54x / 0.77x of those); the median forecast speed-up of the dataset's label runs over the
+#   measured A100-PCIE-40GB (docs/unseen.md) went from 1.74x to 2.84x with this.
 DUAL_ISSUE_GEMM_FRACTION = 0.5
+DEDICATED_LANES_GEMM_FRACTION = 0.9
+DEDICATED_FP32_CC_MAJOR = ("9", "10")
+
+
+def sgemm_lane_fraction(device: Device) -> float:
+    """The share of the spec-sheet FP32 peak SGEMM can use on ``device`` (see above): 1 where each scheduler
+    feeds 16 FP32 lanes, 0.9 on Hopper / datacenter Blackwell, 0.5 on GA10x / Ada."""
+    if not device.fp32_dual_issue:
+        return 1.0
+    if str(device.compute_capability).split(".")[0] in DEDICATED_FP32_CC_MAJOR:
+        return DEDICATED_LANES_GEMM_FRACTION
+    return DUAL_ISSUE_GEMM_FRACTION
 
 
 @dataclass(frozen=True)
@@ -68,9 +90,7 @@ def device_rates(device: Device, dtype: str = "float32") -> DeviceRates:
     elif dtype == "tf32" and device.tf32_tensor_tflops:
         gemm, vector = device.tf32_tensor_tflops * 1e12, device.peak_fp32_flops
     else:
-        gemm = device.fp32_matrix_tflops * 1e12
-        if device.fp32_dual_issue:
-            gemm *= DUAL_ISSUE_GEMM_FRACTION
+        gemm = device.fp32_matrix_tflops * 1e12 * sgemm_lane_fraction(device)
         vector = device.peak_fp32_flops
     return DeviceRates(device.sm_count, gemm, vector, device.mem_bandwidth_bytes_per_s,
                        device.max_threads_per_sm, device.max_blocks_per_sm)

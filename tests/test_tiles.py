@@ -1,5 +1,6 @@
 """The row kernels' L2 re-reads (neusight.tiles.l2_reread_bytes): where they apply, their laws, and that a
-traced model's forward softmax and layer norm carry them in their bound while gradient kernels do not."""
+traced model's forward softmax and layer norm carry them in their bound while gradient kernels do not. The share of
+the FP32 peak SGEMM is bounded by per kind of SM (neusight.tiles.sgemm_lane_fraction)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 import neusight
 from neusight.devices import load_device, modify_device
-from neusight.tiles import SOFTMAX_WARP_MAX_COLS, l2_reread_bytes
+from neusight.tiles import (DEDICATED_LANES_GEMM_FRACTION, DUAL_ISSUE_GEMM_FRACTION, SOFTMAX_WARP_MAX_COLS,
+                            device_rates, l2_reread_bytes, sgemm_lane_fraction)
 
 DEVICES = ("p4", "v100-pcie-32gb", "a100-pcie-40gb", "l4", "h100-sxm5-80gb", "mi250")
 FAMILIES = ("softmax", "layernorm", "elementwise")
@@ -96,3 +98,24 @@ def test_gradient_kernels_are_told_apart_by_name_and_fused_groups_by_their_membe
                                        "fused:div+softmax"]})
     assert backward_kernels(traced).tolist() == [False, True, True, True, False]
     assert backward_kernels(pd.DataFrame({"family": ["softmax", "layernorm"]})).tolist() == [False, False]
+
+
+@pytest.mark.parametrize("key, share", [
+    ("h100-sxm5-80gb", DEDICATED_LANES_GEMM_FRACTION), ("h100-pcie", DEDICATED_LANES_GEMM_FRACTION),
+    ("h200", DEDICATED_LANES_GEMM_FRACTION), ("b200", DEDICATED_LANES_GEMM_FRACTION),
+    ("l4", DUAL_ISSUE_GEMM_FRACTION), ("rtx-4090", DUAL_ISSUE_GEMM_FRACTION), ("rtx-3090", DUAL_ISSUE_GEMM_FRACTION),
+    ("a10", DUAL_ISSUE_GEMM_FRACTION),
+    ("a100-pcie-40gb", 1.0), ("v100-pcie-32gb", 1.0), ("t4", 1.0), ("p4", 1.0), ("mi250", 1.0),
+])
+def test_sgemm_share_of_the_fp32_peak_by_kind_of_sm(key: str, share: float):
+    """FP32-only 32-lane schedulers (Hopper, datacenter Blackwell) lose only the issue slots of the loop's other
+    instructions; GA10x / Ada, whose second 16 lanes are shared with INT32, half; 16-lane schedulers nothing. Only
+    FP32 GEMMs: TF32 / FP16 run on tensor cores and the vector peak stays the spec sheet's."""
+    device = load_device(key)
+    assert sgemm_lane_fraction(device) == share
+    fp32 = device_rates(device, "float32")
+    assert fp32.gemm_flops == pytest.approx(device.fp32_matrix_tflops * 1e12 * share)
+    assert fp32.vector_flops == device.peak_fp32_flops
+    if device.fp16_tensor_tflops:
+        assert device_rates(device, "float16").gemm_flops == device.peak_flops("float16", tensor_cores=True)
+    assert 0.5 <= DUAL_ISSUE_GEMM_FRACTION < DEDICATED_LANES_GEMM_FRACTION < 1.0
