@@ -22,7 +22,7 @@ from neusight.graph.tracer import trace
 from neusight.kernels.ops_gemm import DEPTHWISE_PREFIX
 from neusight.memory import estimate_memory
 from neusight.predictor.model import SHIPPED, SHIPPED_AMD, Predictor
-from neusight.tiles import GEMM_FAMILIES
+from neusight.tiles import DEDICATED_LANES_GEMM_FRACTION, GEMM_FAMILIES, sgemm_lane_fraction
 from neusight.util import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,36 @@ MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded
 DEPTHWISE_NOTE = ("{n} depthwise-convolution kernels are forecast as memory-bound window ops at the memory-bound model's "
                   "speed; no kernel measurement covers them, and PyTorch's FP32 depthwise kernels run well below memory "
                   "bandwidth, so expect this forecast to be too fast (EfficientNet rows of docs/evaluation.md)")
+# GPUs whose SM schedulers feed 32 FP32 lanes each: SGEMM cannot fill them all (neusight.tiles.sgemm_lane_fraction),
+# and how much it fills was checked against public cuBLAS SGEMMs only (docs/sgemm-public.md), so a forecast resting
+# on it says so.
+SGEMM_LANES_NOTE = ("{share:.0f} % of this forecast is FP32 GEMMs ({what}), bounded at {fraction:g} of {device}'s "
+                    "{peak:.1f} TFLOP/s FP32 peak: its SMs feed 32 FP32 lanes per scheduler, more than SGEMM can keep "
+                    "busy. Of such GPUs only L4 has kernel measurements{check}")
+SGEMM_LANES_CHECK = {
+    "dedicated": "; public cuBLAS SGEMMs on H100 ran at 0.6-1.05x the speed this bound forecasts "
+                 "(docs/sgemm-public.md)",
+    "shared": " (a 72 W card), and this bound matches them; public cuBLAS SGEMMs of 300-450 W cards (RTX 4090, "
+              "RTX A6000) ran about 1.5x faster than forecast, so such a card's FP32 GEMM time may be overestimated "
+              "(docs/sgemm-public.md)",
+}
+
+
+def sgemm_lanes_note(device: Device, kernels: pd.DataFrame) -> str | None:
+    """SGEMM_LANES_NOTE when FP32 GEMM-like kernels of a run on ``device`` are bounded below its spec-sheet FP32
+    peak (neusight.tiles.sgemm_lane_fraction < 1), with their share of the forecast time; else None."""
+    fraction = sgemm_lane_fraction(device)
+    if fraction >= 1.0 or kernels.empty or "dtype" not in kernels:
+        return None
+    gemm = kernels["family"].isin(GEMM_FAMILIES) & (kernels["dtype"].astype(str) == "float32")
+    if not gemm.any():
+        return None
+    share = 100.0 * float(kernels.loc[gemm, "latency_ms"].sum()) / max(float(kernels["latency_ms"].sum()), 1e-12)
+    kind = "dedicated" if fraction == DEDICATED_LANES_GEMM_FRACTION else "shared"
+    return SGEMM_LANES_NOTE.format(share=share, what=", ".join(sorted(kernels.loc[gemm, "family"].unique())),
+                                   fraction=fraction, device=device.key, peak=device.fp32_matrix_tflops,
+                                   check=SGEMM_LANES_CHECK[kind])
+
 
 # Eager PyTorch spends host (CPU) time on every kernel it launches: Python, the dispatcher, the launch itself,
 # roughly 10-50 us depending on the host and the training loop around the model. Kernels are queued
@@ -373,6 +403,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     if n_dw:
         notes += (DEPTHWISE_NOTE.format(n=n_dw),)
     total = float(kernels["latency_ms"].sum())
+    if lanes := sgemm_lanes_note(device, kernels):
+        notes += (lanes,)
     if beyond := extrapolation_note(device, pred.device_extrapolation(device), kernels):
         notes += (beyond,)
     if host := host_bound_note(total, len(kernels)):

@@ -457,3 +457,27 @@ def test_a_gpu_beyond_the_training_gpus_descriptors_is_said_to_be_extrapolated()
                                       "M": [512, 65536], "N": [512, 16384], "K": [512, 16384]}), measured=False)
     beyond = load_predictor(None, "t4").predict(rows, "t4")["beyond_training"].tolist()
     assert beyond[0] == "" and "log2_roofline" in beyond[1].split(",")
+
+
+def test_fp32_gemms_bounded_below_the_spec_peak_are_said_to_be():
+    """A GPU whose SGEMM cannot fill its FP32 lanes (neusight.tiles.sgemm_lane_fraction) gets a note with the share
+    of the forecast its FP32 GEMMs take and the fraction counted: 0.9 on Hopper, 0.5 on Ada; none on a 16-lane GPU,
+    nor when the GEMMs run on tensor cores (FP16)."""
+    from neusight.api import sgemm_lanes_note
+
+    def lanes(p):
+        return [n for n in p.notes if "FP32 lanes per scheduler" in n]
+
+    h100 = neusight.predict("gpt2", "h100-sxm5-80gb", batch_size=2, seq_len=256, memory=False)
+    (note,) = lanes(h100)
+    k = h100.kernels
+    gemm = k["family"].isin(["linear", "bmm"])
+    share = 100 * k.loc[gemm, "latency_ms"].sum() / k["latency_ms"].sum()
+    assert note.startswith(f"{share:.0f} % of this forecast is FP32 GEMMs (bmm, linear), bounded at 0.9 of")
+    assert "docs/sgemm-public.md" in note
+    assert "bounded at 0.5 of rtx-4090's 82.6" in lanes(neusight.predict("gpt2", "rtx-4090", batch_size=2, seq_len=256,
+                                                                          memory=False))[0]
+    assert lanes(neusight.predict("gpt2", "a100-pcie-40gb", batch_size=2, seq_len=256, memory=False)) == []
+    assert lanes(neusight.predict("gpt2", "h100-sxm5-80gb", batch_size=2, seq_len=256, dtype="float16",
+                                  memory=False)) == []
+    assert sgemm_lanes_note(load_device("l4"), k.iloc[:0]) is None
