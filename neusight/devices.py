@@ -337,7 +337,7 @@ def _library(directory: str) -> tuple[Mapping[str, Device], Mapping[str, str]]:
         for label in (device.key, device.name, *device.aliases):
             owner = index.setdefault(_normalize(label), device.key)
             if owner != device.key:
-                raise DeviceError(f"{path}: alias {label!r} also names device '{owner}' ({owner}.yaml). Fix: "
+                raise DeviceError(f"{path}: name or alias {label!r} also names device '{owner}' ({owner}.yaml). Fix: "
                                   "keep it in one file; names must be unique ignoring case, spaces, '-' and '_'.")
     if not devices:
         raise DeviceError(f"no device specs (*.yaml) found in {directory}. Fix: set NEUSIGHT_DATA to the "

@@ -348,7 +348,7 @@ def test_neusight_data_env_and_duplicate_aliases(tmp_path: Path, monkeypatch: py
     _write(other / "devices", spec, "gpu-a.yaml")
     _write(other / "devices", {**spec, "name": "GPU B", "aliases": ["h100_sxm"]}, "gpu-b.yaml")
     monkeypatch.setenv("NEUSIGHT_DATA", str(other))
-    with pytest.raises(DeviceError, match=r"gpu-b\.yaml: alias 'h100_sxm' also names device 'gpu-a'"):
+    with pytest.raises(DeviceError, match=r"gpu-b\.yaml: name or alias 'h100_sxm' also names device 'gpu-a'"):
         list_devices()
 
     monkeypatch.setenv("NEUSIGHT_DATA", str(tmp_path / "empty"))
