@@ -29,6 +29,7 @@ from neusight.tiles import DEDICATED_LANES_GEMM_FRACTION, DUAL_ISSUE_GEMM_FRACTI
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
+LARGE_LINEAR = REPO.parent / "shared" / "datasets" / "neusight-asplos25" / "kernels" / "nvidia-large-shapes" / "linear.csv"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,20 @@ def table() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def l4_reference() -> str:
+    """The same ratio on the dataset's L4 large-shape linear kernels (the one GA10x / Ada GPU with data), for
+    reference next to the public numbers."""
+    if not LARGE_LINEAR.is_file():
+        return f"- (L4 reference skipped: {LARGE_LINEAR} not found)"
+    rows = pd.read_csv(LARGE_LINEAR)
+    rows = rows[rows["Device"] == "NVIDIA L4"]   # the torch.cuda.get_device_name() string the dataset records
+    ratio = rows["Latency"].to_numpy() / predict_kernel_table(rows).to_numpy()   # forecast speed / measured speed
+    long = rows["Latency"].to_numpy() > 5.0
+    return (f"- For reference, the dataset's L4 (72 W, Ada, never trained on): {len(rows)} large-shape linear "
+            f"kernels, forecast / measured median {np.median(ratio):.2f} ({np.median(ratio[long]):.2f} over the "
+            f"{int(long.sum())} longer than 5 ms)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "sgemm-public.md")
@@ -104,6 +119,7 @@ def main() -> None:
         "\"forecast / measured\" is forecast speed over measured speed.",
         "",
         *summary,
+        l4_reference(),
         "",
         markdown_table(frame.drop(columns=["class", "ratio"]), index=False),
         "",
