@@ -1,6 +1,6 @@
 """The row kernels' L2 re-reads (neusight.tiles.l2_reread_bytes): where they apply, their laws, and that a
-traced model's forward softmax and layer norm carry them in their bound while gradient kernels do not. The share of
-the FP32 peak SGEMM is bounded by per kind of SM (neusight.tiles.sgemm_lane_fraction)."""
+traced model's forward softmax and layer norm carry them in their bound while gradient kernels do not. Also the
+share of the FP32 peak that bounds SGEMM on each kind of SM (neusight.tiles.sgemm_lane_fraction)."""
 
 from __future__ import annotations
 
