@@ -93,7 +93,8 @@ def l4_reference() -> str:
     if not LARGE_LINEAR.is_file():
         return f"- (L4 reference skipped: {LARGE_LINEAR} not found)"
     rows = pd.read_csv(LARGE_LINEAR)
-    rows = rows[rows["Device"] == "NVIDIA L4"]   # the torch.cuda.get_device_name() string the dataset records
+    l4 = load_device("l4")
+    rows = rows[rows["Device"].isin([l4.name, *l4.aliases])]   # the dataset records torch.cuda.get_device_name()
     ratio = rows["Latency"].to_numpy() / predict_kernel_table(rows).to_numpy()   # forecast speed / measured speed
     long = rows["Latency"].to_numpy() > 5.0
     return (f"- For reference, the dataset's L4 (72 W, Ada, never trained on): {len(rows)} large-shape linear "
