@@ -422,7 +422,8 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     Parameters
     ----------
     model : str, path or nn.Module
-        A preset, a Hugging Face config JSON, or an nn.Module (then pass ``input_shapes``).
+        A preset, a Hugging Face config JSON, or an nn.Module (then pass ``input_shapes``: shapes without the
+        batch, or ``(shape, dtype)`` pairs such as ``(("seq",), torch.long)`` for token ids of ``seq_len``).
     device : str, path or Device
         A library key (``"h100-sxm5-80gb"``), a ``torch.cuda.get_device_name()`` string, or a spec YAML.
     mode : {"inference", "training"}

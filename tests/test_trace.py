@@ -17,7 +17,7 @@ from tests.conftest import DATASET, need_shared
 
 ALL_MODELS = [("gpt2", dict(seq_len=64)), ("bert-base", dict(seq_len=64)), ("opt-1.3b", dict(seq_len=64)),
               ("switch-xl-4", dict(seq_len=64)), ("resnet50", dict()), ("llama-3-8b", dict(seq_len=32)),
-              ("mistral-7b", dict(seq_len=32))]
+              ("mistral-7b", dict(seq_len=32)), ("vit-base", dict())]
 
 
 @pytest.mark.parametrize("name,kw", ALL_MODELS)
@@ -69,6 +69,125 @@ def test_switch_notes_fixed_capacity():
     expert = g.kernels[g.kernels["module"].str.contains(r"experts\.expert_\d+\.w[io]$", regex=True)]
     assert len(expert) == 24 * 4 * 2
     assert set(expert["dims"].map(lambda d: d[1])) == {64}
+
+
+# Top-k routed experts in transformers' standard layout (3-D weights per expert): Mixtral (gated, no bias) and
+# gpt-oss (gated with biases and its own gate function), tiny so they trace in a second.
+ROUTED_MOE = {
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    vocab_size=128),
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, vocab_size=128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTED_MOE))
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_routed_experts_trace_under_balanced_routing(tmp_path, name, mode):
+    import json
+
+    import transformers
+
+    if not hasattr(transformers.models, name):
+        pytest.skip(f"this transformers has no {name}")
+    cfg = tmp_path / f"{name}.json"
+    cfg.write_text(json.dumps(ROUTED_MOE[name]))
+    batch, seq = 2, 24
+    g = neusight.trace(str(cfg), batch_size=batch, seq_len=seq, mode=mode, optimizer=None)
+    assert g.unmodeled == []
+    assert any("balanced routing" in n for n in g.notes)
+    fwd = g.kernels[(g.kernels["phase"] == "forward") & (g.kernels["family"] == "linear")]
+    expert = fwd[fwd["module"].str.contains("experts")]
+    # 2 layers x 4 experts x (up, down); each expert gets ceil(tokens x top-k / experts) = 48 x 2 / 4 = 24 tokens
+    assert len(expert) == 2 * 4 * 2
+    assert set(expert["dims"].map(lambda d: d[1])) == {batch * seq * 2 // 4}
+    h, inter = 64, 96
+    assert expert["flops"].sum() == pytest.approx(2 * 4 * 24 * 2 * (h * 2 * inter + inter * h))
+    if mode == "training":
+        assert (g.kernels["phase"] == "backward").any()
+
+
+# Hugging Face image models, tiny: a ViT (patch embeddings + encoder), DeiT (whose auto mapping lists two
+# classes) and Swin (shifted windows: in-place strided views, stochastic depth in training).
+VISION = {
+    "vit": dict(model_type="vit", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                image_size=64, patch_size=16, num_labels=10),
+    "deit": dict(model_type="deit", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, image_size=64, patch_size=16),
+    "swin": dict(model_type="swin", embed_dim=32, depths=[1, 1], num_heads=[2, 4], image_size=64, patch_size=4,
+                 window_size=4, drop_path_rate=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VISION))
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_hf_image_models_trace_on_pixels(tmp_path, name, mode):
+    import json
+
+    cfg = tmp_path / f"{name}.json"
+    cfg.write_text(json.dumps(VISION[name]))
+    g = neusight.trace(str(cfg), batch_size=4, mode=mode, optimizer="adamw")
+    assert g.unmodeled == []
+    assert g.image_size == 64
+    assert "64x64 images" in g.notes[0]
+    if mode == "training":
+        assert {"forward", "loss", "backward", "optimizer"} <= set(g.kernels["phase"])
+
+
+def test_hf_image_model_is_built_for_the_image_size_asked():
+    # ViT-Base/16: 14 x 14 patches + the class token at 224, 24 x 24 + 1 at 384
+    for side, tokens in ((224, 197), (384, 577)):
+        g = neusight.trace("vit-base", batch_size=2, image_size=side)
+        lin = g.kernels[g.kernels["family"] == "linear"]
+        square = lin[lin["dims"].map(lambda d: d[2:] == (768, 768))]   # q, k, v, o of 12 layers
+        assert len(square) == 12 * 4
+        assert set(square["dims"]) == {(1, 2 * tokens, 768, 768)}
+    p = neusight.predict("vit-base", "t4", batch_size=8, memory=False)
+    assert p.throughput[1] == "images/s"
+    with pytest.raises(InputError, match="image_size.*tokens"):
+        neusight.trace("gpt2", batch_size=1, seq_len=8, image_size=224)
+
+
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_topk_reads_rows_along_its_dim_not_k(dim):
+    class TopK(nn.Module):
+        def forward(self, x):
+            return torch.topk(x, 3, dim=dim).values
+
+    g = neusight.trace(TopK(), batch_size=2, input_shapes=[(5, 40)])
+    k = g.kernels[g.kernels["aten_op"].str.startswith("aten.topk")]
+    assert len(k) == 1
+    rows, cols = (2 * 5, 40) if dim == -1 else (2 * 40, 5)
+    assert k["dims"].iloc[0] == (rows, cols)
+
+
+def test_nn_module_with_token_inputs_and_seq_len():
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(100, 32), nn.Linear(32, 100)
+
+        def forward(self, ids, mask):
+            return self.head(self.emb(ids)) * mask.unsqueeze(-1)
+
+    g = neusight.trace(LM(), batch_size=3, seq_len=20, mode="training", optimizer=None,
+                       input_shapes=[(("seq",), torch.long), (("seq",), "float32")])
+    head = g.kernels[(g.kernels["family"] == "linear") & (g.kernels["phase"] == "forward")]
+    assert list(head["dims"]) == [(1, 60, 32, 100)]
+    assert any("(batch, seq) int64" in n for n in g.notes)
+    # without seq_len, the sequence models' default of 512 tokens
+    g = neusight.trace(LM(), batch_size=3, input_shapes=[(("seq",), torch.long), (("seq",), "float32")])
+    assert list(g.kernels.loc[g.kernels["family"] == "linear", "dims"]) == [(1, 3 * 512, 32, 100)]
+
+
+@pytest.mark.parametrize("shapes,fragment", [([((4,), "tensor_of_doom")], r"input_shapes\[0\].*not a torch dtype"),
+                                             ([(4,), (0, 3)], r"input_shapes\[1\].*positive int"),
+                                             ([7], r"input_shapes\[0\].*not a shape")])
+def test_bad_nn_module_inputs_name_the_entry(shapes, fragment):
+    with pytest.raises(InputError, match=fragment):
+        neusight.trace(nn.Linear(4, 4), batch_size=2, input_shapes=shapes)
 
 
 def test_nn_module_with_input_shapes():

@@ -74,14 +74,21 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
                                    sliding_window=4096)),
+    # Vision Transformers (Dosovitskiy et al. 2021, Table 1: ViT-Base / ViT-Large, patch 16) at 224 x 224 with the
+    # ImageNet-1k classifier.
+    "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                             image_size=224, patch_size=16, num_labels=1000)),
+    "vit-large": ("vit", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                              image_size=224, patch_size=16, num_labels=1000)),
 }
 PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
                   "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4",
                   "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
                   "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
-                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b"}
+                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b",
+                  "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
 
-HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq")
+HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq", "image-classification")
 
 # vision presets: name -> (builder, native image size, description)
 CNN_PRESETS: dict[str, tuple[Callable[[str], nn.Module], int, str]] = {
@@ -128,11 +135,11 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return _vision(key, image_size, dtype)
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
-        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype)
+        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size)
     path = Path(name).expanduser()
     if path.suffix == ".json" or path.exists():
         cfg = _read_config_json(path)
-        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype)
+        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size)
     close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ModelError(f"model={name!r} is neither a preset nor an existing config JSON.{hint} "
@@ -155,7 +162,13 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 # Hugging Face models
 
 
-def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype) -> BuiltModel:
+def _is_vision(config: Any) -> bool:
+    """An image model's config: input channels and no token vocabulary (ViT, DeiT, Swin, ConvNeXt, BEiT, ...)."""
+    return hasattr(config, "num_channels") and (hasattr(config, "image_size") or not hasattr(config, "vocab_size"))
+
+
+def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
+        image_size: int | None = None) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
 
@@ -166,6 +179,12 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         config = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, KeyError) as e:
         raise ModelError(f"model_type={model_type!r} of {name!r} is not a transformers config type ({e})") from None
+    vision = _is_vision(config)
+    if image_size is not None and not vision:
+        raise InputError(f"image_size={image_size!r} is for image models; {name!r} ({model_type}) takes tokens: "
+                         "leave image_size out and give seq_len")
+    if vision:
+        return _hf_vision(name, model_type, config, head, architectures, attn, dtype, image_size, transformers)
     cls = _hf_class(config, model_type, head, architectures, transformers)
     notes: list[str] = []
     try:
@@ -178,6 +197,12 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         from neusight.graph.moe import fix_switch_capacity
 
         notes.append(fix_switch_capacity(module, config))
+    else:
+        from neusight.graph.moe import fix_routed_experts
+
+        routed = fix_routed_experts(module)
+        if routed:
+            notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if model_type in ("t5", "switch_transformers"):
         max_len = None  # relative position buckets: any length
@@ -206,22 +231,65 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 
 def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:
     autos = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification",
-             "pretraining": "AutoModelForPreTraining", "seq2seq": "AutoModelForSeq2SeqLM"}
+             "pretraining": "AutoModelForPreTraining", "seq2seq": "AutoModelForSeq2SeqLM",
+             "image-classification": "AutoModelForImageClassification"}
     if head is not None:
         auto = getattr(transformers, autos[head])
         try:
-            return auto._model_mapping[type(config)]
+            return _first(auto._model_mapping[type(config)])
         except KeyError:
             raise ModelError(f"head={head!r} does not exist for model_type={model_type!r}; "
                              f"choose another head or None") from None
     for arch in architectures or []:
         if hasattr(transformers, arch):
             return getattr(transformers, arch)
-    for h in ("causal-lm", "seq2seq", "pretraining"):
+    for h in (("image-classification",) if _is_vision(config) else ("causal-lm", "seq2seq", "pretraining")):
         mapping = getattr(transformers, autos[h])._model_mapping
         if type(config) in mapping:
-            return mapping[type(config)]
-    return transformers.AutoModel._model_mapping[type(config)]
+            return _first(mapping[type(config)])
+    return _first(transformers.AutoModel._model_mapping[type(config)])
+
+
+def _first(cls: Any) -> Any:
+    """An auto mapping's class for a config; where it lists several (DeiT: with and without a distillation
+    teacher), the first."""
+    return cls[0] if isinstance(cls, (tuple, list)) else cls
+
+
+def _hf_vision(name: str, model_type: str, config: Any, head: str | None, architectures: list[str] | None, attn: str,
+               dtype: torch.dtype, image_size: int | None, transformers: Any) -> BuiltModel:
+    """A Hugging Face image model (ViT, DeiT, Swin, ConvNeXt, ...): square ``pixel_values`` batches of the config's
+    image size (or ``image_size``, for which the model is built: position embeddings of that many patches), and a
+    cross-entropy over the classifier's logits in training."""
+    native = getattr(config, "image_size", 224)
+    native = native[0] if isinstance(native, (tuple, list)) else native
+    side = int(native) if image_size is None else image_size
+    if not isinstance(side, int) or isinstance(side, bool) or side < 8:
+        raise InputError(f"image_size={image_size!r} is not a usable image side for {name!r}; use e.g. {native}")
+    if hasattr(config, "image_size"):
+        config.image_size = side
+    cls = _hf_class(config, model_type, head, architectures, transformers)
+    try:
+        with torch.device("meta"):
+            module = cls._from_config(config, attn_implementation=attn, dtype=dtype)
+    except Exception as e:  # transformers raises many types for an unusable config
+        raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
+    channels = int(config.num_channels)
+
+    def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
+        return (), {"pixel_values": torch.zeros(batch, channels, side, side, dtype=dtype, device="meta")}
+
+    def loss(out: Any, args: tuple, kw: dict) -> torch.Tensor:
+        logits = getattr(out, "logits", None)
+        if logits is None:   # a backbone without a classifier: the mean of its features stands in for a loss
+            feats = getattr(out, "last_hidden_state", None)
+            return (feats if feats is not None else out[0]).float().mean()
+        target = torch.zeros(logits.shape[0], dtype=torch.long, device="meta")
+        return F.cross_entropy(logits.reshape(logits.shape[0], -1), target)
+
+    notes = [f"{type(module).__name__} from a {model_type} config, {side}x{side} images, "
+             f"{getattr(config, 'num_labels', '?')} classes, attn_implementation={attn}"]
+    return BuiltModel(name, module, "hf", make_inputs, loss, False, None, notes, side)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,23 +316,63 @@ def _vision(name: str, image_size: int | None, dtype: torch.dtype) -> BuiltModel
                       [f"{name} ({note}), {image_size}x{image_size} images, 1000 classes"], image_size)
 
 
-def _from_module(module: nn.Module, input_shapes: list[tuple[int, ...]] | None, dtype: torch.dtype) -> BuiltModel:
+SEQ_DIM = "seq"   # a dimension of an nn.Module input that takes the run's seq_len
+
+
+def _input_spec(entry: Any, i: int) -> tuple[tuple[int | str, ...], torch.dtype | None]:
+    """One ``input_shapes`` entry -> (dims without the batch, dtype or None for the run's dtype). An entry is a
+    shape, e.g. ``(3, 224, 224)``, or a (shape, dtype) pair, e.g. ``(('seq',), torch.long)`` for token ids;
+    a dim is a positive int or "seq"."""
+    def bad(why: str) -> InputError:
+        return InputError(f"input_shapes[{i}]={entry!r}: {why}. Give the dims without the batch, e.g. (3, 224, 224), "
+                          f"or a (dims, dtype) pair, e.g. (('seq',), torch.long) for token ids")
+    dtype = None
+    if (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], (tuple, list))
+            and isinstance(entry[1], (torch.dtype, str))):
+        entry, dtype = entry
+        if isinstance(dtype, str):
+            got = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(got, torch.dtype):
+                raise bad(f"dtype {dtype!r} is not a torch dtype (long, int32, float16, bool, ...)")
+            dtype = got
+    if not isinstance(entry, (tuple, list)):
+        raise bad("not a shape")
+    dims: list[int | str] = []
+    for d in entry:
+        if d == SEQ_DIM:
+            dims.append(SEQ_DIM)
+        elif isinstance(d, int) and not isinstance(d, bool) and d > 0:
+            dims.append(int(d))
+        else:
+            raise bad(f"dim {d!r} is neither a positive int nor {SEQ_DIM!r}")
+    return tuple(dims), dtype
+
+
+def _from_module(module: nn.Module, input_shapes: list[Any] | None, dtype: torch.dtype) -> BuiltModel:
     if not input_shapes:
         raise InputError("an nn.Module needs input_shapes=[(dims of input 1 without batch), ...] so the tracer can "
-                         "build example inputs, e.g. input_shapes=[(3, 224, 224)]")
+                         "build example inputs, e.g. input_shapes=[(3, 224, 224)], or [(('seq',), torch.long)] for "
+                         "token ids of seq_len tokens")
     try:
         module = module.to(device="meta")
     except Exception as e:
         raise ModelError(f"{type(module).__name__} cannot be moved to the meta device: {e}") from None
-    shapes = [tuple(int(d) for d in s) for s in input_shapes]
+    specs = [_input_spec(e, i) for i, e in enumerate(input_shapes)]
+    uses_seq = any(SEQ_DIM in dims for dims, _ in specs)
 
     def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
-        return tuple(torch.zeros(batch, *s, dtype=dtype, device="meta") for s in shapes), {}
+        def dim(d: int | str) -> int:
+            return int(seq) if d == SEQ_DIM else int(d)
+        return tuple(torch.zeros(batch, *map(dim, dims), dtype=dt or dtype, device="meta") for dims, dt in specs), {}
 
     def loss(out: Any, args: tuple, kw: dict) -> torch.Tensor:
         # NB: an arbitrary module has no target: the mean of its first output stands in for a loss.
         t = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
         return t.float().mean()
 
-    return BuiltModel(type(module).__name__, module, "module", make_inputs, loss, False, None,
-                      [f"{type(module).__name__} with inputs (batch, *{shapes})"])
+    def show(dims: tuple, dt: torch.dtype | None) -> str:
+        shape = "(batch, " + ", ".join(map(str, dims)) + ")" if dims else "(batch,)"
+        return shape + (f" {str(dt).removeprefix('torch.')}" if dt is not None else "")
+
+    return BuiltModel(type(module).__name__, module, "module", make_inputs, loss, uses_seq, None,
+                      [f"{type(module).__name__} with inputs " + ", ".join(show(d, t) for d, t in specs)])

@@ -42,3 +42,70 @@ def fix_switch_capacity(model: nn.Module, config: Any) -> str:
             n += 1
     return (f"mixture of experts traced with a fixed expert capacity: each of the {getattr(config, 'num_experts', '?')} "
             f"experts of {n} sparse layers runs on batch x {capacity} tokens (routing is data-dependent)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Top-k routed experts (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3, ...): transformers' standard experts module,
+# weights stored per expert as 3-D tensors (experts x out x in, or x in x out when transposed), called with each
+# token's chosen experts and their weights. Its own forwards either follow the routing (nonzero / where: shapes a
+# meta tensor cannot know) or call torch._grouped_mm (BF16-only on the meta device). Traced here under balanced
+# routing instead: each expert receives an equal share, ceil(tokens x top_k / experts), of the token-expert pairs,
+# the expected load of a trained router (real routers are uneven, so a step's slowest expert runs more).
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    y = x @ weight if transposed else nn.functional.linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    tokens = hidden_states.shape[0]                                # (T, h)
+    top_k = top_k_index.shape[-1]
+    n_experts = int(self.num_experts)
+    pairs = tokens * top_k
+    share = max(1, -(-pairs // n_experts))                         # ceil(T * k / E) pairs per expert
+    gated = bool(getattr(self, "has_gate", True))
+    bias = bool(getattr(self, "has_bias", False))
+    transposed = bool(getattr(self, "is_transposed", False))
+    up_w = self.gate_up_proj if gated else self.up_proj
+    up_b = (self.gate_up_proj_bias if gated else self.up_proj_bias) if bias else None
+    down_b = self.down_proj_bias if bias else None
+    weights = top_k_weights.reshape(-1)                            # (T*k,)
+    with torch.no_grad():                                          # the eager loop's routing mask
+        nn.functional.one_hot(top_k_index, num_classes=n_experts + 1).permute(2, 1, 0).sum(dim=(-1, -2))
+    out = torch.zeros_like(hidden_states)
+    for e in range(n_experts):
+        # a fixed slice of the (token, choice) pairs stands in for the routing decision
+        pair = (torch.arange(share, device=hidden_states.device) + e * share) % pairs       # (share,)
+        tok = torch.div(pair, top_k, rounding_mode="floor")
+        h = _expert_linear(hidden_states.index_select(0, tok), up_w[e], None if up_b is None else up_b[e], transposed)
+        h = self._apply_gate(h) if gated else self.act_fn(h)
+        y = _expert_linear(h, self.down_proj[e], None if down_b is None else down_b[e], transposed)
+        if getattr(self, "has_post_expert_norm", False):
+            y = self.post_expert_norm(y)
+        y = y * weights.index_select(0, pair).unsqueeze(-1)
+        out = out.index_add(0, tok, y.to(out.dtype))
+    return out
+
+
+def _is_routed_experts(mod: nn.Module) -> bool:
+    params = dict(mod.named_parameters(recurse=False))
+    up = params.get("gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj")
+    down = params.get("down_proj")
+    return (hasattr(mod, "num_experts") and up is not None and down is not None and up.dim() == 3
+            and down.dim() == 3 and up.shape[0] == down.shape[0] == int(mod.num_experts))
+
+
+def fix_routed_experts(model: nn.Module) -> str | None:
+    """Trace every top-k routed experts module of ``model`` under balanced routing; a note for the result, None
+    when the model has none."""
+    found = [m for m in model.modules() if _is_routed_experts(m)]
+    for mod in found:
+        mod.forward = types.MethodType(_balanced_experts_forward, mod)
+    if not found:
+        return None
+    n_exp = sorted({int(m.num_experts) for m in found})
+    return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
+            f"layer{'s' if len(found) != 1 else ''} "
+            f"({'/'.join(map(str, n_exp))} experts) every expert runs on tokens x top-k / experts tokens, one GEMM "
+            "pair per expert (routing is data-dependent; a real router's uneven load makes a step slower)")

@@ -200,7 +200,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     ----------
     model : str, path or nn.Module
         A preset (``"gpt2-large"``, ``"resnet50"``, ...), a Hugging Face config JSON path, or an nn.Module
-        (then ``input_shapes`` gives its inputs' shapes without the batch dimension).
+        (then ``input_shapes`` gives its inputs' shapes without the batch dimension; a ``(shape, dtype)`` pair
+        for an input that is not of the run's dtype, e.g. ``(("seq",), torch.long)`` for token ids, where a dim
+        "seq" takes ``seq_len``).
     batch_size, seq_len : int
         Run shape; ``seq_len`` is for sequence models only.
     mode : {"inference", "training"}

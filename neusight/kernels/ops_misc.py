@@ -44,7 +44,7 @@ def _short(c: OpCall) -> str:
 # ------------------------------------------------------------------------------------------------ views
 VIEW_OPS = _ops("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "expand", "unsqueeze",
                 "squeeze", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
-                "detach", "as_strided", "diagonal", "unfold", "view_as", "expand_as", "movedim", "lift_fresh",
+                "detach", "as_strided", "as_strided_", "diagonal", "unfold", "view_as", "expand_as", "movedim", "lift_fresh",
                 "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
                 "_to_dense", "numpy_T", "view_as_real", "view_as_complex", "dropout")
 
@@ -64,10 +64,12 @@ ELEMENTWISE_OPS = _ops(
     "silu_backward", "hardtanh", "hardtanh_", "hardtanh_backward", "leaky_relu", "leaky_relu_", "leaky_relu_backward",
     "elu", "elu_backward", "softplus", "softplus_backward", "mish", "hardswish", "hardsigmoid", "clamp", "clamp_",
     "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "minimum", "maximum", "eq", "ne", "lt", "le", "gt", "ge",
-    "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor", "logical_and", "logical_or", "logical_not",
+    "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor", "bitwise_and_", "bitwise_or_", "logical_and",
+    "logical_or", "logical_not", "logical_and_", "logical_or_", "logical_xor", "sign_", "floor_divide",
     "where", "masked_fill", "masked_fill_", "remainder", "fmod", "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv",
     "addcdiv_", "square", "isnan", "isinf", "nan_to_num", "logit", "trunc", "frac", "fill_", "zero_",
-    "uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_", "random_", "native_dropout",
+    "uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_", "random_", "rand", "randn", "rand_like",
+    "randn_like", "randint", "native_dropout",
     "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2",
 )
 
@@ -230,6 +232,14 @@ REDUCTION_OPS = _ops("sum", "mean", "amax", "amin", "max", "min", "argmax", "arg
                      "nll_loss_forward", "nll_loss2d_forward", "count_nonzero", "_foreach_norm", "topk", "sort")
 
 
+def _scan_dim(c: OpCall) -> int:
+    """The dimension a scan / sort / top-k runs along: ``dim`` is the second argument of cumsum, cumprod and sort,
+    the third of topk (after ``k``), or a keyword (sort.stable)."""
+    pos = 2 if c.op.startswith("aten.topk") else 1
+    dim = c.kwargs.get("dim", c.args[pos] if len(c.args) > pos else -1)
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) else -1
+
+
 @register(*REDUCTION_OPS)
 def _reduction(c: OpCall) -> list[Kernel]:
     """Reads every input element once, writes the (smaller) result: rows = output elements,
@@ -240,7 +250,7 @@ def _reduction(c: OpCall) -> list[Kernel]:
     x = max(ins, key=lambda t: t.numel)
     out_n = max([t.numel for t in outs] + [1])
     if c.op.startswith(("aten.cumsum", "aten.cumprod", "aten.sort", "aten.topk")):
-        rows, cols = _rows_cols(x, c.args[1] if len(c.args) > 1 and isinstance(c.args[1], int) else -1)
+        rows, cols = _rows_cols(x, _scan_dim(c))
     else:
         rows, cols = out_n, max(1, x.numel // out_n)
     return [formulas.rowwise(Family.REDUCTION, _short(c), rows, cols, flops_per_elem=1.0,
