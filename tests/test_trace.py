@@ -150,6 +150,34 @@ def test_hf_image_model_is_built_for_the_image_size_asked():
         neusight.trace("gpt2", batch_size=1, seq_len=8, image_size=224)
 
 
+class _LSTMTagger(nn.Module):
+    def __init__(self, bidirectional: bool):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True, bidirectional=bidirectional, dropout=0.1)
+        self.head = nn.Linear(32 * (2 if bidirectional else 1), 5)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_runs_one_recurrent_gemm_and_one_fused_cell_per_step(bidirectional):
+    steps, dirs = 12, 2 if bidirectional else 1
+    g = neusight.trace(_LSTMTagger(bidirectional), batch_size=4, seq_len=steps, mode="training", optimizer=None,
+                       input_shapes=[(("seq",), torch.long)])
+    assert g.unmodeled == []
+    fwd = g.kernels[g.kernels["phase"] == "forward"]
+    lstm = fwd[fwd["module"].str.startswith("lstm")]
+    gemm = lstm[lstm["family"] == "linear"]
+    # per layer and direction: the input projection of all steps, then one recurrent GEMM per step
+    assert len(gemm) == 2 * dirs * (1 + steps)
+    assert (lstm["aten_op"] == "aten._thnn_fused_lstm_cell.default").sum() == 2 * dirs * steps
+    assert (g.kernels["aten_op"] == "aten._thnn_fused_lstm_cell_backward_impl.default").sum() == 2 * dirs * steps
+    head = fwd[(fwd["module"] == "head") & (fwd["family"] == "linear")]
+    assert list(head["dims"]) == [(1, 4 * steps, 32 * dirs, 5)]
+
+
 @pytest.mark.parametrize("dim", [-1, 1])
 def test_topk_reads_rows_along_its_dim_not_k(dim):
     class TopK(nn.Module):

@@ -129,6 +129,8 @@ class _CudaPaths(TorchFunctionMode):
             return x
         if func is F.scaled_dot_product_attention:
             return _efficient_attention(*args, **kwargs)
+        if func is torch.lstm and _cudnn_lstm_applies(args, kwargs):
+            return _cudnn_style_lstm(*args)
         return func(*args, **kwargs)
 
 
@@ -147,6 +149,49 @@ class _Recompute(_CudaPaths):
         if self.autocast is not None:
             args, kwargs = self.autocast.cast_args(func, args, kwargs)
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def _cudnn_lstm_applies(args: tuple, kwargs: dict) -> bool:
+    """``torch.lstm(input, (h0, c0), params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``
+    with biases and no projection: the call cuDNN runs (packed sequences and ``proj_size`` keep PyTorch's own
+    decomposition)."""
+    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)) or len(args[1]) != 2:
+        return False
+    params, has_biases, num_layers, bidirectional = args[2], args[3], args[4], args[7]
+    per_cell = 4 if has_biases else 2
+    return bool(has_biases) and len(params) == per_cell * num_layers * (2 if bidirectional else 1)
+
+
+def _cudnn_style_lstm(x: torch.Tensor, hx: tuple, params: list, has_biases: bool, num_layers: int, dropout: float,
+                      train: bool, bidirectional: bool, batch_first: bool) -> tuple:
+    """nn.LSTM with the kernels a GPU runs, not the CPU path's ~10 kernels per time step: per layer and direction,
+    one GEMM of the input projections of every step, then per step one GEMM of the recurrent projection and one
+    fused cell kernel (PyTorch's CUDA LSTM cell; cuDNN's standard algorithm has the same shape), the steps'
+    outputs gathered into one sequence. Backward follows by autograd: per step the cell's gradient kernel, the
+    recurrent GEMMs' gradients and the gradient sums, a few more kernels per step than cuDNN's backward."""
+    h0, c0 = hx
+    seq = x.transpose(0, 1) if batch_first else x            # (T, B, I), time-major as cuDNN
+    dirs = 2 if bidirectional else 1
+    hn, cn = [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            w_ih, w_hh, b_ih, b_hh = params[4 * (layer * dirs + d):4 * (layer * dirs + d) + 4]
+            xg = F.linear(seq, w_ih)                           # (T, B, 4H): every step's input projection
+            h, c = h0[layer * dirs + d], c0[layer * dirs + d]
+            steps = range(seq.shape[0] - 1, -1, -1) if d == 1 else range(seq.shape[0])
+            ys = [None] * seq.shape[0]
+            for t in steps:
+                h, c, _ = torch.ops.aten._thnn_fused_lstm_cell(xg[t], F.linear(h, w_hh), c, b_ih, b_hh)
+                ys[t] = h
+            outs.append(torch.stack(ys))                       # (T, B, H)
+            hn.append(h)
+            cn.append(c)
+        seq = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
+        if train and dropout > 0 and layer < num_layers - 1:
+            seq = torch.native_dropout(seq, dropout, True)[0]
+    out = seq.transpose(0, 1) if batch_first else seq
+    return out, torch.stack(hn), torch.stack(cn)
 
 
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
