@@ -150,30 +150,32 @@ def test_hf_image_model_is_built_for_the_image_size_asked():
         neusight.trace("gpt2", batch_size=1, seq_len=8, image_size=224)
 
 
-class _LSTMTagger(nn.Module):
-    def __init__(self, bidirectional: bool):
+class _RNNTagger(nn.Module):
+    def __init__(self, cell: type, bidirectional: bool):
         super().__init__()
         self.emb = nn.Embedding(100, 16)
-        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True, bidirectional=bidirectional, dropout=0.1)
+        self.rnn = cell(16, 32, num_layers=2, batch_first=True, bidirectional=bidirectional, dropout=0.1)
         self.head = nn.Linear(32 * (2 if bidirectional else 1), 5)
 
     def forward(self, ids):
-        return self.head(self.lstm(self.emb(ids))[0])
+        return self.head(self.rnn(self.emb(ids))[0])
 
 
+@pytest.mark.parametrize("cell,fused", [(nn.LSTM, ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl")),
+                                        (nn.GRU, ("_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward"))])
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_lstm_runs_one_recurrent_gemm_and_one_fused_cell_per_step(bidirectional):
+def test_lstm_and_gru_run_one_recurrent_gemm_and_one_fused_cell_per_step(cell, fused, bidirectional):
     steps, dirs = 12, 2 if bidirectional else 1
-    g = neusight.trace(_LSTMTagger(bidirectional), batch_size=4, seq_len=steps, mode="training", optimizer=None,
-                       input_shapes=[(("seq",), torch.long)])
+    g = neusight.trace(_RNNTagger(cell, bidirectional), batch_size=4, seq_len=steps, mode="training",
+                       optimizer=None, input_shapes=[(("seq",), torch.long)])
     assert g.unmodeled == []
     fwd = g.kernels[g.kernels["phase"] == "forward"]
-    lstm = fwd[fwd["module"].str.startswith("lstm")]
-    gemm = lstm[lstm["family"] == "linear"]
+    rnn = fwd[fwd["module"].str.startswith("rnn")]
+    gemm = rnn[rnn["family"] == "linear"]
     # per layer and direction: the input projection of all steps, then one recurrent GEMM per step
     assert len(gemm) == 2 * dirs * (1 + steps)
-    assert (lstm["aten_op"] == "aten._thnn_fused_lstm_cell.default").sum() == 2 * dirs * steps
-    assert (g.kernels["aten_op"] == "aten._thnn_fused_lstm_cell_backward_impl.default").sum() == 2 * dirs * steps
+    assert (rnn["aten_op"] == f"aten.{fused[0]}.default").sum() == 2 * dirs * steps
+    assert (g.kernels["aten_op"] == f"aten.{fused[1]}.default").sum() == 2 * dirs * steps
     head = fwd[(fwd["module"] == "head") & (fwd["family"] == "linear")]
     assert list(head["dims"]) == [(1, 4 * steps, 32 * dirs, 5)]
 

@@ -165,8 +165,34 @@ for _packet in aten_packets("_foreach_"):
                 FAST[getattr(_packet, _overload)] = _foreach(_packet.__name__.endswith("_"))
 
 
+def _gru_cell(args: tuple, kwargs: dict) -> Any:
+    """_thnn_fused_gru_cell(input_gates, hidden_gates, hx, ...) -> (hy, workspace of 5 x H per row)."""
+    hx = args[2]
+    return _empty(hx.shape, hx.dtype), _empty((*hx.shape[:-1], 5 * hx.shape[-1]), hx.dtype)
+
+
+def _gru_cell_backward(args: tuple, kwargs: dict) -> Any:
+    """_thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias) -> gradients of both gates, hx and the biases."""
+    grad_hy, has_bias = args[0], args[2]
+    rows, hidden = grad_hy.shape[:-1], grad_hy.shape[-1]
+    gates = (*rows, 3 * hidden)
+    bias = (3 * hidden,) if has_bias else (0,)
+    return (_empty(gates, grad_hy.dtype), _empty(gates, grad_hy.dtype), _empty(grad_hy.shape, grad_hy.dtype),
+            _empty(bias, grad_hy.dtype), _empty(bias, grad_hy.dtype))
+
+
+# Ops with no meta kernel at all in this torch, whose CUDA kernels the tracer emulates (neusight.graph.tracer
+# routes nn.GRU to PyTorch's fused CUDA GRU cell): their outputs are always made by rule (nothing to verify).
+NO_META: dict[Any, Callable[[tuple, dict], Any]] = {
+    aten._thnn_fused_gru_cell.default: _gru_cell,
+    aten._thnn_fused_gru_cell_backward.default: _gru_cell_backward,
+}
+
+
 def run(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)`` on meta tensors, by its :data:`FAST` rule where one applies."""
+    if func in NO_META:
+        return NO_META[func](args, kwargs)
     rule = FAST.get(func)
     out = rule(args, kwargs) if rule is not None else NotImplemented
     if out is NotImplemented:

@@ -4,7 +4,8 @@ the meta device: shapes only, no weights, no GPU.
 A private ``TorchDispatchMode`` records every aten op below autograd, with the phase (forward, loss,
 backward, optimizer), the owning module path (``torch.utils.module_tracker``) and the input / output
 shapes. A ``TorchFunctionMode`` makes the CPU/meta code path launch what CUDA would: dropout in training
-runs as the fused ``native_dropout`` kernel (meta would otherwise decompose it into bernoulli + mul).
+runs as the fused ``native_dropout`` kernel (meta would otherwise decompose it into bernoulli + mul), and
+nn.LSTM / nn.GRU run one recurrent GEMM and one fused cell kernel per time step.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ class _CudaPaths(TorchFunctionMode):
             return x
         if func is F.scaled_dot_product_attention:
             return _efficient_attention(*args, **kwargs)
-        if func is torch.lstm and _cudnn_lstm_applies(args, kwargs):
-            return _cudnn_style_lstm(*args)
+        if func is torch.lstm and _cudnn_rnn_applies(args, kwargs, lstm=True):
+            return _cudnn_style_rnn("lstm", *args)
+        if func is torch.gru and _cudnn_rnn_applies(args, kwargs, lstm=False):
+            return _cudnn_style_rnn("gru", *args)
         return func(*args, **kwargs)
 
 
@@ -151,25 +154,26 @@ class _Recompute(_CudaPaths):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _cudnn_lstm_applies(args: tuple, kwargs: dict) -> bool:
+def _cudnn_rnn_applies(args: tuple, kwargs: dict, lstm: bool) -> bool:
     """``torch.lstm(input, (h0, c0), params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``
-    with biases and no projection: the call cuDNN runs (packed sequences and ``proj_size`` keep PyTorch's own
-    decomposition)."""
-    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)) or len(args[1]) != 2:
+    (``torch.gru``: ``hx`` one tensor) with biases and no projection: the calls cuDNN runs. Packed sequences,
+    bias-free cells and ``proj_size`` keep PyTorch's own decomposition."""
+    if kwargs or len(args) != 9 or not isinstance(args[2], (tuple, list)):
         return False
+    hx_ok = isinstance(args[1], (tuple, list)) and len(args[1]) == 2 if lstm else isinstance(args[1], torch.Tensor)
     params, has_biases, num_layers, bidirectional = args[2], args[3], args[4], args[7]
-    per_cell = 4 if has_biases else 2
-    return bool(has_biases) and len(params) == per_cell * num_layers * (2 if bidirectional else 1)
+    return hx_ok and bool(has_biases) and len(params) == 4 * num_layers * (2 if bidirectional else 1)
 
 
-def _cudnn_style_lstm(x: torch.Tensor, hx: tuple, params: list, has_biases: bool, num_layers: int, dropout: float,
-                      train: bool, bidirectional: bool, batch_first: bool) -> tuple:
-    """nn.LSTM with the kernels a GPU runs, not the CPU path's ~10 kernels per time step: per layer and direction,
-    one GEMM of the input projections of every step, then per step one GEMM of the recurrent projection and one
-    fused cell kernel (PyTorch's CUDA LSTM cell; cuDNN's standard algorithm has the same shape), the steps'
-    outputs gathered into one sequence. Backward follows by autograd: per step the cell's gradient kernel, the
-    recurrent GEMMs' gradients and the gradient sums, a few more kernels per step than cuDNN's backward."""
-    h0, c0 = hx
+def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_biases: bool, num_layers: int,
+                     dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple:
+    """nn.LSTM / nn.GRU with the kernels a GPU runs, not the CPU path's ~10 kernels per time step: per layer and
+    direction, one GEMM of the input projections of every step, then per step one GEMM of the recurrent projection
+    and one fused cell kernel (PyTorch's CUDA LSTM / GRU cells; cuDNN's standard algorithm has the same shape),
+    the steps' outputs gathered into one sequence. Backward follows by autograd: per step the cell's gradient
+    kernel, the recurrent GEMMs' gradients and the gradient sums, a few more kernels per step than cuDNN's."""
+    lstm = kind == "lstm"
+    h0, c0 = hx if lstm else (hx, None)
     seq = x.transpose(0, 1) if batch_first else x            # (T, B, I), time-major as cuDNN
     dirs = 2 if bidirectional else 1
     hn, cn = [], []
@@ -177,12 +181,16 @@ def _cudnn_style_lstm(x: torch.Tensor, hx: tuple, params: list, has_biases: bool
         outs = []
         for d in range(dirs):
             w_ih, w_hh, b_ih, b_hh = params[4 * (layer * dirs + d):4 * (layer * dirs + d) + 4]
-            xg = F.linear(seq, w_ih)                           # (T, B, 4H): every step's input projection
-            h, c = h0[layer * dirs + d], c0[layer * dirs + d]
+            xg = F.linear(seq, w_ih)                           # (T, B, gates x H): every step's input projection
+            h = h0[layer * dirs + d]
+            c = c0[layer * dirs + d] if lstm else None
             steps = range(seq.shape[0] - 1, -1, -1) if d == 1 else range(seq.shape[0])
             ys = [None] * seq.shape[0]
             for t in steps:
-                h, c, _ = torch.ops.aten._thnn_fused_lstm_cell(xg[t], F.linear(h, w_hh), c, b_ih, b_hh)
+                if lstm:
+                    h, c, _ = torch.ops.aten._thnn_fused_lstm_cell(xg[t], F.linear(h, w_hh), c, b_ih, b_hh)
+                else:
+                    h, _ = torch.ops.aten._thnn_fused_gru_cell(xg[t], F.linear(h, w_hh), h, b_ih, b_hh)
                 ys[t] = h
             outs.append(torch.stack(ys))                       # (T, B, H)
             hn.append(h)
@@ -191,7 +199,7 @@ def _cudnn_style_lstm(x: torch.Tensor, hx: tuple, params: list, has_biases: bool
         if train and dropout > 0 and layer < num_layers - 1:
             seq = torch.native_dropout(seq, dropout, True)[0]
     out = seq.transpose(0, 1) if batch_first else seq
-    return out, torch.stack(hn), torch.stack(cn)
+    return (out, torch.stack(hn), torch.stack(cn)) if lstm else (out, torch.stack(hn))
 
 
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

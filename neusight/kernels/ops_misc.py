@@ -69,7 +69,8 @@ ELEMENTWISE_OPS = _ops(
     "where", "masked_fill", "masked_fill_", "remainder", "fmod", "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv",
     "addcdiv_", "square", "isnan", "isinf", "nan_to_num", "logit", "trunc", "frac", "fill_", "zero_",
     "uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_", "random_", "rand", "randn", "rand_like",
-    "randn_like", "randint", "_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl", "native_dropout",
+    "randn_like", "randint", "_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl",
+    "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward", "native_dropout",
     "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2",
 )
 
