@@ -335,6 +335,20 @@ def test_broken_config_json(tmp_path):
         neusight.trace(str(p))
 
 
+@pytest.mark.parametrize("cfg,fragment", [
+    ({"model_type": "clip"}, "composite config: text_config, vision_config"),
+    ({"model_type": "wav2vec2", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "intermediate_size": 64}, "takes input_values rather than token ids"),
+])
+def test_configs_without_token_or_pixel_inputs_are_refused_clearly(tmp_path, cfg, fragment):
+    import json
+
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=fragment):
+        neusight.trace(str(p), batch_size=1, seq_len=16)
+
+
 def test_deterministic_trace():
     a = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     b = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels

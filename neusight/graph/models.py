@@ -7,6 +7,7 @@ Presets are written here from the public architecture numbers of each family (pa
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import logging
 import os
@@ -185,7 +186,20 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
                          "leave image_size out and give seq_len")
     if vision:
         return _hf_vision(name, model_type, config, head, architectures, attn, dtype, image_size, transformers)
+    if not hasattr(config, "vocab_size"):
+        parts = [k for k in ("text_config", "vision_config", "audio_config", "speech_config") if hasattr(config, k)]
+        which = f" (a composite config: {', '.join(parts)})" if parts else ""
+        raise ModelError(f"model {name!r} ({model_type}) has no token vocabulary{which}; text models (input_ids) and "
+                         "image models (pixel_values) are supported. For a multimodal model, forecast its language "
+                         "model: save its text_config as a config.json (with its model_type) and pass that path")
     cls = _hf_class(config, model_type, head, architectures, transformers)
+    takes = inspect.signature(cls.forward).parameters
+    if "input_ids" not in takes:
+        needed = [n for n, p in takes.items() if n != "self" and p.default is inspect.Parameter.empty
+                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        raise ModelError(f"{cls.__name__} (model {name!r}) takes {', '.join(needed) or 'inputs'} rather than token ids; "
+                         "text models (input_ids) and image models (pixel_values) are supported, audio and other "
+                         "inputs are not. Trace it as an nn.Module with input_shapes=[...] instead")
     notes: list[str] = []
     try:
         with torch.device("meta"):
