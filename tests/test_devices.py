@@ -72,6 +72,7 @@ REQUIRED_ALIASES = {
     "AMD Instinct MI210": "mi210",
     "AMD Instinct MI250": "mi250",
     "AMD Instinct MI250X / MI250": "mi250",
+    "AMD Instinct MI250X": "mi250x",
     "AMD Instinct MI300X": "mi300x",
 }
 
@@ -176,6 +177,10 @@ def test_mi250_is_one_gcd():
     # torch sees each of the two dies as a device: half the package's 208 CUs, 128 GB, 3.2768 TB/s
     d = load_device("AMD Instinct MI250")
     assert (d.sm_count, d.memory_gib, d.mem_bandwidth_gbps) == (104, 64, 1638.4)
+    # MI250X: 220 CUs per package, so 110 per GCD, at the same clock and memory
+    x = load_device("AMD Instinct MI250X")
+    assert (x.sm_count, x.memory_gib, x.mem_bandwidth_gbps) == (110, 64, 1638.4)
+    assert x.peak_fp32_flops > d.peak_fp32_flops
 
 
 # ---- derived quantities ----------------------------------------------------------------------------------
