@@ -120,11 +120,8 @@ def _gpu_dirs(labels: Path) -> list[tuple[Path, Any]]:
     logged and skipped: it does not stop the others' evaluation."""
     found = []
     for top in sorted(p for p in labels.iterdir() if p.is_dir()):
-        try:
-            found.append((top, load_device(top.name.replace("_", " "))))
-            continue
-        except DeviceError as e:
-            error = e
+        # the nested reading first: "AMD_Instinct_MI250X_/_MI250" is the MI250, though its first half alone
+        # names another GPU (the MI250X)
         for sub in sorted(p for p in top.iterdir() if p.is_dir()):
             try:
                 found.append((sub, load_device(f"{top.name}/{sub.name}".replace("_", " "))))
@@ -132,7 +129,10 @@ def _gpu_dirs(labels: Path) -> list[tuple[Path, Any]]:
             except DeviceError:
                 pass
         else:
-            log.warning("skipping the labels of %s: %s", top.name, error)
+            try:
+                found.append((top, load_device(top.name.replace("_", " "))))
+            except DeviceError as e:
+                log.warning("skipping the labels of %s: %s", top.name, e)
     return found
 
 

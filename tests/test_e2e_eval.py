@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+import torch
 from torch import nn
 
 import neusight
@@ -378,11 +379,13 @@ def test_label_discovery_survives_odd_folders_and_files(tmp_path, caplog):
     need_shared(DATASET)
     from neusight.evaluate import evaluate_labels, find_labels
 
-    nested = tmp_path / "labels" / "AMD_Instinct_MI250X_" / "_MI250"
+    nested = tmp_path / "labels" / "AMD_Instinct_MI250X_" / "_MI250"   # its first half alone names the MI250X
+    mi250x = tmp_path / "labels" / "AMD_Instinct_MI250X"
     h100 = tmp_path / "labels" / "NVIDIA_H100_80GB_HBM3"
-    for d in (nested, h100):
+    for d in (nested, mi250x, h100):
         d.mkdir(parents=True)
     (nested / "bert_large-inf-512-8.json").write_text('{"e2e_latency": 100.0}')
+    (mi250x / "bert_large-inf-512-8.json").write_text('{"e2e_latency": 90.0}')
     (h100 / "bert_large-inf-512-8.json").write_text('{"e2e_latency": 50.0}')
     (h100 / "gpt2_large-inf-2048-2.json").write_text('{"e2e_latency": 50.0}')    # GPT-2 has 1024 positions
     (h100 / "mystery-inf-512-8.json").write_text('{"e2e_latency": 50.0}')       # no models/mystery.json
@@ -391,7 +394,8 @@ def test_label_discovery_survives_odd_folders_and_files(tmp_path, caplog):
     (tmp_path / "models").symlink_to(DATASET / "models")
     runs = find_labels(tmp_path, vendors=("nvidia", "amd"))
     assert sorted((r.device, r.model, r.batch_size) for r in runs) == [
-        ("h100-sxm5-80gb", "bert_large", 8), ("h100-sxm5-80gb", "gpt2_large", 2), ("mi250", "bert_large", 8)]
+        ("h100-sxm5-80gb", "bert_large", 8), ("h100-sxm5-80gb", "gpt2_large", 2), ("mi250", "bert_large", 8),
+        ("mi250x", "bert_large", 8)]
     assert "mystery.json does not exist" in caplog.text and "JSONDecodeError" in caplog.text
     assert "e2e_latency=-1 is not a positive number" in caplog.text
     res = evaluate_labels([r for r in runs if r.device == "h100-sxm5-80gb"])
@@ -481,3 +485,41 @@ def test_fp32_gemms_bounded_below_the_spec_peak_are_said_to_be():
     assert lanes(neusight.predict("gpt2", "h100-sxm5-80gb", batch_size=2, seq_len=256, dtype="float16",
                                   memory=False)) == []
     assert sgemm_lanes_note(load_device("l4"), k.iloc[:0]) is None
+
+
+# the same laws for the model kinds beyond the presets' transformers and CNNs: a routed mixture of experts, an
+# image transformer, a recurrent network (small, so the check takes seconds; a law is "never less than x1",
+# which launch-bound kernels meet with equality)
+_TINY_MOE = dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                 vocab_size=256)
+_TINY_VIT = dict(model_type="vit", hidden_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=384, image_size=128, patch_size=8, num_labels=10)
+
+
+class _TinyLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(256, 256), nn.LSTM(256, 512, batch_first=True)
+        self.head = nn.Linear(512, 256)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
+@pytest.mark.parametrize("kind", ["moe", "vit", "lstm"])
+def test_model_laws_hold_for_moe_vit_and_lstm(tmp_path, kind):
+    if kind in ("moe", "vit"):
+        cfg = tmp_path / f"{kind}.json"
+        cfg.write_text(json.dumps(_TINY_MOE if kind == "moe" else _TINY_VIT))
+        model, kw = str(cfg), {"seq_len": 128} if kind == "moe" else {}
+    else:
+        model, kw = _TinyLSTM(), {"seq_len": 32, "input_shapes": [(("seq",), torch.long)]}
+    for device in ("t4", "h100-sxm5-80gb"):
+        ms = {(mode, b): neusight.predict(model, device, batch_size=b, mode=mode, memory=False, **kw).latency_ms
+              for mode in ("inference", "training") for b in (16, 32)}
+        for b in (16, 32):
+            assert ms["training", b] > ms["inference", b]
+        for mode in ("inference", "training"):
+            assert 1.0 <= ms[mode, 32] / ms[mode, 16] <= 2.2, (device, mode, ms)
+        assert ms["training", 32] > ms["training", 16]

@@ -466,6 +466,19 @@ def test_llama_family_presets_have_their_published_sizes(name, billions, layers)
     assert g.unmodeled == []
 
 
+def test_mixtral_and_vit_presets_have_their_published_sizes():
+    # Mixtral 8x7B: 46.7B parameters, of which ~12.9B act on each token (2 of 8 experts)
+    g = neusight.trace("mixtral-8x7b", batch_size=1, seq_len=64, mode="inference")
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(46.70, abs=0.01)
+    gemm_flops = g.kernels.loc[g.kernels["family"] == "linear", "flops"].sum()
+    # 2 FLOPs per active weight and token: 12.9B less the 0.13B embedding table (a gather, not a GEMM)
+    assert gemm_flops / 64 / 2 / 1e9 == pytest.approx(12.9 - 0.131, abs=0.03)
+    # ViT-Base/16 and ViT-Large/16 (Dosovitskiy et al. 2021, Table 1): 86M and 304M parameters
+    for name, millions in (("vit-base", 86.6), ("vit-large", 304.3)):
+        g = neusight.trace(name, batch_size=1)
+        assert sum(t.numel for t in g.params) / 1e6 == pytest.approx(millions, abs=0.1)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # generation with a KV cache (kv_cache=): seq_len new tokens after kv_cache cached ones
 

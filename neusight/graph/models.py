@@ -75,6 +75,12 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
                                    sliding_window=4096)),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", and its model card): Mistral-7B's layout with 8 SwiGLU
+    # experts per layer, 2 chosen per token (traced under balanced routing, neusight.graph.moe).
+    "mixtral-8x7b": ("mixtral", dict(_LLAMA, architectures=["MixtralForCausalLM"], hidden_size=4096,
+                                     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                                     vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6)),
     # Vision Transformers (Dosovitskiy et al. 2021, Table 1: ViT-Base / ViT-Large, patch 16) at 224 x 224 with the
     # ImageNet-1k classifier.
     "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -87,7 +93,7 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
                   "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
                   "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b",
-                  "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
+                  "mixtral-8x7b-v0.1": "mixtral-8x7b", "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq", "image-classification")
 
