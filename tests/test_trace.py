@@ -107,6 +107,10 @@ def test_routed_experts_trace_under_balanced_routing(tmp_path, name, mode):
     assert expert["flops"].sum() == pytest.approx(2 * 4 * 24 * 2 * (h * 2 * inter + inter * h))
     if mode == "training":
         assert (g.kernels["phase"] == "backward").any()
+    # one token, 2 choices, 4 experts: only 2 experts run (the eager loop skips experts no token chose)
+    one = neusight.trace(str(cfg), batch_size=1, seq_len=1, mode="inference")
+    lin = one.kernels[(one.kernels["family"] == "linear") & one.kernels["module"].str.contains("experts")]
+    assert len(lin) == 2 * 2 * 2 and set(lin["dims"].map(lambda d: d[1])) == {1}
 
 
 # Hugging Face image models, tiny: a ViT (patch embeddings + encoder), DeiT (whose auto mapping lists two

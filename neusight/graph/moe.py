@@ -50,7 +50,9 @@ def fix_switch_capacity(model: nn.Module, config: Any) -> str:
 # token's chosen experts and their weights. Its own forwards either follow the routing (nonzero / where: shapes a
 # meta tensor cannot know) or call torch._grouped_mm (BF16-only on the meta device). Traced here under balanced
 # routing instead: each expert receives an equal share, ceil(tokens x top_k / experts), of the token-expert pairs,
-# the expected load of a trained router (real routers are uneven, so a step's slowest expert runs more).
+# the expected load of a trained router (real routers are uneven, so a step's slowest expert runs more). With fewer
+# pairs than experts (a decode step of a small batch) only as many experts as pairs run, one token each, as the
+# eager loop skips the experts no token chose.
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     y = x @ weight if transposed else nn.functional.linear(x, weight)
@@ -63,7 +65,8 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     top_k = top_k_index.shape[-1]
     n_experts = int(self.num_experts)
     pairs = tokens * top_k
-    share = max(1, -(-pairs // n_experts))                         # ceil(T * k / E) pairs per expert
+    active = min(n_experts, pairs)          # fewer pairs than experts (decoding a few tokens): only that many run
+    share = max(1, -(-pairs // active))                            # ceil(T * k / E) pairs per expert
     gated = bool(getattr(self, "has_gate", True))
     bias = bool(getattr(self, "has_bias", False))
     transposed = bool(getattr(self, "is_transposed", False))
@@ -74,7 +77,7 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     with torch.no_grad():                                          # the eager loop's routing mask
         nn.functional.one_hot(top_k_index, num_classes=n_experts + 1).permute(2, 1, 0).sum(dim=(-1, -2))
     out = torch.zeros_like(hidden_states)
-    for e in range(n_experts):
+    for e in range(active):
         # a fixed slice of the (token, choice) pairs stands in for the routing decision
         pair = (torch.arange(share, device=hidden_states.device) + e * share) % pairs       # (share,)
         tok = torch.div(pair, top_k, rounding_mode="floor")
@@ -107,5 +110,6 @@ def fix_routed_experts(model: nn.Module) -> str | None:
     n_exp = sorted({int(m.num_experts) for m in found})
     return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
             f"layer{'s' if len(found) != 1 else ''} "
-            f"({'/'.join(map(str, n_exp))} experts) every expert runs on tokens x top-k / experts tokens, one GEMM "
-            "pair per expert (routing is data-dependent; a real router's uneven load makes a step slower)")
+            f"({'/'.join(map(str, n_exp))} experts) every expert runs on tokens x top-k / experts tokens (when fewer "
+            "token choices than experts: that many experts, one token each), one GEMM pair per expert (routing is "
+            "data-dependent; a real router's uneven load makes a step slower)")
