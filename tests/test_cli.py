@@ -52,6 +52,10 @@ BAD = {
                                 "total_samples="),
     "predict-anchor-without-its-gpu": (("neusight-predict", "model=gpt2", "device=t4", "anchor_ms=12"),
                                        "anchor_device"),
+    "predict-unimportable-module": (("neusight-predict", "model=no_such_pkg_xyz:Net", "device=t4",
+                                     "input_shapes=[[4]]"), "cannot import 'no_such_pkg_xyz'"),
+    "predict-input-shapes-of-a-preset": (("neusight-predict", "model=gpt2", "device=t4", "input_shapes=[[3]]"),
+                                         "is for an nn.Module"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }
@@ -236,3 +240,36 @@ def test_anchored_forecast_scales_a_measurement_by_the_forecast_speed_up():
         anchored_ms(v100, other, 100.0)
     with pytest.raises(InputError, match="anchor_ms"):
         anchored_ms(v100, t4, 0)
+
+
+_OWN_MODEL = """
+from torch import nn
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.gru, self.out = nn.Embedding(500, 32), nn.GRU(32, 64, batch_first=True), nn.Linear(64, 5)
+
+    def forward(self, ids):
+        return self.out(self.gru(self.emb(ids))[0])
+
+
+def wide_mlp():
+    return nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 4))
+"""
+
+
+def test_own_module_from_the_command_line(tmp_path):
+    """model=<module>:<class or factory> imports the user's own code from the working directory."""
+    (tmp_path / "my_models.py").write_text(_OWN_MODEL)
+    tagger = _start("neusight-predict", "model=my_models:Tagger", "device=t4", "batch_size=4", "seq_len=16",
+                    "mode=training", "input_shapes=[[[seq],long]]", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    mlp = _start("neusight-trace", "model=my_models:wide_mlp", "batch_size=8", "input_shapes=[[16]]",
+                 f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    out, err = tagger.communicate(timeout=300)
+    assert tagger.returncode == 0, err
+    assert "Tagger: training" in out and "Tagger with inputs (batch, seq) int64" in out
+    out, err = mlp.communicate(timeout=300)
+    assert mlp.returncode == 0, err
+    assert "Sequential: inference, batch 8" in out

@@ -47,7 +47,7 @@ SUMMARY_FILE = "prediction_summary.json"   # written by every job of a multirun,
 
 @dataclass
 class PredictConfig:
-    model: str = MISSING                 # preset, HF config JSON path
+    model: str = MISSING                 # preset, HF config JSON path, or pkg.module:Class (an nn.Module)
     device: Any = MISSING                # key, alias, spec YAML path, or a list of them (side-by-side table)
     batch_size: int = 1
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
@@ -69,6 +69,8 @@ class PredictConfig:
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
+    input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
+    #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
     anchor_ms: Optional[float] = None    # a step time you measured on anchor_device: forecasts scaled to it
     anchor_device: Optional[str] = None  # the GPU anchor_ms was measured on
@@ -248,7 +250,13 @@ def _devices(cfg_device: Any) -> list[str]:
 def _step_options(cfg: Any) -> dict[str, Any]:
     """The training-step options of a predict or trace config, as ``neusight.trace`` takes them."""
     targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
-    return {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets}
+    out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets}
+    shapes = getattr(cfg, "input_shapes", None)
+    if shapes is not None:
+        from omegaconf import OmegaConf
+
+        out["input_shapes"] = OmegaConf.to_container(shapes) if OmegaConf.is_config(shapes) else list(shapes)
+    return out
 
 
 def _wants_run(cfg: PredictConfig) -> bool:

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TraceConfig:
-    model: str = MISSING                 # preset, HF config JSON path
+    model: str = MISSING                 # preset, HF config JSON path, or pkg.module:Class (an nn.Module)
     batch_size: int = 1
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
     mode: str = "inference"              # inference | training
@@ -34,6 +34,8 @@ class TraceConfig:
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
+    input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
+    #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 
 

@@ -11,6 +11,8 @@ import inspect
 import json
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -137,6 +139,9 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     if isinstance(model, nn.Module):
         return _from_module(model, input_shapes, dtype)
     name = str(model)
+    if input_shapes and not (MODULE_REF.match(name) and not Path(name).expanduser().exists()):
+        raise InputError(f"input_shapes={input_shapes!r} is for an nn.Module (or 'package.module:Class'); model={name!r} "
+                         "builds its own inputs. Fix: leave input_shapes out")
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     if key in CNN_PRESETS:
         return _vision(key, image_size, dtype)
@@ -147,10 +152,52 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     if path.suffix == ".json" or path.exists():
         cfg = _read_config_json(path)
         return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size)
+    if MODULE_REF.match(name):
+        return _from_module(_import_module_ref(name), input_shapes, dtype)
     close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ModelError(f"model={name!r} is neither a preset nor an existing config JSON.{hint} "
-                     f"Presets: {', '.join(list_models())}; or pass the path of a Hugging Face config.json.")
+                     f"Presets: {', '.join(list_models())}; or pass the path of a Hugging Face config.json, or "
+                     "'package.module:ClassName' of your own nn.Module (with input_shapes).")
+
+
+# "package.module:Attribute": an importable nn.Module class, or a function returning a module, called with no
+# arguments (the command-line way to trace your own model; with input_shapes=...).
+MODULE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def _import_module_ref(ref: str) -> nn.Module:
+    import importlib
+
+    mod_name, attr = ref.split(":", 1)
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:   # a console script's path lacks the working directory, where a user's own module usually is
+        sys.path.append(cwd)
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or anything the module raises while importing
+        raise ModelError(f"model={ref!r}: cannot import {mod_name!r} ({type(e).__name__}: {e}). Fix: make it importable "
+                         "(install it, or run from its directory / set PYTHONPATH)") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelError(f"model={ref!r}: {mod_name!r} has no attribute {attr!r}; give 'module:ClassOrFunction'")
+        obj = getattr(obj, part)
+    if isinstance(obj, nn.Module):
+        return obj
+    if not callable(obj):
+        raise ModelError(f"model={ref!r} is neither an nn.Module nor a class or function that makes one")
+    try:
+        made = obj()
+    except Exception as e:
+        raise ModelError(f"model={ref!r}: calling {attr}() with no arguments failed ({type(e).__name__}: {e}). Fix: "
+                         "point at a function that builds the model with its arguments filled in") from None
+    if not isinstance(made, nn.Module):
+        raise ModelError(f"model={ref!r}: {attr}() returned {type(made).__name__}, not an nn.Module")
+    return made
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
