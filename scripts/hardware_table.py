@@ -44,6 +44,10 @@ RUNS = [
      dict(batch_size=4, seq_len=512, mode="training", dtype="bfloat16", lora_rank=16, gradient_checkpointing=True)),
     ("Llama-2-7B decode step, batch 8, context 2048, FP16", "llama-2-7b",
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="float16")),
+    ("Mixtral 8x7B (2 of 8 experts per token) decode step, batch 8, context 2048, bf16", "mixtral-8x7b",
+     dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16")),
+    ("ViT-Base/16 training, batch 128, 224 x 224, FP32 (TF32 patch convolution where the GPU has it), AdamW",
+     "vit-base", dict(batch_size=128, mode="training")),
 ]
 
 
