@@ -39,6 +39,7 @@ from torch import nn
 
 from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
+from neusight.graph.moe import is_routed_experts
 
 __all__ = ["Parallelism", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "allreduce_ms",
            "p2p_ms"]
@@ -102,6 +103,7 @@ def _link_bytes_per_s(device: Device) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # tensor parallelism: one GPU's share of each block, as a model of its own
 
+_LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3")
 # (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features
 _SPLITS = {
     ("GPT2Attention", "c_attn"): "col", ("GPT2Attention", "c_proj"): "row",
@@ -110,15 +112,15 @@ _SPLITS = {
     ("BertSelfOutput", "dense"): "row", ("BertIntermediate", "dense"): "col", ("BertOutput", "dense"): "row",
     ("OPTAttention", "q_proj"): "col", ("OPTAttention", "k_proj"): "col", ("OPTAttention", "v_proj"): "col",
     ("OPTAttention", "out_proj"): "row", ("OPTDecoderLayer", "fc1"): "col", ("OPTDecoderLayer", "fc2"): "row",
-    # Llama / Mistral: the attention reshapes by head_dim (-1 heads), so splitting the projections is enough
-    **{(f"{m}Attention", p): "col" for m in ("Llama", "Mistral") for p in ("q_proj", "k_proj", "v_proj")},
-    **{(f"{m}Attention", "o_proj"): "row" for m in ("Llama", "Mistral")},
-    **{(f"{m}MLP", p): "col" for m in ("Llama", "Mistral") for p in ("gate_proj", "up_proj")},
-    **{(f"{m}MLP", "down_proj"): "row" for m in ("Llama", "Mistral")},
+    # Llama-style attention reshapes by head_dim (-1 heads), so splitting the projections is enough; Mixtral's
+    # experts split their intermediate width instead (_split_experts), its router stays whole on every GPU
+    **{(f"{m}Attention", p): "col" for m in _LLAMA_STYLE for p in ("q_proj", "k_proj", "v_proj")},
+    **{(f"{m}Attention", "o_proj"): "row" for m in _LLAMA_STYLE},
+    **{(f"{m}MLP", p): "col" for m in _LLAMA_STYLE for p in ("gate_proj", "up_proj")},
+    **{(f"{m}MLP", "down_proj"): "row" for m in _LLAMA_STYLE},
 }
 # blocks whose head counts live in their config: (query heads, key/value heads) must divide by tp
-_CONFIG_HEADS = {"LlamaAttention": ("num_attention_heads", "num_key_value_heads"),
-                 "MistralAttention": ("num_attention_heads", "num_key_value_heads")}
+_CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in _LLAMA_STYLE}
 # attributes that hold a width a split divides: GPT-2 splits the fused QKV output by ``split_size``
 _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
            "OPTAttention": ("embed_dim",)}
@@ -128,7 +130,8 @@ _HEADS = {"GPT2Attention": "num_heads", "BertSelfAttention": "num_attention_head
 def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
     """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
 
-    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT, Llama and Mistral. Raises
+    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT, Llama, Mistral, Mixtral (its
+    routed experts too) and Qwen2 / Qwen3. Raises
     ModelError for a model without any of them, InputError when heads or widths do not divide by ``tp``.
     """
     if tp == 1:
@@ -155,9 +158,13 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             if cls == owner and isinstance(getattr(parent, attr, None), nn.Module):
                 setattr(parent, attr, _split(getattr(parent, attr), how, tp, f"{cls}.{attr}"))
                 found += 1
+        if is_routed_experts(parent):
+            _split_experts(parent, tp, cls)
+            found += 1
     if not found:
         raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT, "
-                         f"Llama and Mistral blocks; {type(module).__name__} has none. Fix: use tp=1 (dp and pp work for any model)")
+                         f"Llama, Mistral, Mixtral and Qwen2/3 blocks; {type(module).__name__} has none. Fix: use tp=1 "
+                         "(dp and pp work for any model)")
     _split_vocab(module, tp)
     return module
 
@@ -175,6 +182,25 @@ def _split(layer: nn.Module, how: str, tp: int, where: str) -> nn.Module:
     with torch.device("meta"):
         new = type(layer)(n_out, n_in) if conv1d else nn.Linear(n_in, n_out, bias=layer.bias is not None)
     return new.to(w.dtype)
+
+
+def _split_experts(mod: nn.Module, tp: int, where: str) -> None:
+    """Routed experts, each split as a Megatron MLP: its gate / up projections by output features (column), its
+    down projection by input features (row), so every GPU holds 1/tp of every expert's intermediate width."""
+    transposed = bool(getattr(mod, "is_transposed", False))
+    up_name = "gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj"
+    # the intermediate axis: (experts, out, in) weights, or (experts, in, out) when transposed
+    for name, axis in ((up_name, 2 if transposed else 1), ("down_proj", 1 if transposed else 2),
+                       (f"{up_name}_bias", 1)):
+        w = getattr(mod, name, None)
+        if not isinstance(w, torch.Tensor) or (name.endswith("_bias") and not getattr(mod, "has_bias", False)):
+            continue
+        if w.shape[axis] % tp:
+            raise InputError(f"tp={tp} does not divide the {w.shape[axis]} intermediate features of {where}.{name}. "
+                             f"Fix: choose a tp that divides {w.shape[axis]}")
+        shape = list(w.shape)
+        shape[axis] //= tp
+        setattr(mod, name, nn.Parameter(torch.empty(shape, dtype=w.dtype, device="meta"), requires_grad=w.requires_grad))
 
 
 # Megatron-LM pads the vocabulary to a multiple of 128 x tp (its make-vocab-size-divisible-by default), so each

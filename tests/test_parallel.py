@@ -64,6 +64,48 @@ def test_llama_blocks_split_like_megatron_with_grouped_query_heads():
         neusight.trace("llama-3-8b", batch_size=1, seq_len=16, mode="inference", tensor_parallel=16)
 
 
+_TINY_MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     vocab_size=512)
+
+
+def test_mixtral_splits_attention_and_every_expert_like_a_megatron_mlp(tmp_path):
+    cfg = tmp_path / "mixtral.json"
+    cfg.write_text(json.dumps(_TINY_MIXTRAL))
+    whole = neusight.trace(str(cfg), batch_size=2, seq_len=32, mode="training", optimizer=None)
+    half = neusight.trace(str(cfg), batch_size=2, seq_len=32, mode="training", optimizer=None, tensor_parallel=2)
+    # attention and every expert's intermediate width halve; the vocabulary (512 = 2 x 256) splits without padding;
+    # the router (64 -> 4 experts) and its gradients are the GEMMs that stay whole on every GPU
+    def router(g):
+        k = g.kernels[g.kernels["family"] == "linear"]
+        return k.loc[k["dims"].map(lambda d: 4 in d[1:]), "flops"].sum()
+    assert router(half) == router(whole) > 0
+    assert (_gemm_flops(half) - router(half)) / (_gemm_flops(whole) - router(whole)) == pytest.approx(0.5, abs=1e-9)
+    shapes = {tuple(p.shape) for p in half.params}
+    assert (4, 2 * 48, 64) in shapes and (4, 64, 48) in shapes      # gate_up and down of the 4 experts
+    odd = tmp_path / "odd.json"     # heads divide by 4, an expert's 98 intermediate features do not
+    odd.write_text(json.dumps(dict(_TINY_MIXTRAL, num_key_value_heads=4, intermediate_size=98)))
+    with pytest.raises(InputError, match="does not divide the 98 intermediate features"):
+        neusight.trace(str(odd), batch_size=1, seq_len=8, mode="inference", tensor_parallel=4)
+    p = predict_parallel(str(cfg), "h100-sxm5-80gb", batch_size=2, seq_len=32, mode="training", tp=2)
+    assert p.parts["tp_comm"] > 0 and p.latency_ms > 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_blocks_split_like_llama(tmp_path, model_type):
+    import transformers
+
+    if not hasattr(transformers.models, model_type):
+        pytest.skip(f"this transformers has no {model_type}")
+    cfg = tmp_path / "qwen.json"    # Qwen2: biased q / k / v; Qwen3: RMS norms of q and k per head
+    cfg.write_text(json.dumps(dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)))
+    whole = neusight.trace(str(cfg), batch_size=2, seq_len=32, mode="training", optimizer=None)
+    half = neusight.trace(str(cfg), batch_size=2, seq_len=32, mode="training", optimizer=None, tensor_parallel=2)
+    assert _gemm_flops(half) / _gemm_flops(whole) == pytest.approx(0.5, abs=1e-9)
+    assert half.unmodeled == []
+
+
 def test_one_gpu_is_the_single_gpu_forecast():
     one = predict_parallel("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128)
     single = neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", optimizer=None,

@@ -91,7 +91,8 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     return out
 
 
-def _is_routed_experts(mod: nn.Module) -> bool:
+def is_routed_experts(mod: nn.Module) -> bool:
+    """transformers' standard top-k experts module (3-D weights per expert), as :func:`fix_routed_experts` traces."""
     params = dict(mod.named_parameters(recurse=False))
     up = params.get("gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj")
     down = params.get("down_proj")
@@ -102,7 +103,7 @@ def _is_routed_experts(mod: nn.Module) -> bool:
 def fix_routed_experts(model: nn.Module) -> str | None:
     """Trace every top-k routed experts module of ``model`` under balanced routing; a note for the result, None
     when the model has none."""
-    found = [m for m in model.modules() if _is_routed_experts(m)]
+    found = [m for m in model.modules() if is_routed_experts(m)]
     for mod in found:
         mod.forward = types.MethodType(_balanced_experts_forward, mod)
     if not found:
