@@ -166,7 +166,8 @@ class _RNNTagger(nn.Module):
 
 
 @pytest.mark.parametrize("cell,fused", [(nn.LSTM, ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl")),
-                                        (nn.GRU, ("_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward"))])
+                                        (nn.GRU, ("_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward")),
+                                        (nn.RNN, ("tanh", "tanh_backward"))])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_lstm_and_gru_run_one_recurrent_gemm_and_one_fused_cell_per_step(cell, fused, bidirectional):
     steps, dirs = 12, 2 if bidirectional else 1

@@ -5,7 +5,7 @@ A private ``TorchDispatchMode`` records every aten op below autograd, with the p
 backward, optimizer), the owning module path (``torch.utils.module_tracker``) and the input / output
 shapes. A ``TorchFunctionMode`` makes the CPU/meta code path launch what CUDA would: dropout in training
 runs as the fused ``native_dropout`` kernel (meta would otherwise decompose it into bernoulli + mul), and
-nn.LSTM / nn.GRU run one recurrent GEMM and one fused cell kernel per time step.
+nn.LSTM / nn.GRU / nn.RNN run one recurrent GEMM and one fused cell kernel per time step.
 """
 
 from __future__ import annotations
@@ -134,6 +134,8 @@ class _CudaPaths(TorchFunctionMode):
             return _cudnn_style_rnn("lstm", *args)
         if func is torch.gru and _cudnn_rnn_applies(args, kwargs, lstm=False):
             return _cudnn_style_rnn("gru", *args)
+        if func in (torch.rnn_tanh, torch.rnn_relu) and _cudnn_rnn_applies(args, kwargs, lstm=False):
+            return _cudnn_style_rnn("tanh" if func is torch.rnn_tanh else "relu", *args)
         return func(*args, **kwargs)
 
 
@@ -167,9 +169,10 @@ def _cudnn_rnn_applies(args: tuple, kwargs: dict, lstm: bool) -> bool:
 
 def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_biases: bool, num_layers: int,
                      dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple:
-    """nn.LSTM / nn.GRU with the kernels a GPU runs, not the CPU path's ~10 kernels per time step: per layer and
-    direction, one GEMM of the input projections of every step, then per step one GEMM of the recurrent projection
-    and one fused cell kernel (PyTorch's CUDA LSTM / GRU cells; cuDNN's standard algorithm has the same shape),
+    """nn.LSTM / nn.GRU / nn.RNN with the kernels a GPU runs, not the CPU path's ~4-10 kernels per time step: per
+    layer and direction, one GEMM of the input projections of every step, then per step one GEMM of the recurrent
+    projection and one fused cell kernel (PyTorch's CUDA LSTM / GRU cells; for nn.RNN the activation; cuDNN's
+    standard algorithm has the same shape),
     the steps' outputs gathered into one sequence. Backward follows by autograd: per step the cell's gradient
     kernel, the recurrent GEMMs' gradients and the gradient sums, a few more kernels per step than cuDNN's."""
     lstm = kind == "lstm"
@@ -186,11 +189,16 @@ def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_bias
             c = c0[layer * dirs + d] if lstm else None
             steps = range(seq.shape[0] - 1, -1, -1) if d == 1 else range(seq.shape[0])
             ys = [None] * seq.shape[0]
+            if kind in ("tanh", "relu"):                      # both biases once into the input projection
+                xg = xg + (b_ih + b_hh)
             for t in steps:
                 if lstm:
                     h, c, _ = torch.ops.aten._thnn_fused_lstm_cell(xg[t], F.linear(h, w_hh), c, b_ih, b_hh)
-                else:
+                elif kind == "gru":
                     h, _ = torch.ops.aten._thnn_fused_gru_cell(xg[t], F.linear(h, w_hh), h, b_ih, b_hh)
+                else:                                         # one GEMM adding onto the step's input, one activation
+                    h = torch.addmm(xg[t], h, w_hh.t())
+                    h = torch.tanh(h) if kind == "tanh" else torch.relu(h)
                 ys[t] = h
             outs.append(torch.stack(ys))                       # (T, B, H)
             hn.append(h)
