@@ -137,3 +137,17 @@ def test_depthwise_forecast_says_it_is_optimistic():
     dw = p.kernels[p.kernels["kernel"].str.startswith("conv_dw_")]
     assert len(dw) and (dw["latency_ms"] >= dw["roofline_ms"]).all() and (p.kernels["latency_ms"] >= p.kernels["roofline_ms"]).all()
     assert not any("depthwise" in n for n in neusight.predict("resnet18", "t4", batch_size=4, memory=False).notes)
+
+
+@pytest.mark.parametrize("layer,shape", [(lambda: torch.nn.ConvTranspose2d(64, 32, 4, 2, 1), (64, 32, 32)),
+                                         (lambda: torch.nn.ConvTranspose2d(32, 96, 3, 1, 1), (32, 20, 20)),
+                                         (lambda: torch.nn.ConvTranspose1d(16, 8, 4, 2, 1), (16, 50))])
+def test_transposed_conv_flops_match_flop_counter(layer, shape):
+    # a transposed conv does C_in x C_out x R x S multiply-adds per input pixel, whichever of C_in, C_out is larger
+    g = neusight.trace(layer(), batch_size=2, mode="inference", input_shapes=[shape])
+    with FlopCounterMode(display=False) as fc:
+        layer().to("meta")(torch.zeros(2, *shape, device="meta"))
+    assert g.flops(None, GEMM) == fc.get_total_flops()
+    # training: the weight gradient has the forward's FLOPs (the model's input needs no gradient)
+    t = neusight.trace(layer(), batch_size=2, mode="training", input_shapes=[shape], optimizer=None)
+    assert t.flops("backward", GEMM) == fc.get_total_flops()

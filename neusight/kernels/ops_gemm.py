@@ -137,10 +137,11 @@ def _convolution(c: OpCall) -> list[Kernel]:
     """Forward convolution (+ a bias add kernel when a bias is given)."""
     x, w, bias = c.args[0], c.args[1], c.args[2] if len(c.args) > 2 else None
     stride, padding, dilation, transposed, groups = _conv_params(c, 3)
-    if transposed:  # a transposed conv is the data gradient of a conv: same GEMM with input and output swapped
-        y = c.outputs[0]
-        wt = TensorMeta(( w.shape[1] * groups, w.shape[0] // groups) + w.shape[2:], w.dtype, w.stride, w.storage, w.nbytes)
-        ks = [_conv_kernel(y, wt, stride, padding, dilation, groups, "conv_transpose")]
+    if transposed:
+        # a transposed conv is the data gradient of the conv that maps its output back to its input: that conv's
+        # GEMM, over the output y, with the transposed conv's weight (C_in, C_out / groups, ...) as its own
+        # (out channels, in channels / groups, ...)
+        ks = [_conv_kernel(c.outputs[0], w, stride, padding, dilation, groups, "conv_transpose")]
     elif _is_depthwise(x, groups):
         ks = _depthwise_kernels(x, w, c.outputs[0], stride, padding, dilation, groups, ("fwd",))
     else:
@@ -162,7 +163,8 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
         parts = tuple(name for name, on in zip(("dgrad", "wgrad"), mask[:2]) if on)
         ks = _depthwise_kernels(x, w, dy, stride, padding, dilation, groups, parts)
         return ks + ([_bias_grad(dy)] if len(mask) > 2 and mask[2] else [])
-    fwd = _conv_kernel(x, w, stride, padding, dilation, groups, "conv")
+    # the GEMM of the underlying conv: over x, or for a transposed conv over its output (dy), as in _convolution
+    fwd = _conv_kernel(dy if transposed else x, w, stride, padding, dilation, groups, "conv")
     g, m, n, k = fwd.dims
     size = formulas.itemsize(x.dtype)
     # A strided convolution's gradients are kernels of their own in cuDNN (the data gradient scatters into
@@ -171,8 +173,9 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     suffix = STRIDED_SUFFIX if max(stride) > 1 else ""
     ks = []
     # NB: cuDNN has Winograd variants for the data and the weight gradient of 3x3 stride-1 layers too.
-    if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K
-        ks.append(Kernel(Family.CONV, "conv_dgrad" + ("" if transposed else suffix), (g, m, k, n), fwd.flops,
+    if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K; transposed: the underlying forward
+        ks.append(Kernel(Family.CONV, "conv_dgrad" + ("" if transposed else suffix),
+                         (g, m, n, k) if transposed else (g, m, k, n), fwd.flops,
                          float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops))
     if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
         ks.append(Kernel(Family.CONV, "conv_wgrad" + suffix, (g, n, m, k), fwd.flops,
