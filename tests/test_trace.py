@@ -185,6 +185,34 @@ def test_lstm_and_gru_run_one_recurrent_gemm_and_one_fused_cell_per_step(cell, f
     assert list(head["dims"]) == [(1, 4 * steps, 32 * dirs, 5)]
 
 
+class _Resampler(nn.Module):
+    """Super-resolution / segmentation style resampling: pixel (un)shuffle, interpolation, unfold, reflect padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 32, 3, padding=1)
+
+    def forward(self, x):
+        y = nn.functional.pixel_shuffle(self.conv(x), 2)                               # (8, 32, 32)
+        y = nn.functional.interpolate(y, scale_factor=0.5, mode="bilinear") + nn.functional.interpolate(
+            y, size=(16, 16), mode="nearest")
+        return (nn.functional.unfold(y, 3).mean() + nn.functional.pad(y, (1, 1, 1, 1), mode="reflect").mean()
+                + nn.functional.pixel_unshuffle(y, 2).mean())
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_resampling_ops_are_memory_bound_copies(mode):
+    g = neusight.trace(_Resampler(), batch_size=2, mode=mode, input_shapes=[(8, 16, 16)], optimizer=None)
+    assert g.unmodeled == []
+    k = g.kernels[g.kernels["aten_op"].str.contains("upsample|pixel_|im2col|reflection_pad")]
+    assert {"aten.pixel_shuffle.default", "aten.upsample_bilinear2d.default", "aten.upsample_nearest2d.default",
+            "aten.im2col.default", "aten.reflection_pad2d.default"} <= set(k["aten_op"])
+    assert (k["family"] == "memory").all()
+    # each reads its input and writes its output: the bilinear 2x downsample reads 4x what it writes
+    bil = k[k["aten_op"] == "aten.upsample_bilinear2d.default"].iloc[0]
+    assert bil["bytes"] == 4 * (2 * 8 * 32 * 32 + 2 * 8 * 16 * 16)
+
+
 @pytest.mark.parametrize("dim", [-1, 1])
 def test_topk_reads_rows_along_its_dim_not_k(dim):
     class TopK(nn.Module):

@@ -287,7 +287,18 @@ COPY_OPS = _ops("clone", "_to_copy", "copy_", "copy", "contiguous", "cat", "stac
                 "new_full", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "arange", "scalar_tensor",
                 "lift_fresh_copy", "nll_loss_backward", "nll_loss2d_backward", "one_hot", "linspace", "tensor_split",
                 "pad", "reflection_pad2d", "replication_pad2d", "_unsafe_index_put", "diagonal_backward",
-                "as_strided_scatter", "slice_scatter", "select_scatter", "masked_fill_backward")
+                "as_strided_scatter", "slice_scatter", "select_scatter", "masked_fill_backward",
+                # resampling and rearranging (each output element reads a few neighbours): memory-bound copies
+                "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "im2col", "col2im",
+                *(f"{kind}{suffix}" for kind in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                                                 "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+                                                 "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+                                                 "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa",
+                                                 "_upsample_bicubic2d_aa", "grid_sampler_2d", "grid_sampler_3d",
+                                                 "reflection_pad1d", "reflection_pad3d", "replication_pad1d",
+                                                 "replication_pad3d")
+                  for suffix in ("", "_backward")),
+                "reflection_pad2d_backward", "replication_pad2d_backward")
 
 
 @register(*COPY_OPS)
