@@ -29,7 +29,6 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import neusight  # noqa: E402
 from neusight.cli.common import quiet_third_party_logs  # noqa: E402
 from neusight.e2e_eval import markdown_table  # noqa: E402
-from neusight.graph.models import build_model, list_models  # noqa: E402
+from neusight.graph.models import build_model, flop_counter_total, list_models  # noqa: E402
 from neusight.util import atomic_write_text  # noqa: E402
 
 OUT = REPO / "docs" / "models.md"
@@ -138,21 +137,12 @@ def _gemm_flops(g: Any) -> float:
 
 
 def _torch_flops(built: Any, mode: str, batch: int, seq: int | None) -> float | None:
-    """FlopCounterMode around the built model's forward (and the loss's backward in training); None when the
-    model does not run outside the tracer."""
-    args, kwargs = built.make_inputs(batch, seq)
-    built.module.train(mode == "training")
+    """FlopCounterMode's count (neusight.graph.models.flop_counter_total); None when the model does not run
+    outside the tracer."""
     try:
-        with FlopCounterMode(display=False) as fc:
-            if mode == "training":
-                out = built.module(*args, **kwargs)
-                built.loss(out, args, kwargs).backward()
-            else:
-                with torch.no_grad():
-                    built.module(*args, **kwargs)
+        return flop_counter_total(built, mode, batch, seq)
     except Exception:  # noqa: BLE001 - a model that only runs under the tracer's CUDA paths
         return None
-    return float(fc.get_total_flops())
 
 
 def _row(name: str, kind: str, source: str, model: Any, mode: str, kw: dict, built_kw: dict) -> dict:

@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import neusight
-from neusight.graph.models import build_model
+from neusight.graph.models import build_model, flop_counter_total
 
 GEMM = ("linear", "bmm", "conv")
 
@@ -61,17 +61,7 @@ def test_cnn_preset_parameter_counts(name, params):
 
 
 def _flop_counter_total(name: str, mode: str, **kw) -> float:
-    built = build_model(name)
-    args, kwargs = built.make_inputs(kw["batch_size"], kw.get("seq_len"))
-    built.module.train(mode == "training")
-    with FlopCounterMode(display=False) as fc:
-        if mode == "training":
-            out = built.module(*args, **kwargs)
-            built.loss(out, args, kwargs).backward()
-        else:
-            with torch.no_grad():
-                built.module(*args, **kwargs)
-    return float(fc.get_total_flops())
+    return flop_counter_total(build_model(name), mode, kw["batch_size"], kw.get("seq_len"))
 
 
 @pytest.mark.parametrize("name,kw", [

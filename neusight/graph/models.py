@@ -123,6 +123,24 @@ class BuiltModel:
     image_size: int | None = None               # vision models: the side of the square input images
 
 
+def flop_counter_total(built: BuiltModel, mode: str, batch: int, seq: int | None) -> float:
+    """torch's own count (``torch.utils.flop_counter.FlopCounterMode``) of ``built``'s forward pass, plus the
+    loss's backward in training, on the meta device: the reference the tracer's GEMM / convolution FLOPs are
+    checked against (tests, scripts/bench_models.py). Runs the model as is, without the tracer's CUDA paths."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args, kwargs = built.make_inputs(batch, seq)
+    built.module.train(mode == "training")
+    with FlopCounterMode(display=False) as fc:
+        if mode == "training":
+            out = built.module(*args, **kwargs)
+            built.loss(out, args, kwargs).backward()
+        else:
+            with torch.no_grad():
+                built.module(*args, **kwargs)
+    return float(fc.get_total_flops())
+
+
 def list_models() -> list[str]:
     """Preset names, sorted."""
     return sorted(list(HF_PRESETS) + list(CNN_PRESETS))
