@@ -172,9 +172,9 @@ def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_bias
     """nn.LSTM / nn.GRU / nn.RNN with the kernels a GPU runs, not the CPU path's ~4-10 kernels per time step: per
     layer and direction, one GEMM of the input projections of every step, then per step one GEMM of the recurrent
     projection and one fused cell kernel (PyTorch's CUDA LSTM / GRU cells; for nn.RNN the activation; cuDNN's
-    standard algorithm has the same shape),
-    the steps' outputs gathered into one sequence. Backward follows by autograd: per step the cell's gradient
-    kernel, the recurrent GEMMs' gradients and the gradient sums, a few more kernels per step than cuDNN's."""
+    standard algorithm has the same shape), the steps' outputs gathered into one sequence. Backward follows by
+    autograd: per step the cell's gradient kernel, the recurrent GEMMs' gradients and the gradient sums, a few
+    more kernels per step than cuDNN's."""
     lstm = kind == "lstm"
     h0, c0 = hx if lstm else (hx, None)
     seq = x.transpose(0, 1) if batch_first else x            # (T, B, I), time-major as cuDNN
