@@ -107,6 +107,7 @@ def test_predict_prints_summary_and_side_by_side(compare_run):
                      "not in the predictor's training set", "tokens/s"):
         assert fragment in out, fragment
     assert "memory: peak" in out
+    assert "gpt2: training (forward + loss + backward + optimizer), batch 1, seq 64, 124.4 M parameters" in out
 
 
 def test_predict_writes_json_into_run_dir_and_csv_where_asked(compare_run):

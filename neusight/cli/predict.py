@@ -154,7 +154,10 @@ def trained_on(p: Prediction) -> str:
 def _run_line(p: Prediction) -> str:
     what = p.mode + (f" ({' + '.join(p.phases)})" if p.mode == "training" else "")
     shape = f"batch {p.batch_size}" + (f", seq {p.seq_len}" if p.seq_len else "")
-    return f"{p.model}: {what}, {shape}"
+    n = p.graph.n_params if p.graph is not None else 0
+    size = next((f", {n / scale:.1f} {unit} parameters" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"))
+                 if n >= scale), f", {n} parameters" if n else "")
+    return f"{p.model}: {what}, {shape}{size}"
 
 
 def _memory_line(p: Prediction) -> str | None:
