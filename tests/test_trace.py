@@ -113,6 +113,25 @@ def test_routed_experts_trace_under_balanced_routing(tmp_path, name, mode):
     assert len(lin) == 2 * 2 * 2 and set(lin["dims"].map(lambda d: d[1])) == {1}
 
 
+def test_grouped_experts_run_one_batched_gemm_per_projection(tmp_path):
+    import json
+
+    cfg = tmp_path / "mixtral.json"
+    cfg.write_text(json.dumps(ROUTED_MOE["mixtral"]))
+    loop = neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="training", optimizer=None)
+    grouped = neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="training", optimizer=None,
+                             moe_kernels="grouped")
+    assert any("grouped_mm" in n for n in grouped.notes) and grouped.unmodeled == []
+    expert = grouped.kernels[grouped.kernels["module"].str.contains("experts") & (grouped.kernels["phase"] == "forward")]
+    gemm = expert[expert["family"].isin(["bmm", "linear"])]
+    # 2 layers x (up, down), each one batched GEMM over the 4 experts of 24 token copies each
+    assert len(gemm) == 2 * 2 and set(gemm["dims"].map(lambda d: d[:2])) == {(4, 24)}
+    flops = lambda g: g.kernels.loc[g.kernels["family"].isin(["bmm", "linear"]), "flops"].sum()  # noqa: E731
+    assert flops(grouped) == flops(loop)
+    with pytest.raises(InputError, match="moe_kernels='fancy'"):
+        neusight.trace("resnet18", batch_size=1, moe_kernels="fancy")
+
+
 # Hugging Face image models, tiny: a ViT (patch embeddings + encoder), DeiT (whose auto mapping lists two
 # classes) and Swin (shifted windows: in-place strided views, stochastic depth in training).
 VISION = {

@@ -69,6 +69,7 @@ class PredictConfig:
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
+    moe_kernels: str = "loop"            # routed MoE experts: loop (transformers' eager) | grouped (its grouped_mm)
     input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
     #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
@@ -253,7 +254,8 @@ def _devices(cfg_device: Any) -> list[str]:
 def _step_options(cfg: Any) -> dict[str, Any]:
     """The training-step options of a predict or trace config, as ``neusight.trace`` takes them."""
     targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
-    out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets}
+    out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets,
+           "moe_kernels": getattr(cfg, "moe_kernels", "loop")}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
         from omegaconf import OmegaConf

@@ -34,6 +34,7 @@ class TraceConfig:
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
+    moe_kernels: str = "loop"            # routed MoE experts: loop (transformers' eager) | grouped (its grouped_mm)
     input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
     #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip

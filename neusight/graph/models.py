@@ -148,7 +148,7 @@ def list_models() -> list[str]:
 
 def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
                 image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
-                dtype: torch.dtype = torch.float32) -> BuiltModel:
+                dtype: torch.dtype = torch.float32, moe_kernels: str = "loop") -> BuiltModel:
     """Build a model on the meta device from a preset name, an HF config JSON path or an nn.Module."""
     if head is not None and head not in HEADS:
         raise ModelError(f"head={head!r} is not known; use one of {', '.join(HEADS)} or None (the config's architectures)")
@@ -165,11 +165,11 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return _vision(key, image_size, dtype)
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
-        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size)
+        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels)
     path = Path(name).expanduser()
     if path.suffix == ".json" or path.exists():
         cfg = _read_config_json(path)
-        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size)
+        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size, moe_kernels)
     if MODULE_REF.match(name):
         return _from_module(_import_module_ref(name), input_shapes, dtype)
     close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
@@ -240,7 +240,7 @@ def _is_vision(config: Any) -> bool:
 
 
 def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
-        image_size: int | None = None) -> BuiltModel:
+        image_size: int | None = None, moe_kernels: str = "loop") -> BuiltModel:
     import transformers
     from transformers import AutoConfig
 
@@ -285,7 +285,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     else:
         from neusight.graph.moe import fix_routed_experts
 
-        routed = fix_routed_experts(module)
+        routed = fix_routed_experts(module, moe_kernels)
         if routed:
             notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

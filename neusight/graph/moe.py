@@ -91,6 +91,43 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     return out
 
 
+def _balanced_experts_grouped(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The same balanced routing with transformers' ``grouped_mm`` experts (its default from transformers 5 on GPUs
+    of compute capability 8.0 and up): the token copies gathered expert by expert, then one grouped GEMM per
+    projection over all experts (traced as a batched GEMM: equal groups under balanced routing), the weights
+    applied and the copies summed back."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    pairs = tokens * top_k
+    active = min(int(self.num_experts), pairs)
+    share = max(1, -(-pairs // active))
+    gated = bool(getattr(self, "has_gate", True))
+    bias = bool(getattr(self, "has_bias", False))
+    transposed = bool(getattr(self, "is_transposed", False))
+    up_w = (self.gate_up_proj if gated else self.up_proj)[:active]
+    up_b = ((self.gate_up_proj_bias if gated else self.up_proj_bias)[:active] if bias else None)
+    down_w, down_b = self.down_proj[:active], (self.down_proj_bias[:active] if bias else None)
+
+    def grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        y = torch.bmm(x, w if transposed else w.transpose(1, 2))      # (experts, share, out)
+        return y if b is None else y + b.unsqueeze(1)
+
+    pair = torch.arange(active * share, device=hidden_states.device) % pairs
+    tok = torch.div(pair, top_k, rounding_mode="floor")
+    x = hidden_states.index_select(0, tok).view(active, share, hidden)   # copies sorted by expert
+    h = grouped(x, up_w, up_b)
+    h = self._apply_gate(h) if gated else self.act_fn(h)
+    y = grouped(h, down_w, down_b)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    y = y.reshape(active * share, hidden) * top_k_weights.reshape(-1).index_select(0, pair).unsqueeze(-1)
+    return torch.zeros_like(hidden_states).index_add(0, tok, y.to(hidden_states.dtype))
+
+
+MOE_KERNELS = ("loop", "grouped")   # transformers' eager loop over experts / its grouped_mm experts
+
+
 def is_routed_experts(mod: nn.Module) -> bool:
     """transformers' standard top-k experts module (3-D weights per expert), as :func:`fix_routed_experts` traces."""
     params = dict(mod.named_parameters(recurse=False))
@@ -100,17 +137,26 @@ def is_routed_experts(mod: nn.Module) -> bool:
             and down.dim() == 3 and up.shape[0] == down.shape[0] == int(mod.num_experts))
 
 
-def fix_routed_experts(model: nn.Module) -> str | None:
-    """Trace every top-k routed experts module of ``model`` under balanced routing; a note for the result, None
-    when the model has none."""
+def fix_routed_experts(model: nn.Module, kernels: str = "loop") -> str | None:
+    """Trace every top-k routed experts module of ``model`` under balanced routing, with ``kernels`` "loop" (one
+    GEMM pair per expert, transformers' eager loop) or "grouped" (one grouped GEMM per projection, its
+    ``grouped_mm``); a note for the result, None when the model has none."""
+    from neusight.errors import InputError
+
+    if kernels not in MOE_KERNELS:
+        raise InputError(f"moe_kernels={kernels!r} is not known; use 'loop' (transformers' eager loop over the "
+                         "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
     found = [m for m in model.modules() if is_routed_experts(m)]
+    forward = _balanced_experts_forward if kernels == "loop" else _balanced_experts_grouped
     for mod in found:
-        mod.forward = types.MethodType(_balanced_experts_forward, mod)
+        mod.forward = types.MethodType(forward, mod)
     if not found:
         return None
     n_exp = sorted({int(m.num_experts) for m in found})
+    how = ("one GEMM pair per expert (transformers' eager loop; moe_kernels='grouped' for its grouped_mm)"
+           if kernels == "loop" else "one grouped GEMM per projection over the experts (transformers' grouped_mm)")
     return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
             f"layer{'s' if len(found) != 1 else ''} "
             f"({'/'.join(map(str, n_exp))} experts) every expert runs on tokens x top-k / experts tokens (when fewer "
-            "token choices than experts: that many experts, one token each), one GEMM pair per expert (routing is "
-            "data-dependent; a real router's uneven load makes a step slower)")
+            f"token choices than experts: that many experts, one token each), {how} (routing is data-dependent; a "
+            "real router's uneven load makes a step slower)")

@@ -254,7 +254,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
-          lora_targets: list[str] | tuple[str, ...] | None = None) -> Graph:
+          lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "loop") -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -287,6 +287,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
         architecture, e.g. the attention's query and value projections).
+    moe_kernels : {"loop", "grouped"}
+        Routed mixture-of-experts layers (Mixtral, Qwen-MoE, ...; :mod:`neusight.graph.moe`, balanced routing):
+        "loop" runs one GEMM pair per expert (transformers' eager experts), "grouped" one grouped GEMM per
+        projection over the experts (transformers' ``grouped_mm`` experts, its default from transformers 5 on
+        GPUs of compute capability 8.0 and up).
     gradient_checkpointing : bool or int
         Training with activation (gradient) checkpointing, as ``model.gradient_checkpointing_enable()`` runs it
         in Hugging Face models: each layer keeps only its input and runs its forward again in the backward pass.
@@ -316,8 +321,13 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     20
     """
     torch_dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
+    from neusight.graph.moe import MOE_KERNELS
+
+    if moe_kernels not in MOE_KERNELS:
+        raise InputError(f"moe_kernels={moe_kernels!r} is not known; use 'loop' (transformers' eager loop over the "
+                         "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
-                        input_shapes=input_shapes, dtype=torch_dtype)
+                        input_shapes=input_shapes, dtype=torch_dtype, moe_kernels=moe_kernels)
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
     amp_t = amp_dtype(amp)
     _check_kv_cache(built, kv_cache, mode, seq_len, tensor_parallel)
