@@ -128,6 +128,15 @@ def _balanced_experts_grouped(self: nn.Module, hidden_states: torch.Tensor, top_
 MOE_KERNELS = ("loop", "grouped")   # transformers' eager loop over experts / its grouped_mm experts
 
 
+def check_moe_kernels(kernels: str) -> None:
+    """Refuse a ``moe_kernels`` value other than :data:`MOE_KERNELS`, naming the choices."""
+    from neusight.errors import InputError
+
+    if kernels not in MOE_KERNELS:
+        raise InputError(f"moe_kernels={kernels!r} is not known; use 'loop' (transformers' eager loop over the "
+                         "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
+
+
 def is_routed_experts(mod: nn.Module) -> bool:
     """transformers' standard top-k experts module (3-D weights per expert), as :func:`fix_routed_experts` traces."""
     params = dict(mod.named_parameters(recurse=False))
@@ -141,11 +150,7 @@ def fix_routed_experts(model: nn.Module, kernels: str = "loop") -> str | None:
     """Trace every top-k routed experts module of ``model`` under balanced routing, with ``kernels`` "loop" (one
     GEMM pair per expert, transformers' eager loop) or "grouped" (one grouped GEMM per projection, its
     ``grouped_mm``); a note for the result, None when the model has none."""
-    from neusight.errors import InputError
-
-    if kernels not in MOE_KERNELS:
-        raise InputError(f"moe_kernels={kernels!r} is not known; use 'loop' (transformers' eager loop over the "
-                         "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
+    check_moe_kernels(kernels)
     found = [m for m in model.modules() if is_routed_experts(m)]
     forward = _balanced_experts_forward if kernels == "loop" else _balanced_experts_grouped
     for mod in found:

@@ -321,11 +321,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     20
     """
     torch_dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
-    from neusight.graph.moe import MOE_KERNELS
+    from neusight.graph.moe import check_moe_kernels
 
-    if moe_kernels not in MOE_KERNELS:
-        raise InputError(f"moe_kernels={moe_kernels!r} is not known; use 'loop' (transformers' eager loop over the "
-                         "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
+    check_moe_kernels(moe_kernels)
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
                         input_shapes=input_shapes, dtype=torch_dtype, moe_kernels=moe_kernels)
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
