@@ -113,6 +113,25 @@ def test_routed_experts_trace_under_balanced_routing(tmp_path, name, mode):
     assert len(lin) == 2 * 2 * 2 and set(lin["dims"].map(lambda d: d[1])) == {1}
 
 
+def test_experts_called_without_routing_keep_their_own_forward(tmp_path):
+    """Llama 4's experts take the hidden states alone (every expert on every token's scaled copy, batched): not
+    the standard top-k module, so no balanced-routing patch, and its own forward traces on meta."""
+    import json
+    import transformers
+
+    if not hasattr(transformers.models, "llama4"):
+        pytest.skip("this transformers has no llama4")
+    cfg = tmp_path / "llama4.json"
+    cfg.write_text(json.dumps(dict(model_type="llama4_text", hidden_size=64, intermediate_size=96,
+                                   intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                                   vocab_size=256)))
+    for mode in ("inference", "training"):
+        g = neusight.trace(str(cfg), batch_size=2, seq_len=16, mode=mode, optimizer=None)
+        assert g.unmodeled == []
+        assert not any("balanced routing" in n for n in g.notes)
+
+
 def test_grouped_experts_run_one_batched_gemm_per_projection(tmp_path):
     import json
 

@@ -138,7 +138,17 @@ def check_moe_kernels(kernels: str) -> None:
 
 
 def is_routed_experts(mod: nn.Module) -> bool:
-    """transformers' standard top-k experts module (3-D weights per expert), as :func:`fix_routed_experts` traces."""
+    """transformers' standard top-k experts module (3-D weights per expert, called with each token's chosen experts),
+    as :func:`fix_routed_experts` traces. Experts called with the hidden states alone (Llama 4's, which run every
+    expert on every token's scaled copy) keep their own forward."""
+    import inspect
+
+    try:
+        takes = inspect.signature(type(mod).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if "top_k_index" not in takes and len(takes) < 4:      # self, hidden states, chosen experts, their weights
+        return False
     params = dict(mod.named_parameters(recurse=False))
     up = params.get("gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj")
     down = params.get("down_proj")

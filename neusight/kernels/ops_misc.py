@@ -46,7 +46,7 @@ VIEW_OPS = _ops("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "trans
                 "squeeze", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
                 "detach", "as_strided", "as_strided_", "diagonal", "unfold", "view_as", "expand_as", "movedim", "lift_fresh",
                 "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
-                "_to_dense", "numpy_T", "view_as_real", "view_as_complex", "dropout")
+                "_to_dense", "numpy_T", "view_as_real", "view_as_complex", "dropout", "_conj", "conj", "_neg_view")
 
 
 @register(*VIEW_OPS)
@@ -289,7 +289,7 @@ COPY_OPS = _ops("clone", "_to_copy", "copy_", "copy", "contiguous", "cat", "stac
                 "pad", "reflection_pad2d", "replication_pad2d", "_unsafe_index_put", "diagonal_backward",
                 "as_strided_scatter", "slice_scatter", "select_scatter", "masked_fill_backward",
                 # resampling and rearranging (each output element reads a few neighbours): memory-bound copies
-                "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "im2col", "col2im",
+                "resolve_conj", "resolve_neg", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "im2col", "col2im",
                 *(f"{kind}{suffix}" for kind in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
                                                  "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
                                                  "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
