@@ -81,6 +81,31 @@ HF_CONFIGS = {
     "gpt_oss": ("routed MoE, biased experts", dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                                     num_local_experts=8, num_experts_per_tok=2, vocab_size=8000)),
+    "gemma2": ("dense decoder, logit soft-capping", dict(hidden_size=256, intermediate_size=512,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2, head_dim=64, vocab_size=8000)),
+    "starcoder2": ("dense decoder, sliding window", dict(hidden_size=256, intermediate_size=1024,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2, vocab_size=8000)),
+    "qwen3_moe": ("routed MoE, 2 of 8 experts", dict(hidden_size=256, intermediate_size=512,
+                                                      moe_intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                                      num_experts=8, num_experts_per_tok=2, vocab_size=8000)),
+    "granitemoe": ("routed MoE, 2 of 4 experts", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                                       num_attention_heads=4, num_key_value_heads=2,
+                                                       num_local_experts=4, num_experts_per_tok=2, vocab_size=8000)),
+    "llama4_text": ("MoE, every expert on scaled copies", dict(hidden_size=256, intermediate_size=512,
+                                                                intermediate_size_mlp=512, num_hidden_layers=2,
+                                                                num_attention_heads=4, num_key_value_heads=2,
+                                                                head_dim=64, num_local_experts=4,
+                                                                num_experts_per_tok=1, vocab_size=8000)),
+    "jamba": ("hybrid state-space + attention, MoE", dict(hidden_size=256, intermediate_size=512,
+                                                           num_hidden_layers=2, num_attention_heads=4,
+                                                           num_key_value_heads=2, num_experts=4,
+                                                           num_experts_per_tok=2, attn_layer_period=2,
+                                                           attn_layer_offset=1, expert_layer_period=2,
+                                                           expert_layer_offset=1, use_mamba_kernels=False,
+                                                           vocab_size=8000)),
     "vit": ("image transformer", dict(hidden_size=192, num_hidden_layers=2, num_attention_heads=3,
                                       intermediate_size=768, image_size=224, patch_size=16)),
     "swin": ("image transformer, shifted windows", dict(embed_dim=48, depths=[2, 2], num_heads=[2, 4],
@@ -206,7 +231,7 @@ def render(df: pd.DataFrame, seconds: float) -> str:
               "kernels on the GPU and are traced as memory-bound pooling / reduction kernels, so their FLOPs are not "
               "in the GEMM / convolution column: inference ratios of 0.91-0.96.",
               "- Training rows of models with grouped or depthwise convolutions (ResNeXt, EfficientNet, ConvNeXt, "
-              "Mamba's causal conv1d): `FlopCounterMode` counts a grouped convolution's two gradients as (1 + groups) "
+              "Mamba's and Jamba's causal conv1d): `FlopCounterMode` counts a grouped convolution's two gradients as (1 + groups) "
               "x its forward (checked on a 3x3 layer of 64 channels: 2x at groups 1, 5x at 4, 33x at 32), where "
               "each gradient is a GEMM of the forward's size (2x in all), so those ratios say nothing about the "
               "trace.", ""]
