@@ -407,7 +407,8 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
 
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise InputError(f"step={step!r} is not a positive integer; use e.g. step=64")
-    built = build_model(model, **{k: trace_kwargs[k] for k in ("head", "attn_implementation") if k in trace_kwargs})
+    built = build_model(model, **{k: trace_kwargs[k] for k in ("head", "attn_implementation", "input_shapes")
+                                  if trace_kwargs.get(k) is not None})
     if not built.needs_seq_len:
         raise InputError(f"{built.name} takes no sequence length. Fix: find_max_batch for its batch size")
     cap = max_seq_len or built.max_seq_len or 1 << 20

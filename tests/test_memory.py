@@ -297,6 +297,23 @@ def test_find_max_seq_len_brackets_the_limit(tmp_path):
         find_max_seq_len("resnet18", small, mode="training")
 
 
+def test_find_max_seq_len_of_an_nn_module_with_token_inputs():
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(1000, 256), nn.Linear(256, 1000)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    small = dataclasses.replace(load_device("l4"), memory_gib=1.0)
+    kw = dict(batch_size=8, mode="training", optimizer=None, input_shapes=[(("seq",), torch.long)])
+    best = find_max_seq_len(LM(), small, max_seq_len=1 << 14, **kw)
+    assert 0 < best < 1 << 14 and best % 64 == 0
+    fits = {n: estimate_memory(neusight.trace(LM(), seq_len=n, **kw), small).fits for n in (best, best + 64)}
+    assert fits == {best: True, best + 64: False}
+
+
 def test_gradients_kept_by_zero_grad_live_all_step():
     """set_to_none=True frees gradients between steps, so a forward-heavy peak has none; a loop that zeroes
     them (Megatron-LM's buffer) carries all of them through the step."""
