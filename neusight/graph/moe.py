@@ -8,11 +8,14 @@ tokens still run, so the work no longer depends on the routing decisions.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
 import torch
 from torch import nn
+
+from neusight.errors import InputError
 
 
 def _fixed_capacity_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -59,23 +62,29 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y if bias is None else y + bias
 
 
-def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                              top_k_weights: torch.Tensor) -> torch.Tensor:
-    tokens = hidden_states.shape[0]                                # (T, h)
-    top_k = top_k_index.shape[-1]
-    n_experts = int(self.num_experts)
+def _balanced_plan(self: nn.Module, tokens: int, top_k: int) -> tuple[int, int, int, tuple]:
+    """(pairs, experts that run, pairs per expert, weights) of balanced routing: ``tokens x top_k`` token-expert
+    pairs over the experts that run (all, or as many as there are pairs), ceil(pairs / experts) each; the weights
+    as (gated, transposed, up weight, up bias, down weight, down bias) of all experts, biases None where there
+    are none."""
     pairs = tokens * top_k
-    active = min(n_experts, pairs)          # fewer pairs than experts (decoding a few tokens): only that many run
-    share = max(1, -(-pairs // active))                            # ceil(T * k / E) pairs per expert
+    active = min(int(self.num_experts), pairs)   # fewer pairs than experts (decoding a few tokens): that many run
     gated = bool(getattr(self, "has_gate", True))
     bias = bool(getattr(self, "has_bias", False))
-    transposed = bool(getattr(self, "is_transposed", False))
-    up_w = self.gate_up_proj if gated else self.up_proj
-    up_b = (self.gate_up_proj_bias if gated else self.up_proj_bias) if bias else None
-    down_b = self.down_proj_bias if bias else None
+    weights = (gated, bool(getattr(self, "is_transposed", False)), self.gate_up_proj if gated else self.up_proj,
+               (self.gate_up_proj_bias if gated else self.up_proj_bias) if bias else None,
+               self.down_proj, self.down_proj_bias if bias else None)
+    return pairs, active, max(1, -(-pairs // active)), weights
+
+
+def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    top_k = top_k_index.shape[-1]
+    pairs, active, share, (gated, transposed, up_w, up_b, down_w, down_b) = _balanced_plan(
+        self, hidden_states.shape[0], top_k)
     weights = top_k_weights.reshape(-1)                            # (T*k,)
     with torch.no_grad():                                          # the eager loop's routing mask
-        nn.functional.one_hot(top_k_index, num_classes=n_experts + 1).permute(2, 1, 0).sum(dim=(-1, -2))
+        nn.functional.one_hot(top_k_index, num_classes=int(self.num_experts) + 1).permute(2, 1, 0).sum(dim=(-1, -2))
     out = torch.zeros_like(hidden_states)
     for e in range(active):
         # a fixed slice of the (token, choice) pairs stands in for the routing decision
@@ -83,7 +92,7 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
         tok = torch.div(pair, top_k, rounding_mode="floor")
         h = _expert_linear(hidden_states.index_select(0, tok), up_w[e], None if up_b is None else up_b[e], transposed)
         h = self._apply_gate(h) if gated else self.act_fn(h)
-        y = _expert_linear(h, self.down_proj[e], None if down_b is None else down_b[e], transposed)
+        y = _expert_linear(h, down_w[e], None if down_b is None else down_b[e], transposed)
         if getattr(self, "has_post_expert_norm", False):
             y = self.post_expert_norm(y)
         y = y * weights.index_select(0, pair).unsqueeze(-1)
@@ -99,15 +108,9 @@ def _balanced_experts_grouped(self: nn.Module, hidden_states: torch.Tensor, top_
     applied and the copies summed back."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
-    pairs = tokens * top_k
-    active = min(int(self.num_experts), pairs)
-    share = max(1, -(-pairs // active))
-    gated = bool(getattr(self, "has_gate", True))
-    bias = bool(getattr(self, "has_bias", False))
-    transposed = bool(getattr(self, "is_transposed", False))
-    up_w = (self.gate_up_proj if gated else self.up_proj)[:active]
-    up_b = ((self.gate_up_proj_bias if gated else self.up_proj_bias)[:active] if bias else None)
-    down_w, down_b = self.down_proj[:active], (self.down_proj_bias[:active] if bias else None)
+    pairs, active, share, (gated, transposed, up_w, up_b, down_w, down_b) = _balanced_plan(self, tokens, top_k)
+    up_w, down_w = up_w[:active], down_w[:active]
+    up_b, down_b = (None if b is None else b[:active] for b in (up_b, down_b))
 
     def grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         y = torch.bmm(x, w if transposed else w.transpose(1, 2))      # (experts, share, out)
@@ -130,8 +133,6 @@ MOE_KERNELS = ("loop", "grouped")   # transformers' eager loop over experts / it
 
 def check_moe_kernels(kernels: str) -> None:
     """Refuse a ``moe_kernels`` value other than :data:`MOE_KERNELS`, naming the choices."""
-    from neusight.errors import InputError
-
     if kernels not in MOE_KERNELS:
         raise InputError(f"moe_kernels={kernels!r} is not known; use 'loop' (transformers' eager loop over the "
                          "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
@@ -141,19 +142,19 @@ def is_routed_experts(mod: nn.Module) -> bool:
     """transformers' standard top-k experts module (3-D weights per expert, called with each token's chosen experts),
     as :func:`fix_routed_experts` traces. Experts called with the hidden states alone (Llama 4's, which run every
     expert on every token's scaled copy) keep their own forward."""
-    import inspect
-
-    try:
-        takes = inspect.signature(type(mod).forward).parameters
-    except (TypeError, ValueError):
-        return False
-    if "top_k_index" not in takes and len(takes) < 4:      # self, hidden states, chosen experts, their weights
+    if not hasattr(mod, "num_experts"):                   # the cheap test first: most modules stop here
         return False
     params = dict(mod.named_parameters(recurse=False))
     up = params.get("gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj")
     down = params.get("down_proj")
-    return (hasattr(mod, "num_experts") and up is not None and down is not None and up.dim() == 3
-            and down.dim() == 3 and up.shape[0] == down.shape[0] == int(mod.num_experts))
+    if not (up is not None and down is not None and up.dim() == 3 and down.dim() == 3
+            and up.shape[0] == down.shape[0] == int(mod.num_experts)):
+        return False
+    try:
+        takes = inspect.signature(type(mod).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "top_k_index" in takes or len(takes) >= 4      # self, hidden states, chosen experts, their weights
 
 
 def fix_routed_experts(model: nn.Module, kernels: str = "loop") -> str | None:
