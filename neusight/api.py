@@ -21,6 +21,7 @@ from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
 from neusight.kernels.ops_gemm import DEPTHWISE_PREFIX
 from neusight.memory import estimate_memory
+from neusight.predictor.features import without_tensor_cores
 from neusight.predictor.model import SHIPPED, SHIPPED_AMD, Predictor
 from neusight.tiles import DEDICATED_LANES_GEMM_FRACTION, GEMM_FAMILIES, sgemm_lane_fraction
 from neusight.util import atomic_write_text
@@ -207,6 +208,10 @@ FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops betw
               "the memory forecast is the eager one")
 MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
                  "(neusight.graph.megatron); other kernels as Hugging Face runs them")
+NO_TENSOR_CORE_NOTE = ("{n} {what} convolution kernels have channels that are not multiples of 8 (FP16 / BF16) or 4 "
+                       "(TF32), e.g. a first layer on 3-channel images: cuDNN runs them on the CUDA cores, so they are "
+                       "forecast at the FP32 rates (padding the channels, e.g. to 4 for a stride-2 first layer, lets them "
+                       "use tensor cores)")
 DEPTHWISE_NOTE = ("{n} depthwise-convolution kernels are forecast as memory-bound window ops at the memory-bound model's "
                   "speed; no kernel measurement covers them, and PyTorch's FP32 depthwise kernels run well below memory "
                   "bandwidth, so expect this forecast to be too fast (EfficientNet rows of docs/evaluation.md)")
@@ -349,16 +354,20 @@ def tf32_mode(tf32: Any) -> str:
     return mode
 
 
-def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.Series:
+def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None, *, aligned_only: bool = True) -> pd.Series:
     """The dtype each kernel's math runs in: ``"tf32"`` for the FP32 kernels of the families ``tf32`` lets run on
-    TF32 tensor cores, on a GPU that has them; the traced dtype otherwise."""
+    TF32 tensor cores, on a GPU that has them (convolutions only when cuDNN can put their channels there:
+    ``aligned_only``); the traced dtype otherwise."""
     mode = tf32_mode(tf32)
     fams = TF32_MODES[mode]
     dtype = kernels["dtype"].astype(str)
     # the default is cuDNN's (torch.backends.cudnn.allow_tf32); MIOpen on ROCm keeps FP32 convolutions in FP32
     if not fams or not device.tf32_tensor_tflops or (mode == "default" and device.vendor != "nvidia"):
         return dtype
-    return dtype.where(~(kernels["family"].isin(fams) & (dtype == "float32")), "tf32")
+    rows = kernels["family"].isin(fams) & (dtype == "float32")
+    if aligned_only:   # cuDNN keeps a convolution whose channels are not multiples of 4 off the TF32 tensor cores
+        rows &= ~without_tensor_cores(kernels.assign(dtype="tf32"))
+    return dtype.where(~rows, "tf32")
 
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
@@ -378,9 +387,14 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
-    k = k.assign(dtype=tf32_dtypes(k, device, tf32))
+    math_dtype = tf32_dtypes(k, device, tf32)
+    # convolutions off the tensor cores for their channels: FP16 / BF16 ones, and the FP32 ones TF32 would take
+    no_tc = without_tensor_cores(k) | ((math_dtype == "float32")
+                                       & (tf32_dtypes(k, device, tf32, aligned_only=False) == "tf32"))
+    k = k.assign(dtype=math_dtype)
     n_tf32 = int((k["dtype"] == "tf32").sum())
-    frame = pd.concat([k[["family", "kernel", "flops", "algo_flops", "bytes", "dtype"]], kernel_dims(k)], axis=1)
+    cols = [c for c in ("family", "kernel", "flops", "algo_flops", "bytes", "dtype", "channel_align") if c in k]
+    frame = pd.concat([k[cols], kernel_dims(k)], axis=1)
     res = pred.predict(frame, device)
     kernels = pd.concat([k, res.drop(columns=["model_family"])], axis=1)
     # NB: kernels were measured one at a time, paying the launch overhead (and the timing events around it)
@@ -399,6 +413,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     if n_tf32:
         notes += (TF32_NOTE.format(n=n_tf32, what=", ".join(sorted(k.loc[k["dtype"] == "tf32", "family"].unique())),
                                    mode=tf32_mode(tf32)),)
+    if no_tc.any():
+        names = {"float16": "FP16", "bfloat16": "BF16", "float32": "TF32"}   # float32 here: kept off TF32
+        what = sorted({names.get(d, d) for d in k.loc[no_tc, "dtype"]})
+        notes += (NO_TENSOR_CORE_NOTE.format(n=int(no_tc.sum()), what=" / ".join(what)),)
     n_dw = int(kernels["kernel"].astype(str).str.startswith(DEPTHWISE_PREFIX).sum())
     if n_dw:
         notes += (DEPTHWISE_NOTE.format(n=n_dw),)

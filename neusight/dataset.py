@@ -326,6 +326,7 @@ def load_deepbench_conv(path: str | Path, *, precisions: Iterable[str] = ("fp32"
         part["flops"] = [k.flops if k else np.nan for k in ks]
         part["algo_flops"] = [k.algo_flops if k else np.nan for k in ks]
         part["bytes"] = [k.bytes if k else np.nan for k in ks]
+        part["channel_align"] = [float(k.channel_align) if k else np.nan for k in ks]
         reasons = pd.Series(None, index=part.index, dtype=object)
         for mask, reason in ((lat.isna() | ~np.isfinite(lat) | shape.isna().any(axis=1), "missing_value"),
                              (part["device"].isna(), "unknown_device"), (~(lat > 0), "non_positive_latency"),

@@ -98,6 +98,10 @@ def test_deepbench_conv_loads_every_pass(deepbench):
     fwd = deepbench[deepbench["pass"] == "fwd"].groupby("device").size()
     dgrad = deepbench[deepbench["pass"] == "dgrad"].groupby("device").size()
     assert (dgrad <= fwd).all() and (dgrad < fwd).any()
+    # each row carries its channel alignment (the tensor-core rule of FP16 convolutions; docs/deepbench.md)
+    expected = [next(a for a in (8, 4, 2, 1) if c % a == 0 and k % a == 0)
+                for c, k in zip(deepbench["conv_c"], deepbench["conv_k"])]
+    assert deepbench["channel_align"].tolist() == expected and {1.0, 8.0} <= set(expected)
 
 
 def test_deepbench_conv_skips_and_counts(tmp_path, caplog):

@@ -711,7 +711,8 @@ def test_tf32_default_runs_convolutions_on_tensor_cores_of_gpus_that_have_them(r
     a100 = {m: predict_graph(resnet_graph, "a100-pcie-40gb", tf32=m) for m in (None, "default", "all", "off", True,
                                                                                False)}
     k = a100[None].kernels
-    assert set(k.loc[k["family"] == "conv", "dtype"]) == {"tf32"}               # PyTorch's default: convolutions
+    aligned = k["channel_align"] >= 4   # every conv but the 3-channel first layer's (next test)
+    assert set(k.loc[(k["family"] == "conv") & aligned, "dtype"]) == {"tf32"}   # PyTorch's default: convolutions
     assert set(k.loc[k["family"] == "linear", "dtype"]) == {"float32"}          # ... but not matmuls
     assert set(a100["all"].kernels.loc[k["family"] == "linear", "dtype"]) == {"tf32"}
     assert (a100["off"].kernels["dtype"] != "tf32").all()
@@ -722,12 +723,55 @@ def test_tf32_default_runs_convolutions_on_tensor_cores_of_gpus_that_have_them(r
         assert (p.kernels["isolated_ms"] >= p.kernels["roofline_ms"]).all() and np.isfinite(p.latency_ms)
     conv = k["family"] == "conv"   # a TF32 convolution is bounded by the TF32 peak, not the FP32 one
     assert (k.loc[conv, "roofline_ms"] <= a100["off"].kernels.loc[conv, "roofline_ms"]).all()
+    assert (k.loc[conv & aligned, "roofline_ms"] < a100["off"].kernels.loc[conv & aligned, "roofline_ms"]).all()
     # a GPU without TF32 tensor cores runs true FP32 whatever the switch says
     v100 = {m: predict_graph(resnet_graph, "v100-sxm2-16gb", tf32=m).latency_ms for m in ("default", "all", "off")}
     assert len(set(v100.values())) == 1
     # PyTorch's default TF32 convolutions are cuDNN's: on ROCm (MI300X has TF32 units) only tf32="all" uses them
     mi300 = {m: predict_graph(resnet_graph, "mi300x", tf32=m).kernels for m in ("default", "all")}
     assert (mi300["default"]["dtype"] != "tf32").all() and (mi300["all"]["dtype"] == "tf32").any()
+
+
+def test_convolutions_with_unaligned_channels_stay_off_the_tensor_cores(resnet_graph):
+    """cuDNN puts a convolution on tensor cores only when its input and output channels are multiples of 8
+    (FP16 / BF16) or 4 (TF32): ResNet's first layer (3 input channels) runs on the CUDA cores, at the FP32 rates,
+    in TF32 and in mixed precision alike, and the forecast says so; its other convolutions are unaffected."""
+    from neusight.api import predict_graph
+
+    k = resnet_graph.kernels
+    conv = k["family"] == "conv"
+    stem = conv & (k["module"] == "conv1")
+    assert set(k.loc[stem, "kernel"]) == {"conv_fwd", "conv_wgrad_strided"}   # no data gradient of the input
+    assert (k.loc[stem, "channel_align"] == 1).all() and (k.loc[conv & ~stem, "channel_align"] == 8).all()
+    assert k.loc[~conv, "channel_align"].isna().all()
+    tf32, off = (predict_graph(resnet_graph, "a100-pcie-40gb", tf32=m).kernels for m in ("default", "off"))
+    assert (tf32.loc[stem, "dtype"] == "float32").all() and (tf32.loc[conv & ~stem, "dtype"] == "tf32").all()
+    pd.testing.assert_series_equal(tf32.loc[stem, "latency_ms"], off.loc[stem, "latency_ms"])
+    note = [n for n in predict_graph(resnet_graph, "a100-pcie-40gb").notes if "multiples of 8" in n]
+    assert len(note) == 1 and note[0].startswith("2 TF32 convolution kernels")
+    assert not any("multiples of 8" in n for n in predict_graph(resnet_graph, "a100-pcie-40gb", tf32="off").notes)
+    # mixed precision: the FP16 first layer is bounded by the FP32 peak, its bytes stay half precision
+    amp = neusight.trace("resnet18", batch_size=8, mode="training", optimizer="sgd", amp="float16")
+    ka = predict_graph(amp, "a100-pcie-40gb").kernels
+    stem_a = (ka["family"] == "conv") & (ka["module"] == "conv1")
+    assert (ka.loc[stem_a, "dtype"] == "float16").all()
+    dev = load_device("a100-pcie-40gb")
+    fwd = ka[stem_a & (ka["kernel"] == "conv_fwd")].iloc[0]
+    assert fwd["roofline_ms"] >= fwd["flops"] / dev.peak_fp32_flops * 1e3 * (1 - 1e-9)
+    assert fwd["bytes"] == k.loc[stem & (k["kernel"] == "conv_fwd"), "bytes"].iloc[0] / 2
+    assert any(n.startswith("2 FP16 convolution kernels") for n in predict_graph(amp, "a100-pcie-40gb").notes)
+
+
+def test_grouped_convolutions_are_aligned_by_their_channel_counts():
+    """The channel rule counts a convolution's channels, not its channels per group (a ResNeXt 32x4d block's
+    128-channel grouped convolution, 4 per group, is aligned; so was it before the rule: T4 and V100 AMP rows)."""
+    from neusight.kernels.base import channel_alignment
+
+    assert [channel_alignment(c, k) for c, k in ((3, 64), (4, 64), (64, 6), (128, 128), (16, 24))] == [1, 4, 2, 8, 8]
+    g = neusight.trace(torch.nn.Conv2d(128, 128, 3, padding=1, groups=32), batch_size=2, mode="training",
+                       input_shapes=[(128, 8, 8)], optimizer=None)
+    conv = g.kernels[g.kernels["family"] == "conv"]
+    assert set(conv["kernel"]) == {"conv_fwd", "conv_wgrad"} and (conv["channel_align"] == 8).all()
 
 
 def test_unknown_tf32_mode_is_refused_with_the_choices(resnet_graph):

@@ -12,7 +12,7 @@ from neusight.graph.records import OpRecord, TensorMeta
 from neusight.kernels.base import Family
 
 KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", "dims", "dtype", "flops", "algo_flops",
-                  "bytes", "modeled"]
+                  "bytes", "modeled", "channel_align"]
 
 
 @dataclass
@@ -61,10 +61,12 @@ class Graph:
                 rows["algo_flops"].append(k.min_flops)
                 rows["bytes"].append(k.bytes)
                 rows["modeled"].append(r.modeled)
+                rows["channel_align"].append(k.channel_align)
         df = pd.DataFrame(rows)
         df["flops"] = df["flops"].astype("float64")
         df["algo_flops"] = df["algo_flops"].astype("float64")
         df["bytes"] = df["bytes"].astype("float64")
+        df["channel_align"] = df["channel_align"].astype("float64")   # NaN: not a convolution
         return df
 
     @property

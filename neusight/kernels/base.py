@@ -37,6 +37,18 @@ class Family(str, enum.Enum):
         return self in (Family.LINEAR, Family.BMM, Family.CONV)
 
 
+# NVIDIA's convolution performance guide ("Channels In And Out"): cuDNN runs a convolution on tensor cores when its
+# input and output channels are multiples of 8 in FP16 / BF16 and of 4 in TF32; otherwise on the CUDA cores
+# (Baidu DeepBench's FP16 convolutions with 1 or 3 input channels ran, summed, 3-5x slower than the same shapes in
+# FP32 on V100 and T4, where those with aligned channels ran 3-5x faster: docs/deepbench.md).
+TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
+
+
+def channel_alignment(c_in: int, c_out: int) -> int:
+    """The largest of 1, 2, 4, 8 dividing both channel counts."""
+    return next(a for a in (8, 4, 2, 1) if c_in % a == 0 and c_out % a == 0)
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One GPU kernel: what the predictor needs to know about it, nothing about tensors.
@@ -57,6 +69,10 @@ class Kernel:
     algo_flops : float, optional
         The fewest FLOPs a fast algorithm the libraries pick needs (Winograd for 3x3 stride-1
         convolutions); the roofline's compute leg uses it. None = ``flops``.
+    channel_align : int, optional
+        Convolutions only: the largest of 1, 2, 4, 8 that divides both the input and the output channel counts
+        (of the whole convolution, not per group). cuDNN runs a convolution on tensor cores only from
+        :data:`TC_CHANNEL_ALIGN` of its precision; None for every other kernel.
     """
 
     family: Family
@@ -66,6 +82,7 @@ class Kernel:
     bytes: float
     dtype: str = "float32"
     algo_flops: float | None = None
+    channel_align: int | None = None
 
     @property
     def min_flops(self) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from neusight.kernels.base import Family, Kernel
+from neusight.kernels.base import Family, Kernel, channel_alignment
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -66,7 +66,8 @@ def conv2d_implicit_gemm(batch: int, c_in: int, h: int, w: int, c_out: int, r: i
     elems = batch * c_in * h * w + c_out * (c_in // groups) * r * s + batch * c_out * p * q
     flops = 2.0 * groups * m * n * k
     algo = flops / winograd_speedup(r, s, stride, dilation, groups)
-    return Kernel(Family.CONV, name, (groups, m, n, k), flops, float(elems * size), str(dtype), algo)
+    return Kernel(Family.CONV, name, (groups, m, n, k), flops, float(elems * size), str(dtype), algo,
+                  channel_alignment(c_in, c_out))
 
 
 # Winograd F(2x2, 3x3) computes a 2x2 output tile of a 3x3 convolution with 16 multiplies instead of 36:

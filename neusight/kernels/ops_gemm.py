@@ -8,7 +8,7 @@ import torch
 
 from neusight.graph.records import OpCall, TensorMeta
 from neusight.kernels import formulas
-from neusight.kernels.base import Family, Kernel
+from neusight.kernels.base import Family, Kernel, channel_alignment
 from neusight.kernels.registry import register
 
 aten = torch.ops.aten
@@ -97,7 +97,8 @@ def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups
                                        dilation=dilation[1:], groups=groups, dtype=x.dtype, name=name)
     d_out = (x.shape[2] + 2 * padding[0] - dilation[0] * (w.shape[2] - 1) - 1) // stride[0] + 1
     g, m, n, k = k2.dims
-    return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype, k2.flops * d_out)
+    return Kernel(Family.CONV, name, (g, m * d_out, n, k), k2.flops * d_out, k2.bytes, x.dtype, k2.flops * d_out,
+                  channel_alignment(x.shape[1], w.shape[0]))
 
 
 STRIDED_SUFFIX = "_strided"   # conv_dgrad_strided, conv_wgrad_strided: gradients of a conv with stride > 1
@@ -176,10 +177,10 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K; transposed: the underlying forward
         ks.append(Kernel(Family.CONV, "conv_dgrad" + ("" if transposed else suffix),
                          (g, m, n, k) if transposed else (g, m, k, n), fwd.flops,
-                         float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops))
+                         float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops, fwd.channel_align))
     if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
         ks.append(Kernel(Family.CONV, "conv_wgrad" + suffix, (g, n, m, k), fwd.flops,
-                         float(size * (dy.numel + x.numel + w.numel)), x.dtype, fwd.algo_flops))
+                         float(size * (dy.numel + x.numel + w.numel)), x.dtype, fwd.algo_flops, fwd.channel_align))
     if len(mask) > 2 and mask[2]:
         ks.append(_bias_grad(dy))
     return ks

@@ -14,7 +14,7 @@ import pandas as pd
 
 from neusight.devices import Device
 from neusight.graph.fusion import FUSED_KERNEL
-from neusight.kernels.base import Family
+from neusight.kernels.base import TC_CHANNEL_ALIGN, Family
 from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
 from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of
@@ -141,6 +141,17 @@ def layout_model(df: pd.DataFrame, layout_models: dict[str, str] | None) -> pd.S
     routed = (df["family"] == Family.LINEAR.value) & suffix.isin(list(layout_models))
     out[routed] = suffix[routed].map(layout_models)
     return out
+
+
+def without_tensor_cores(df: pd.DataFrame) -> pd.Series:
+    """Convolutions in a tensor-core precision (FP16, BF16, TF32) whose channels cuDNN cannot put on tensor cores
+    (``channel_align`` below :data:`neusight.kernels.base.TC_CHANNEL_ALIGN` of the precision): they run on the
+    CUDA cores, at the FP32 rates. Rows without a ``channel_align`` (or NaN: not a convolution) are aligned."""
+    if "channel_align" not in df:
+        return pd.Series(False, index=df.index)
+    need = df["dtype"].astype(str).map(TC_CHANNEL_ALIGN)
+    align = pd.to_numeric(df["channel_align"], errors="coerce")
+    return (df["family"] == Family.CONV.value) & need.notna() & align.notna() & (align < need)
 
 
 def _winograd_capable(df: pd.DataFrame) -> pd.Series:

@@ -22,7 +22,7 @@ from neusight.errors import CheckpointError
 from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES,
                                          DEVICE_DESCRIPTORS, GRADIENT_KERNEL, LAYOUTS, MODEL_FAMILIES,
                                          backward_kernels, conv_backward_class, decompose, feature_names,
-                                         n_work_features)
+                                         n_work_features, without_tensor_cores)
 from neusight.predictor.mlp import MLPConfig, MLPEnsemble, UtilizationMLP, build_model
 from neusight.predictor.train import FitResult, fit_ensemble_logo, fit_mlp, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
@@ -154,6 +154,8 @@ class Predictor:
         keys = ["family", "kernel", "B", "M", "N", "K", "rows", "cols", "flops", "algo_flops", "bytes", "dtype"]
         work = df.reindex(columns=keys).copy()
         work["algo_flops"] = work["algo_flops"].fillna(work["flops"])
+        # a convolution whose channels keep it off the tensor cores runs as an FP32 CUDA-core kernel (its bytes stay)
+        work.loc[without_tensor_cores(df), "dtype"] = "float32"
         # Winograd and FFT convolutions are FP32 kernels on the FP32 lanes (the conv sweeps' kind); on tensor cores
         # (TF32, FP16, BF16) cuDNN runs convolutions as implicit GEMMs, with every FLOP of the direct algorithm
         work.loc[work["dtype"].astype(str) != "float32", "algo_flops"] = work["flops"]
