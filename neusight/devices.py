@@ -319,6 +319,27 @@ def _normalize(label: str) -> str:
     return re.sub(r"[\s_\-]+", "", label).lower()
 
 
+# Words a listing may add to or drop from a GPU's name without naming another GPU ("Tesla V100", "NVIDIA A10").
+_MAKER_WORDS = frozenset({"nvidia", "tesla", "geforce", "amd", "instinct"})
+
+
+def _tokens(label: str) -> frozenset[str]:
+    """The words of a name in any order, lower case, without maker words: benchmark tables write the same card
+    as "A100 80GB SXM4", "A100-SXM4-80GB" or "NVIDIA A100 SXM4 80GB"."""
+    return frozenset(t for t in re.split(r"[\s_\-/]+", label.lower()) if t and t not in _MAKER_WORDS)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_index(directory: str) -> Mapping[frozenset[str], str]:
+    """Word set of every key, name and alias -> key, leaving out word sets that name two GPUs. Only the same
+    words match (never a subset: "RTX 3090 Ti" must not find the RTX 3090)."""
+    owners: dict[frozenset[str], set[str]] = {}
+    for key, device in _library(directory)[0].items():
+        for label in (key, device.name, *device.aliases):
+            owners.setdefault(_tokens(label), set()).add(key)
+    return MappingProxyType({words: next(iter(keys)) for words, keys in owners.items() if words and len(keys) == 1})
+
+
 def device_dir() -> Path:
     """Folder of the spec library: ``$NEUSIGHT_DATA/devices`` if set, else ``data/devices`` of the repo."""
     env = os.environ.get("NEUSIGHT_DATA")
@@ -427,7 +448,8 @@ def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
         A Device (returned as is); a path to a ``.yaml``/``.yml``/``.json`` spec; or a library key
         (``"h100-sxm5-80gb"``), its display name (``"NVIDIA H100 SXM5 80GB"``, as forecasts print it) or an
         alias such as the exact ``torch.cuda.get_device_name()`` string. Names match ignoring case, spaces,
-        dashes and underscores.
+        dashes and underscores; failing that, by their words in any order, maker words (NVIDIA, Tesla, GeForce,
+        AMD, Instinct) aside, when those words name one GPU only ("A100 80GB SXM4").
 
     Returns
     -------
@@ -462,7 +484,7 @@ def load_device(name_or_path: str | os.PathLike[str] | Device) -> Device:
                               "library key (neusight.devices.list_devices()) instead.")
         return _read_spec(path)
     devices, index = _library(str(device_dir()))
-    key = index.get(_normalize(text))
+    key = index.get(_normalize(text)) or _token_index(str(device_dir())).get(_tokens(text))
     if key is None:
         query = _normalize(text)  # labels containing the query first ("v100"), then the most similar ones
         close = [c for c in index if query in c] + difflib.get_close_matches(query, list(index), len(index), 0)

@@ -200,7 +200,10 @@ E2E_FLOORS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 # grid search minimizing the mean absolute % error on the training GPUs' runs): one scale 0.71 (floor 0.3) gives
 # leave-one-GPU-out A100 6.50, P100 0.98, P4 15.24, T4 3.44, V100 4.98 % and L4 7.42 %; separate scales for the
 # GEMM families (0.71) and all others (0.47) give 6.64, 1.05, 15.63, 4.39, 6.23 % and L4 7.35 %: worse on four of
-# five held-out GPUs, so not done.
+# five held-out GPUs, so not done. Measured 2026-11-26 (session 20, same runs): a discount that fades with the
+# kernel's length (scale + (1 - scale) x min(1, isolated / T0) on the excess: the per-operator CSVs show long runs'
+# kernels as slow in the model as alone, A100 / V100 GPT-3 at 2048 tokens e2e / per-op 0.99-1.06) loses at every T0:
+# leave-one-GPU-out mean 6.59 % with the plain scale, 6.88 / 9.80 / 11.98 % with T0 = 100 / 30 / 10 ms.
 def fit_e2e_scale(runs: list[LabelRun], predictor) -> dict:
     """The end-to-end calibration of ``neusight.api.e2e_kernel_ms``, fitted on ``runs``: for each launch floor
     in :data:`E2E_FLOORS`, the factor on every kernel's excess over its roofline that makes the mean

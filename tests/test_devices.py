@@ -120,6 +120,27 @@ def test_lookup_ignores_case_spaces_dashes_underscores(name: str, key: str):
     assert load_device(name).key == key
 
 
+@pytest.mark.parametrize("name, key", [
+    ("A100 80GB SXM4", "a100-sxm4-80gb"),       # benchmark tables put the words in another order
+    ("80GB A100 PCIe", "a100-80gb-pcie"),
+    ("Tesla A100 SXM4 40GB", "a100-sxm4-40gb"),  # maker words added ...
+    ("Instinct MI250", "mi250"),                 # ... or dropped
+    ("H200 SXM 141GB", "h200"),
+    ("H100-NVL-94GB", "h100-nvl"),
+    ("GH200-96GB", "gh200"),
+])
+def test_lookup_takes_the_words_of_a_name_in_any_order(name: str, key: str):
+    assert load_device(name).key == key
+
+
+@pytest.mark.parametrize("name", ["A100-80GB",      # both A100 80GB cards: which one is not said
+                                  "RTX 3090 Ti",    # another card than the RTX 3090, never its near match
+                                  "A100 SXM4 80GB 40GB"])
+def test_word_lookup_needs_exactly_one_gpus_words(name: str):
+    with pytest.raises(DeviceError, match="unknown device"):
+        load_device(name)
+
+
 def test_no_two_devices_share_an_alias():
     owner: dict[str, str] = {}
     for key in list_devices():
