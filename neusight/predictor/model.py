@@ -140,7 +140,8 @@ class Predictor:
 
     # ------------------------------------------------------------------------------------ predict
     def predict(self, df: pd.DataFrame, device: Device | str, *, conv_backward: bool = True) -> pd.DataFrame:
-        """Predict every kernel row of ``df`` (columns ``family, B, M, N, K, rows, cols, flops, bytes, dtype``)
+        """Predict every kernel row of ``df`` (columns ``family, B, M, N, K, rows, cols, flops, bytes, dtype``;
+        optional ``channel_align`` of convolutions, :func:`neusight.predictor.features.without_tensor_cores`)
         on one device. Identical shapes are decomposed and predicted once (one MLP call per family).
         ``conv_backward=False`` leaves out the convolution-gradient factors (used when fitting them).
 
