@@ -763,8 +763,9 @@ def test_convolutions_with_unaligned_channels_stay_off_the_tensor_cores(resnet_g
 
 
 def test_grouped_convolutions_are_aligned_by_their_channel_counts():
-    """The channel rule counts a convolution's channels, not its channels per group (a ResNeXt 32x4d block's
-    128-channel grouped convolution, 4 per group, is aligned; so was it before the rule: T4 and V100 AMP rows)."""
+    """The channel rule counts a convolution's channels, not its channels per group: a ResNeXt 32x4d block's
+    grouped convolution (128 channels in 32 groups of 4) is aligned. Counted per group, ResNeXt-101's AMP rows went
+    from +1.5 to +9.8 % on T4 (inference) and to +22.8 % on V100 (training) when the rule was written."""
     from neusight.kernels.base import channel_alignment
 
     assert [channel_alignment(c, k) for c, k in ((3, 64), (4, 64), (64, 6), (128, 128), (16, 24))] == [1, 4, 2, 8, 8]
