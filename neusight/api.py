@@ -209,8 +209,9 @@ FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops betw
 MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
                  "(neusight.graph.megatron); other kernels as Hugging Face runs them")
 NO_TENSOR_CORE_NOTE = ("{n} {what} convolution kernels have channels that are not multiples of 8 (FP16 / BF16) or 4 "
-                       "(TF32), e.g. a first layer on 3-channel images: cuDNN runs them on the CUDA cores, so they are "
-                       "forecast at the FP32 rates (padding the channels to such a multiple lets them use tensor cores)")
+                       "(TF32), e.g. a first layer on 3-channel images, which cuDNN's tensor-core kernels want: they are "
+                       "forecast as CUDA-core convolutions at the FP32 rates (padding the channels to such a multiple "
+                       "lets them use tensor cores)")
 DEPTHWISE_NOTE = ("{n} depthwise-convolution kernels are forecast as memory-bound window ops at the memory-bound model's "
                   "speed; no kernel measurement covers them, and PyTorch's FP32 depthwise kernels run well below memory "
                   "bandwidth, so expect this forecast to be too fast (EfficientNet rows of docs/evaluation.md)")

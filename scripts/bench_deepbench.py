@@ -172,8 +172,8 @@ def main() -> None:
         "ratio without and with the shipped factors:", "",
         markdown_table(fp16_ratio, index=False, signed=["no factors", "shipped factors"]),
         "### FP16 convolutions and their channel counts", "",
-        "cuDNN runs an FP16 convolution on tensor cores only when its input and output channels are multiples of 8 "
-        "(NVIDIA's convolution performance guide); DeepBench's FP16 shapes with 1 or 3 input channels (speech "
+        "NVIDIA's convolution performance guide asks for input and output channels in multiples of 8 for an FP16 "
+        "convolution to run efficiently on tensor cores; DeepBench's FP16 shapes with 1 or 3 input channels (speech "
         "spectrograms, image first layers) show it: summed, they ran 3-5x slower than the same shapes in FP32, where "
         "the aligned ones ran 3-5x faster. The forecast puts such convolutions on the CUDA cores at the FP32 rates "
         "(neusight.predictor.features.without_tensor_cores); summed forecast over summed measured time (1 = right, "

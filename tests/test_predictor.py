@@ -733,9 +733,10 @@ def test_tf32_default_runs_convolutions_on_tensor_cores_of_gpus_that_have_them(r
 
 
 def test_convolutions_with_unaligned_channels_stay_off_the_tensor_cores(resnet_graph):
-    """cuDNN puts a convolution on tensor cores only when its input and output channels are multiples of 8
-    (FP16 / BF16) or 4 (TF32): ResNet's first layer (3 input channels) runs on the CUDA cores, at the FP32 rates,
-    in TF32 and in mixed precision alike, and the forecast says so; its other convolutions are unaffected."""
+    """A convolution is forecast on tensor cores only when its input and output channels are multiples of 8
+    (FP16 / BF16) or 4 (TF32), as NVIDIA's convolution guide asks: ResNet's first layer (3 input channels) is a
+    CUDA-core convolution at the FP32 rates, in TF32 and in mixed precision alike, and the forecast says so; its other
+    convolutions are unaffected."""
     from neusight.api import predict_graph
 
     k = resnet_graph.kernels

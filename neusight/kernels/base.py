@@ -37,9 +37,9 @@ class Family(str, enum.Enum):
         return self in (Family.LINEAR, Family.BMM, Family.CONV)
 
 
-# NVIDIA's convolution performance guide ("Channels In And Out"): cuDNN runs a convolution on tensor cores when its
-# input and output channels are multiples of 8 in FP16 / BF16 and of 4 in TF32; otherwise on the CUDA cores
-# (Baidu DeepBench's FP16 convolutions with 1 or 3 input channels ran, summed, 3-5x slower than the same shapes in
+# NVIDIA's convolution performance guide ("Channels In And Out"): a convolution runs efficiently on tensor cores when
+# its input and output channels are multiples of 8 in FP16 / BF16 and of 4 in TF32; the forecast runs the others on
+# the CUDA cores, at the FP32 rates (Baidu DeepBench's FP16 convolutions with 1 or 3 input channels ran, summed, 3-5x slower than the same shapes in
 # FP32 on V100 and T4, where those with aligned channels ran 3-5x faster: docs/deepbench.md).
 TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
 
@@ -71,7 +71,7 @@ class Kernel:
         convolutions); the roofline's compute leg uses it. None = ``flops``.
     channel_align : int, optional
         Convolutions only: the largest of 1, 2, 4, 8 that divides both the input and the output channel counts
-        (of the whole convolution, not per group). cuDNN runs a convolution on tensor cores only from
+        (of the whole convolution, not per group). A convolution is forecast on tensor cores only from
         :data:`TC_CHANNEL_ALIGN` of its precision; None for every other kernel.
     """
 

@@ -144,9 +144,9 @@ def layout_model(df: pd.DataFrame, layout_models: dict[str, str] | None) -> pd.S
 
 
 def without_tensor_cores(df: pd.DataFrame) -> pd.Series:
-    """Convolutions in a tensor-core precision (FP16, BF16, TF32) whose channels cuDNN cannot put on tensor cores
-    (``channel_align`` below :data:`neusight.kernels.base.TC_CHANNEL_ALIGN` of the precision): they run on the
-    CUDA cores, at the FP32 rates. Rows without a ``channel_align`` (or NaN: not a convolution) are aligned."""
+    """Convolutions in a tensor-core precision (FP16, BF16, TF32) whose channels do not suit tensor cores
+    (``channel_align`` below :data:`neusight.kernels.base.TC_CHANNEL_ALIGN` of the precision): forecast as CUDA-core
+    convolutions, at the FP32 rates. Rows without a ``channel_align`` (or NaN: not a convolution) are aligned."""
     if "channel_align" not in df:
         return pd.Series(False, index=df.index)
     need = df["dtype"].astype(str).map(TC_CHANNEL_ALIGN)
