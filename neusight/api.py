@@ -356,8 +356,8 @@ def tf32_mode(tf32: Any) -> str:
 
 def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None, *, aligned_only: bool = True) -> pd.Series:
     """The dtype each kernel's math runs in: ``"tf32"`` for the FP32 kernels of the families ``tf32`` lets run on
-    TF32 tensor cores, on a GPU that has them (convolutions only when cuDNN can put their channels there:
-    ``aligned_only``); the traced dtype otherwise."""
+    TF32 tensor cores, on a GPU that has them (with ``aligned_only``, convolutions only when their channels are
+    multiples of 4: :data:`neusight.kernels.base.TC_CHANNEL_ALIGN`); the traced dtype otherwise."""
     mode = tf32_mode(tf32)
     fams = TF32_MODES[mode]
     dtype = kernels["dtype"].astype(str)
@@ -365,7 +365,7 @@ def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None, *, alig
     if not fams or not device.tf32_tensor_tflops or (mode == "default" and device.vendor != "nvidia"):
         return dtype
     rows = kernels["family"].isin(fams) & (dtype == "float32")
-    if aligned_only:   # cuDNN keeps a convolution whose channels are not multiples of 4 off the TF32 tensor cores
+    if aligned_only:   # a convolution whose channels are not multiples of 4 stays off the TF32 tensor cores
         rows &= ~without_tensor_cores(kernels.assign(dtype="tf32"))
     return dtype.where(~rows, "tf32")
 

@@ -39,8 +39,9 @@ class Family(str, enum.Enum):
 
 # NVIDIA's convolution performance guide ("Channels In And Out"): a convolution runs efficiently on tensor cores when
 # its input and output channels are multiples of 8 in FP16 / BF16 and of 4 in TF32; the forecast runs the others on
-# the CUDA cores, at the FP32 rates (Baidu DeepBench's FP16 convolutions with 1 or 3 input channels ran, summed, 3-5x slower than the same shapes in
-# FP32 on V100 and T4, where those with aligned channels ran 3-5x faster: docs/deepbench.md).
+# the CUDA cores, at the FP32 rates (Baidu DeepBench's FP16 convolutions with 1 or 3 input channels ran, summed,
+# 3-5x slower than the same shapes in FP32 on V100 and T4, where those with aligned channels ran 3-5x faster:
+# docs/deepbench.md).
 TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
 
 
