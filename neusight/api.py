@@ -354,20 +354,17 @@ def tf32_mode(tf32: Any) -> str:
     return mode
 
 
-def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None, *, aligned_only: bool = True) -> pd.Series:
+def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.Series:
     """The dtype each kernel's math runs in: ``"tf32"`` for the FP32 kernels of the families ``tf32`` lets run on
-    TF32 tensor cores, on a GPU that has them (with ``aligned_only``, convolutions only when their channels are
-    multiples of 4: :data:`neusight.kernels.base.TC_CHANNEL_ALIGN`); the traced dtype otherwise."""
+    TF32 tensor cores, on a GPU that has them; the traced dtype otherwise. (Which of those convolutions have the
+    channels for tensor cores is :func:`neusight.predictor.features.without_tensor_cores`'s to say.)"""
     mode = tf32_mode(tf32)
     fams = TF32_MODES[mode]
     dtype = kernels["dtype"].astype(str)
     # the default is cuDNN's (torch.backends.cudnn.allow_tf32); MIOpen on ROCm keeps FP32 convolutions in FP32
     if not fams or not device.tf32_tensor_tflops or (mode == "default" and device.vendor != "nvidia"):
         return dtype
-    rows = kernels["family"].isin(fams) & (dtype == "float32")
-    if aligned_only:   # a convolution whose channels are not multiples of 4 stays off the TF32 tensor cores
-        rows &= ~without_tensor_cores(kernels.assign(dtype="tf32"))
-    return dtype.where(~rows, "tf32")
+    return dtype.where(~(kernels["family"].isin(fams) & (dtype == "float32")), "tf32")
 
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
@@ -388,10 +385,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
     math_dtype = tf32_dtypes(k, device, tf32)
-    # convolutions off the tensor cores for their channels: FP16 / BF16 ones, and the FP32 ones TF32 would take
-    no_tc = without_tensor_cores(k) | ((math_dtype == "float32")
-                                       & (tf32_dtypes(k, device, tf32, aligned_only=False) == "tf32"))
-    k = k.assign(dtype=math_dtype)
+    # convolutions off the tensor cores for their channels (FP16 / BF16, and FP32 ones TF32 would take): the latter
+    # stay FP32; Predictor.predict puts the former at the FP32 rates
+    no_tc = without_tensor_cores(k.assign(dtype=math_dtype))
+    k = k.assign(dtype=math_dtype.where(~(no_tc & (math_dtype == "tf32")), "float32"))
     n_tf32 = int((k["dtype"] == "tf32").sum())
     cols = [c for c in ("family", "kernel", "flops", "algo_flops", "bytes", "dtype", "channel_align") if c in k]
     frame = pd.concat([k[cols], kernel_dims(k)], axis=1)

@@ -763,6 +763,24 @@ def test_convolutions_with_unaligned_channels_stay_off_the_tensor_cores(resnet_g
     assert any(n.startswith("2 FP16 convolution kernels") for n in predict_graph(amp, "a100-pcie-40gb").notes)
 
 
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
+@given(st.tuples(dim, dim, dim), st.sampled_from(("M", "N", "K")), st.sampled_from((1.0, 8.0)),
+       st.sampled_from(("float16", "bfloat16")), st.sampled_from(("v100-sxm2-16gb", "a100-pcie-40gb", "h100-sxm5-80gb")))
+def test_half_precision_convolutions_keep_the_work_law_on_either_side_of_the_channel_rule(shipped, shape, which, align,
+                                                                                         dtype, device):
+    """Within one side of the channel rule (tensor cores, or the CUDA cores for unaligned channels) more work never
+    forecasts a convolution faster. Across it the law does not hold and is not meant to: padding a first layer's 3
+    channels to 8 adds work and lets it use tensor cores, which NVIDIA's guide recommends for speed."""
+    def conv(m, n, k):
+        return {"family": "conv", "kernel": "conv_fwd", "B": 1.0, "M": m, "N": n, "K": k, "rows": np.nan,
+                "cols": np.nan, "flops": 2.0 * m * n * k, "algo_flops": 2.0 * m * n * k,
+                "bytes": 2.0 * (m * n + n * k + m * k), "dtype": dtype, "channel_align": align}
+    dims = dict(zip("MNK", (float(v) for v in shape)))
+    bigger = {**dims, which: dims[which] * 2}
+    lat = shipped.predict(pd.DataFrame([conv(*dims.values()), conv(*bigger.values())]), device)["latency_ms"]
+    assert lat.iloc[1] >= lat.iloc[0], (shape, which, align, dtype, device, lat.tolist())
+
+
 def test_grouped_convolutions_are_aligned_by_their_channel_counts():
     """The channel rule counts a convolution's channels, not its channels per group: a ResNeXt 32x4d block's
     grouped convolution (128 channels in 32 groups of 4) is aligned. Counted per group, ResNeXt-101's AMP rows went
