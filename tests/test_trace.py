@@ -366,10 +366,19 @@ def test_gpt3_6_7b_needs_no_weights():
     (dict(batch_size=2, mode="train"), InputError),
     (dict(batch_size=2, optimizer="lion", mode="training"), InputError),
     (dict(batch_size=2, head="vision"), ModelError),
+    (dict(batch_size=2, dtype="float8"), InputError),
+    (dict(batch_size=2, dtype=torch.float64), InputError),   # no FP64 rates: refused, not forecast at FP32 speed
+    (dict(batch_size=2, dtype="int8"), InputError),
 ])
 def test_bad_run_parameters(kw, err):
     with pytest.raises(err):
         neusight.trace("gpt2", **kw)
+
+
+def test_dtype_spellings_name_the_same_precision():
+    for name, want in (("bf16", "bfloat16"), ("half", "float16"), ("torch.float16", "float16"), ("fp32", "float32"),
+                       (torch.bfloat16, "bfloat16")):
+        assert neusight.trace("gpt2", batch_size=1, seq_len=8, dtype=name).dtype == want
 
 
 def test_unknown_model_suggests_close_names():

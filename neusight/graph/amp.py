@@ -23,10 +23,13 @@ from torch.overrides import TorchFunctionMode
 
 from neusight.errors import InputError
 
-__all__ = ["AMP_DTYPES", "Autocast", "amp_dtype"]
+__all__ = ["AMP_DTYPES", "MODEL_DTYPES", "Autocast", "amp_dtype", "model_dtype"]
 
 AMP_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+# dtype= of a traced model: the precisions the spec files give rates for (FP64 has none, so no float64 models)
+MODEL_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, **AMP_DTYPES}
 
 # CUDA ops that autocast to the lower precision (function / method names as the mode sees them)
 LOWER = frozenset({
@@ -64,6 +67,20 @@ def amp_dtype(amp: Any) -> torch.dtype | None:
         return AMP_DTYPES[key]
     raise InputError(f"amp={amp!r} is not a mixed-precision dtype. Fix: amp='float16' (or True), amp='bfloat16', "
                      "or leave it out for no autocast")
+
+
+def model_dtype(dtype: Any) -> torch.dtype:
+    """``dtype=`` of neusight.trace / predict as a torch dtype: float32 (also "fp32", "float"), float16 ("fp16",
+    "half") or bfloat16 ("bf16"), as a name or a torch dtype. Anything else is an InputError naming the value."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in MODEL_DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.").lower() in MODEL_DTYPES:
+        return MODEL_DTYPES[dtype.removeprefix("torch.").lower()]
+    why = ("the GPU spec files give no FP64 rates" if str(dtype).removeprefix("torch.") in ("float64", "double")
+           else "not a model precision")
+    raise InputError(f"dtype={str(dtype).removeprefix('torch.')!r}: {why}. Fix: dtype='float32' (the default), "
+                     "'float16' or 'bfloat16' (or amp='float16' / 'bfloat16' for mixed precision)")
 
 
 class Autocast(TorchFunctionMode):

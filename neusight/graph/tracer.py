@@ -23,7 +23,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from neusight.errors import InputError, ModelError, TraceError
 from neusight.graph import fastmeta
-from neusight.graph.amp import Autocast, amp_dtype
+from neusight.graph.amp import Autocast, amp_dtype, model_dtype
 from neusight.graph.graph import Graph
 from neusight.graph.models import BuiltModel, build_model
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
@@ -320,7 +320,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     >>> int(g.kernels.query("family == 'conv'").shape[0])
     20
     """
-    torch_dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
+    torch_dtype = model_dtype(dtype)
     from neusight.graph.moe import check_moe_kernels
 
     check_moe_kernels(moe_kernels)
