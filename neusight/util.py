@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from neusight.errors import InputError
+
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename, so no half-written file is left."""
@@ -13,9 +15,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (parent folders created); a path that cannot be written is an
+    InputError naming it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise InputError(f"cannot write {str(path)!r}: {e.strerror or e}. Fix: give a path in a folder you can "
+                         "write to") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
