@@ -415,6 +415,22 @@ def test_broken_config_json(tmp_path):
         neusight.trace(str(p))
 
 
+def test_a_config_in_memory_traces_like_its_json(tmp_path):
+    import json
+
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4)
+    p = tmp_path / "config.json"
+    p.write_text(cfg.to_json_string())
+    want = neusight.trace(str(p), batch_size=2, seq_len=16, mode="training").kernels
+    for model in (cfg, json.loads(p.read_text())):     # a PretrainedConfig, a dict
+        got = neusight.trace(model, batch_size=2, seq_len=16, mode="training").kernels
+        assert got[["family", "flops", "bytes"]].equals(want[["family", "flops", "bytes"]])
+    with pytest.raises(ModelError, match="model_type"):
+        neusight.trace({"n_layer": 2})
+
+
 @pytest.mark.parametrize("cfg,fragment", [
     ({"model_type": "clip"}, "composite config: text_config, vision_config"),
     ({"model_type": "wav2vec2", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,

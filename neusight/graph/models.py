@@ -149,13 +149,25 @@ def list_models() -> list[str]:
 def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
                 image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
                 dtype: torch.dtype = torch.float32, moe_kernels: str = "loop") -> BuiltModel:
-    """Build a model on the meta device from a preset name, an HF config JSON path or an nn.Module."""
+    """Build a model on the meta device from a preset name, an HF config (JSON path, ``PretrainedConfig`` or a
+    dict with ``model_type``) or an nn.Module."""
     if head is not None and head not in HEADS:
         raise ModelError(f"head={head!r} is not known; use one of {', '.join(HEADS)} or None (the config's architectures)")
     if attn_implementation not in ("eager", "sdpa"):
         raise ModelError(f"attn_implementation={attn_implementation!r} is not supported; use 'eager' or 'sdpa'")
     if isinstance(model, nn.Module):
         return _from_module(model, input_shapes, dtype)
+    if isinstance(model, dict) or callable(getattr(model, "to_dict", None)):   # a config in memory
+        if input_shapes:
+            raise InputError(f"input_shapes={input_shapes!r} is for an nn.Module; a config builds its own inputs. "
+                             "Fix: leave input_shapes out")
+        cfg = dict(model) if isinstance(model, dict) else model.to_dict()
+        if not cfg.get("model_type"):
+            raise ModelError(f"model={type(model).__name__} has no 'model_type'; pass a transformers config "
+                             "(e.g. transformers.GPT2Config(n_layer=6)) or a dict with 'model_type' and its fields")
+        model_type = cfg.pop("model_type")
+        name = str(cfg.get("_name_or_path") or model_type)
+        return _hf(name, model_type, cfg, head, attn_implementation, dtype, image_size, moe_kernels)
     name = str(model)
     if input_shapes and not (MODULE_REF.match(name) and not Path(name).expanduser().exists()):
         raise InputError(f"input_shapes={input_shapes!r} is for an nn.Module (or 'package.module:Class'); model={name!r} "

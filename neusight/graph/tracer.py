@@ -259,8 +259,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
 
     Parameters
     ----------
-    model : str, path or nn.Module
-        A preset (``"gpt2-large"``, ``"resnet50"``, ...), a Hugging Face config JSON path, or an nn.Module
+    model : str, path, config or nn.Module
+        A preset (``"gpt2-large"``, ``"resnet50"``, ...), a Hugging Face config (a config.json path, a
+        ``transformers.PretrainedConfig`` or a dict with its ``model_type``), or an nn.Module
         (then ``input_shapes`` gives its inputs' shapes without the batch dimension; a ``(shape, dtype)`` pair
         for an input that is not of the run's dtype, e.g. ``(("seq",), torch.long)`` for token ids, where a dim
         "seq" takes ``seq_len``).
