@@ -79,7 +79,7 @@ class PredictConfig:
     total_samples: Optional[float] = None  # a whole run: samples to process (e.g. 1.28e6, an ImageNet epoch)
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
-    top: int = 10                        # rows of the kernel and layer tables
+    top: int = 10                        # rows of the kernel and layer tables (0: totals only)
     json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
     csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
     timeline: Optional[str] = None       # write the forecast as a Chrome / Perfetto trace (JSON), one per GPU
@@ -189,6 +189,8 @@ def format_summary(p: Prediction, top: int = 10) -> str:
         lines.append(f"note: {note}")
     fmt = {"ms": "{:,.3f}".format, "ms_per_call": "{:,.4f}".format, "share_pct": "{:.1f}".format,
            "memory_bound_pct": "{:.0f}".format, "utilization": "{:.2f}".format}
+    if top < 1:   # top=0: the totals only
+        return "\n".join(lines)
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
         lines.append(f"\ntop {top} kernels (calls of the same kernel and dims summed):")
         lines.append(top_kernels(p, top).to_string(index=False, formatters=fmt))
@@ -441,6 +443,7 @@ def _app(cfg: PredictConfig) -> float:
     if _asks_for_list(cfg.model) or _asks_for_list(cfg.device):
         print_library(models=_asks_for_list(cfg.model), devices=_asks_for_list(cfg.device))
         return 0.0
+    _check_counts(cfg)
     if cfg.new_tokens is not None:
         return _generation(cfg)
     if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron:
@@ -478,6 +481,23 @@ def _app(cfg: PredictConfig) -> float:
         records = [{**summary_record(p), "overrides": list(hc.overrides.task), "in_job": len(preds)} for p in preds]
         atomic_write_text(os.path.join(hc.runtime.output_dir, SUMMARY_FILE), _json.dumps(records, default=float))
     return float(preds[0].latency_ms)
+
+
+def _check_counts(cfg: PredictConfig) -> None:
+    """The run-wide numbers checked before any forecast is made (so a bad one does not cost a forecast first)."""
+    from neusight.errors import InputError
+
+    for k in ("dp", "tp", "pp", "microbatches"):
+        if getattr(cfg, k) < 1:
+            raise InputError(f"{k}={getattr(cfg, k)} is not a positive number of GPUs / micro-batches. Fix: {k} >= 1 "
+                             "(1: no split)")
+    if cfg.top < 0:
+        raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
+    for k in ("total_tokens", "total_samples", "anchor_ms"):
+        v = getattr(cfg, k)
+        if v is not None and not v > 0:
+            raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}="
+                             f"{ {'total_tokens': '1e9', 'total_samples': '1.28e6', 'anchor_ms': '850'}[k]}")
 
 
 def _generation(cfg: PredictConfig) -> float:
