@@ -46,6 +46,7 @@ BAD = {
     "predict-generation-training": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8", "mode=training"),
                                     "new_tokens=8"),
     "predict-unknown-amp": (("neusight-predict", "model=gpt2", "device=t4", "amp=float8"), "amp='float8'"),
+    "collect-without-out": (("neusight-collect",), "out= is required"),
     "predict-dp-0": (("neusight-predict", "model=gpt2", "device=t4", "dp=0"), "dp=0"),
     "predict-negative-top": (("neusight-predict", "model=gpt2", "device=t4", "top=-1"), "top=-1"),
     "predict-negative-run-length": (("neusight-predict", "model=gpt2", "device=t4", "total_tokens=-5"),

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CollectConfig:
-    out: str = MISSING                   # output folder: <out>/<op>/<Device>.csv (relative to the working directory)
+    out: str = MISSING                   # output folder: <out>/<op>/<Device>.csv (relative to the working directory),
+    #                                      e.g. out=traces; required
     ops: list[str] = field(default_factory=lambda: ["linear", "bmm", "conv", "add", "addu", "mul", "mulu", "div",
                                                     "divu", "pow", "powu", "relu", "tanh", "gelu", "softmax", "ln"])
     sweep: str = "default"               # default | quick

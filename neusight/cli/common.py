@@ -15,7 +15,9 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 def catch_user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a Hydra task function (under ``@hydra.main``): a NeuSightError (bad model, device, shape,
-    file) prints ``error: <message>`` in one line and exits 2, without Hydra's traceback."""
+    file) prints ``error: <message>`` in one line and exits 2, without Hydra's traceback; so does a required
+    setting (``???`` in the config) left out."""
+    from omegaconf.errors import MissingMandatoryValue
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -23,6 +25,11 @@ def catch_user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except NeuSightError as e:
             print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except MissingMandatoryValue as e:
+            key = getattr(e, "full_key", None) or "a required setting"
+            print(f"error: {key}= is required and was not given. Fix: add {key}=<value> to the command",
+                  file=sys.stderr)
             sys.exit(2)
 
     return wrapper
