@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from neusight.accuracy import forecast_kind, measured_accuracy
 from neusight.devices import Device, load_device
 from neusight.errors import DataError, InputError
 from neusight.graph.fusion import fused_kernels
@@ -82,6 +83,7 @@ class Prediction:
     notes: tuple[str, ...] = ()
     memory: Any = None
     predictor_devices: tuple[str, ...] = ()
+    accuracy: dict[str, Any] | None = None   # neusight.accuracy.measured_accuracy: how far off this kind of forecast was
 
     @property
     def layers(self) -> pd.DataFrame:
@@ -124,6 +126,7 @@ class Prediction:
              "latency_ms": self.latency_ms,
              "throughput": rate, "throughput_unit": unit, "phases": self.phases,
              "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
+             "measured_accuracy": self.accuracy,
              "families": self.by_family().reset_index().to_dict(orient="records")}
         if self.memory is not None and hasattr(self.memory, "to_dict"):
             d["memory"] = self.memory.to_dict()
@@ -424,8 +427,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         notes += (beyond,)
     if host := host_bound_note(total, len(kernels)):
         notes += (host,)
+    kind, not_covered = forecast_kind(g, kernels, device, pred.train_devices_, fused=fused, megatron=megatron)
+    accuracy = measured_accuracy(kind, getattr(pred, "manifest_", {}).get("weights_sha256"), extra=not_covered)
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, total, phases,
-                      kernels, g, notes, None, pred.train_devices_)
+                      kernels, g, notes, None, pred.train_devices_, accuracy)
 
 
 def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int | None = None,

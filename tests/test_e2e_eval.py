@@ -83,7 +83,8 @@ def test_evaluate_app_on_two_runs(tmp_path):
     need_shared(DATASET)
     md = tmp_path / "docs" / "evaluation.md"
     r = subprocess.run([str(Path(sys.executable).parent / "neusight-evaluate"), "labels.max_runs=2", "labels.gpus=[l4]",
-                        "cnn.enabled=false", f"out_md={md}", f"hydra.run.dir={tmp_path / 'run'}"],
+                        "cnn.enabled=false", f"out_md={md}", f"accuracy_out={tmp_path / 'acc' / 'a.json'}",
+                        f"hydra.run.dir={tmp_path / 'run'}"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
@@ -99,6 +100,17 @@ def test_evaluate_app_on_two_runs(tmp_path):
     assert "| l4 |" in md.read_text() and "Roofline baseline" in md.read_text()
     assert json.loads((run / "summary.json").read_text())["runs"] == 2
     assert list(pd.read_csv(run / "speedups.csv").columns)[:4] == ["model", "mode", "seq", "batch"]
+    # the accuracy file: the two runs as one kind (and as l4's own), for the shipped predictor's weights
+    from neusight.accuracy import load_accuracy
+
+    (acc,) = load_accuracy(tmp_path / "acc")
+    assert "accuracy_out=" in acc["command"] and len(acc["predictor_weights_sha256"]) == 1
+    kinds = {(r["mode"], r["gpu"]): r for r in acc["records"]}
+    mean = float(np.mean(np.abs(res["error_pct"])))
+    for (mode, gpu), r in kinds.items():
+        assert gpu in (None, "l4") and not r["gpu_seen"] and r["workload"] == "transformer"
+    if len(set(res["mode"])) == 1:
+        assert kinds[(res["mode"].iloc[0], None)]["mean_abs_error_pct"] == pytest.approx(mean, abs=0.01)
 
 
 def test_tables_have_neusight_layout():

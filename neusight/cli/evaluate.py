@@ -75,6 +75,8 @@ class EvaluateConfig:
     cnn: CnnConfig = field(default_factory=CnnConfig)
     checkpoint: Optional[str] = None       # predictor checkpoint directory; null = the shipped predictor
     out_md: Optional[str] = None           # also write the report here (relative to the working directory)
+    accuracy_out: Optional[str] = None     # also write the measured accuracy per kind of forecast here (JSON; the
+    #                                        shipped ones: data/accuracy/, shown next to every forecast)
     target_trained_pct: float = 5.0        # acceptance: mean abs % error per GPU on the predictor's training GPUs
     target_unseen_pct: float = 8.0         # ... and on GPUs it never saw (L4; NeuSight reports 12.4 %)
     plot: bool = True
@@ -119,9 +121,9 @@ def _predictor_line(checkpoint: str | None, shipped: list[Path] | None = None) -
 
 
 def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str = "neusight-evaluate",
-                   out_md: str | None = None) -> dict[str, Any]:
+                   out_md: str | None = None, accuracy_out: str | None = None) -> dict[str, Any]:
     """Everything the app does, without Hydra: predict, write the files into ``out_dir`` (and the report to
-    ``out_md`` if given), return a summary."""
+    ``out_md``, the accuracy per kind of forecast to ``accuracy_out``, if given), return a summary."""
     import pandas as pd
 
     from neusight import e2e_eval as ev
@@ -201,6 +203,16 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     atomic_write_text(out / "evaluation.md", md)
     if out_md:
         atomic_write_text(out_md, md)
+    if accuracy_out:
+        from neusight.accuracy import accuracy_records, write_accuracy
+
+        used = [load_predictor(p) for p in shipped] if pred is None else [pred]
+        gpus = set(labels["gpu"]) | {g for c in (cnn, tf32, half) if c is not None for g in c["gpu"]}
+        records = accuracy_records(labels, trained_on, vendors={g: load_device(g).vendor for g in gpus},
+                                   cnn=[c for c in (cnn, tf32, half) if c is not None])
+        write_accuracy(accuracy_out, records, command=command,
+                       predictor_sha256=[p.manifest_.get("weights_sha256") for p in used
+                                         if getattr(p, "manifest_", {}).get("weights_sha256")])
     if cfg.plot:
         ev.scatter_plot(labels, out / "predicted_vs_measured.png", cnn=cnn, trained_on=trained_on,
                         title=f"{len(labels)} NeuSight label runs" + (f" + {len(cnn)} ResNet benchmark rows" if cnn is not None else ""))
@@ -251,8 +263,9 @@ def _app(cfg: EvaluateConfig) -> float:
     quiet_third_party_logs()
     hc = HydraConfig.get()
     out_md = os.path.join(hc.runtime.cwd, cfg.out_md) if cfg.out_md else None   # joins nothing if absolute
+    accuracy_out = os.path.join(hc.runtime.cwd, cfg.accuracy_out) if cfg.accuracy_out else None
     command = " ".join(["neusight-evaluate", *hc.overrides.task])
-    return run_evaluation(cfg, hc.runtime.output_dir, command, out_md)["mean_abs_error_pct"]
+    return run_evaluation(cfg, hc.runtime.output_dir, command, out_md, accuracy_out)["mean_abs_error_pct"]
 
 
 class SweepSummaryCallback(Callback):

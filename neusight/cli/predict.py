@@ -176,6 +176,8 @@ def format_summary(p: Prediction, top: int = 10) -> str:
     """The readable summary the CLI prints for one GPU."""
     import pandas as pd
 
+    from neusight.accuracy import format_accuracy
+
     lines = [_run_line(p), f"device: {p.device.name} ({p.device.key}), {trained_on(p)}",
              "total: {:,.2f} ms ({:,.0f} {})".format(p.latency_ms, *p.throughput)]
     lines.append("phases: " + " | ".join(f"{ph} {ms:,.2f} ms ({100 * ms / max(p.latency_ms, 1e-12):.1f} %)"
@@ -185,6 +187,8 @@ def format_summary(p: Prediction, top: int = 10) -> str:
     mem = _memory_line(p)
     if mem:
         lines.append(mem)
+    if acc := format_accuracy(p.accuracy):
+        lines.append(acc)
     for note in p.notes:
         lines.append(f"note: {note}")
     fmt = {"ms": "{:,.3f}".format, "ms_per_call": "{:,.4f}".format, "share_pct": "{:.1f}".format,

@@ -1,0 +1,184 @@
+"""How far off forecasts of each kind were when they could be measured, shown next to a new forecast.
+
+``neusight-evaluate accuracy_out=<file>`` condenses its results into one JSON file: per kind of forecast
+(workload, mode, precision, torch.compile or eager, GPU inside or outside the predictor's training set) the
+number of measured runs, the GPUs, the mean and worst absolute % error. The shipped files live in
+``data/accuracy/`` (one per evaluation command, each naming it and the weights of the predictor it measured).
+:func:`measured_accuracy` finds the record of a new forecast's kind, for the same predictor weights only, and
+says what the forecast holds that no measured run did (an optimizer step, a KV cache, ...). A kind with no
+record says so: nothing is extrapolated from other kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+
+from neusight.errors import DataError
+from neusight.util import atomic_write_text
+
+__all__ = ["ACCURACY_DIR", "accuracy_records", "forecast_kind", "format_accuracy", "load_accuracy",
+           "measured_accuracy", "write_accuracy"]
+
+ACCURACY_DIR = Path(__file__).resolve().parents[1] / "data" / "accuracy"
+FORMAT_VERSION = 1
+KEY = ("vendor", "workload", "mode", "precision", "fused", "gpu_seen", "gpu")   # gpu: one GPU's runs, or None: all
+# the CNN benchmarks' precision names -> the kinds here (AMP rows ran torch.autocast in float16)
+CNN_PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "amp": "amp-float16", "fp16": "float16"}
+WORKLOAD_WORDS = {"transformer": "transformer", "cnn": "CNN"}
+
+
+def _record(g: pd.DataFrame, key: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
+    e = g["error_pct"].astype(float)
+    return {**key, "runs": int(len(g)), "gpus": sorted(map(str, g["gpu"].unique())), "sources": list(sources),
+            "mean_abs_error_pct": round(float(e.abs().mean()), 2),
+            "worst_abs_error_pct": round(float(e.abs().max()), 2),
+            "mean_signed_error_pct": round(float(e.mean()), 2)}
+
+
+def accuracy_records(labels: pd.DataFrame, trained_on: Sequence[str], *, vendors: dict[str, str],
+                     cnn: Sequence[pd.DataFrame] = ()) -> list[dict[str, Any]]:
+    """One record per kind of forecast measured: ``labels`` (:func:`neusight.e2e_eval.label_frame`: FP32
+    transformers, modes ``inference`` / ``training`` / ``inference+fusion``) and the CNN benchmark frames
+    (:func:`neusight.e2e_eval.predict_cnn`, any precision). ``vendors`` maps each GPU key to its vendor."""
+    rows = []
+    if len(labels):
+        t = labels.assign(workload="transformer", precision="fp32",
+                          fused=labels["mode"].str.endswith("+fusion"),
+                          mode=labels["mode"].str.replace("+fusion", "", regex=False),
+                          source="NeuSight labels")
+        rows.append(t[["gpu", "workload", "mode", "precision", "fused", "error_pct", "source"]])
+    for c in cnn:
+        if c is not None and len(c):
+            rows.append(c.assign(workload="cnn", fused=False, precision=c["precision"].map(CNN_PRECISION_KIND),
+                                 source=c["source_name"])[["gpu", "workload", "mode", "precision", "fused",
+                                                           "error_pct", "source"]])
+    if not rows:
+        return []
+    df = pd.concat(rows, ignore_index=True).dropna(subset=["precision", "error_pct"])
+    df["vendor"] = df["gpu"].map(vendors).fillna("nvidia")
+    df["gpu_seen"] = df["gpu"].isin(list(trained_on))
+    out = []
+    group = [k for k in KEY if k != "gpu"]
+    for by, gpu_of in ((group, lambda g: None), ([*group, "gpu"], lambda g: str(g["gpu"].iloc[0]))):
+        for key, g in df.groupby(by, sort=True):
+            k = {**dict(zip(group, key[:len(group)])), "gpu": gpu_of(g)}
+            k["fused"], k["gpu_seen"] = bool(k["fused"]), bool(k["gpu_seen"])
+            out.append(_record(g, {f: k[f] for f in KEY}, sorted(g["source"].unique())))
+    return out
+
+
+def write_accuracy(path: str | os.PathLike, records: list[dict[str, Any]], *, command: str,
+                   predictor_sha256: Sequence[str]) -> None:
+    """The records as JSON, written atomically, with the command that made them and the predictor weights
+    (sha256 of each ``weights.pt``) they measured."""
+    atomic_write_text(path, json.dumps({"format_version": FORMAT_VERSION, "command": command,
+                                        "predictor_weights_sha256": sorted(set(predictor_sha256)),
+                                        "records": records}, indent=1) + "\n")
+
+
+def load_accuracy(folder: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Every accuracy file (``*.json``) of ``folder`` (default: the shipped ``data/accuracy``), as a list of
+    ``{"command", "predictor_weights_sha256", "records"}``; a missing folder holds none."""
+    folder = Path(folder) if folder is not None else ACCURACY_DIR
+    if not folder.is_dir():
+        return []
+    files = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+            ok = (doc.get("format_version") == FORMAT_VERSION and isinstance(doc.get("records"), list)
+                  and all(isinstance(r, dict) and set(KEY) <= set(r) for r in doc["records"]))
+        except (OSError, json.JSONDecodeError, AttributeError):
+            ok = False
+        if not ok:
+            raise DataError(f"accuracy file {str(path)!r} is corrupt or of another format; regenerate it with the "
+                            "command in docs/evaluation.md (neusight-evaluate ... accuracy_out=...) or delete it")
+        files.append({**doc, "path": str(path)})
+    return files
+
+
+def forecast_kind(graph: Any, kernels: pd.DataFrame, device: Any, train_devices: Sequence[str], *,
+                  fused: bool = False, megatron: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """The kind of a forecast (the fields of :data:`KEY`) and what it holds that the measured runs do not."""
+    flops = kernels.groupby("family")["flops"].sum()
+    conv_share = float(flops.get("conv", 0.0) / max(flops.sum(), 1e-12))   # of the work, whatever the precision
+    workload = ("cnn" if conv_share >= 0.5 else
+                "transformer" if getattr(graph, "seq_len", None) and getattr(graph, "image_size", None) is None
+                else "other")
+    amp = getattr(graph, "amp", None)
+    dtype = str(getattr(graph, "dtype", "float32"))
+    if amp:
+        precision = f"amp-{str(amp).removeprefix('torch.')}"
+    elif dtype != "float32":
+        precision = dtype
+    else:
+        precision = "tf32" if (kernels["dtype"].astype(str) == "tf32").any() else "fp32"
+    kind = {"vendor": device.vendor, "workload": workload, "mode": graph.mode, "precision": precision,
+            "fused": bool(fused), "gpu_seen": device.key in set(train_devices), "gpu": device.key}
+    extra = []
+    phases = set(kernels["phase"].unique()) if "phase" in kernels else set()
+    if workload == "transformer" and "optimizer" in phases:
+        extra.append("the optimizer step (the transformer labels time forward and backward only)")
+    for attr, what in (("kv_cache", "a KV cache"), ("lora_rank", "LoRA adapters"),
+                       ("gradient_checkpointing", "gradient checkpointing")):
+        if getattr(graph, attr, None):
+            extra.append(what)
+    if megatron:
+        extra.append("Megatron-LM's kernels")
+    return kind, extra
+
+
+def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra: Sequence[str] = (),
+                      folder: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The measured record of ``kind`` for the predictor with these weights, the forecast GPU's own runs where
+    it has some, else all GPUs' of the kind (inside or outside the training set, as the forecast GPU): ``{"kind",
+    "record" (None when no run of the kind was measured), "not_covered" (``extra``), "command" (that measured
+    it), "predictor_measured" (False when no accuracy file is about these weights)}``."""
+    files = [f for f in load_accuracy(folder) if weights_sha256 in f["predictor_weights_sha256"]]
+    record, command = None, None
+    for gpu in (kind["gpu"], None):
+        for f in files:
+            for r in f["records"]:
+                if record is None and all(r.get(k) == (gpu if k == "gpu" else kind[k]) for k in KEY):
+                    record, command = r, f["command"]
+    return {"kind": dict(kind), "record": record, "not_covered": list(extra), "command": command,
+            "predictor_measured": bool(files)}
+
+
+def _kind_words(kind: dict[str, Any], on_gpu: bool = False) -> str:
+    prec = {"fp32": "FP32", "tf32": "TF32", "float16": "FP16", "bfloat16": "BF16", "amp-float16": "AMP (FP16)",
+            "amp-bfloat16": "AMP (BF16)"}.get(kind["precision"], kind["precision"])
+    what = WORKLOAD_WORDS.get(kind["workload"], "model")
+    fused = " under torch.compile" if kind["fused"] else ""
+    if on_gpu:
+        which = "a training GPU of the predictor" if kind["gpu_seen"] else "a GPU the predictor was not trained on"
+        seen = f"on {kind['gpu']}, {which}"
+    else:
+        seen = "on training GPUs of the predictor" if kind["gpu_seen"] else "on GPUs the predictor was not trained on"
+    return f"{prec} {what} {kind['mode']}{fused} {seen}"
+
+
+def format_accuracy(acc: dict[str, Any] | None) -> str | None:
+    """One line for a forecast's summary, or None when no accuracy file is about its predictor."""
+    if not acc or not acc.get("predictor_measured"):
+        return None
+    r = acc["record"]
+    if r is None:
+        return f"measured accuracy: none; no run of this kind ({_kind_words(acc['kind'])}) was measured"
+    words = _kind_words(acc["kind"], on_gpu=r["gpu"] is not None)
+    if r["gpu"] is not None:
+        line = (f"measured accuracy of this kind ({words}): mean {r['mean_abs_error_pct']:.1f} % off, "
+                f"worst {r['worst_abs_error_pct']:.1f} %, over {r['runs']} run{'s' if r['runs'] != 1 else ''} "
+                f"({'; '.join(r['sources'])})")
+    else:
+        line = (f"measured accuracy of this kind ({words}): mean {r['mean_abs_error_pct']:.1f} % off, worst "
+                f"{r['worst_abs_error_pct']:.1f} %, over {r['runs']} run{'s' if r['runs'] != 1 else ''} on "
+                f"{', '.join(r['gpus'])} ({'; '.join(r['sources'])})")
+    if acc["not_covered"]:
+        line += f"; not in those runs: {', '.join(acc['not_covered'])}"
+    return line

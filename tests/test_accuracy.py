@@ -1,0 +1,108 @@
+"""Measured accuracy per kind of forecast (neusight.accuracy): records, lookup, files, and the shipped ones."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+import neusight
+from neusight.accuracy import (ACCURACY_DIR, accuracy_records, forecast_kind, format_accuracy, load_accuracy,
+                               measured_accuracy, write_accuracy)
+from neusight.api import load_predictor
+from neusight.devices import load_device
+from neusight.errors import DataError
+
+LABELS = pd.DataFrame({
+    "gpu": ["v100-pcie-32gb", "v100-pcie-32gb", "t4", "l4", "l4", "l4"],
+    "mode": ["inference", "inference", "inference", "inference", "inference+fusion", "training"],
+    "error_pct": [2.0, -4.0, 6.0, -10.0, 5.0, 3.0],
+})
+TRAINED = ("v100-pcie-32gb", "t4")
+VENDORS = {g: "nvidia" for g in LABELS["gpu"]}
+
+
+def _find(records, **kw):
+    return [r for r in records if all(r[k] == v for k, v in kw.items())]
+
+
+def test_records_group_runs_by_kind_and_by_gpu():
+    recs = accuracy_records(LABELS, TRAINED, vendors=VENDORS)
+    seen = _find(recs, mode="inference", fused=False, gpu_seen=True, gpu=None)
+    assert len(seen) == 1 and seen[0]["runs"] == 3 and seen[0]["gpus"] == ["t4", "v100-pcie-32gb"]
+    assert seen[0]["mean_abs_error_pct"] == 4.0 and seen[0]["worst_abs_error_pct"] == 6.0
+    v100 = _find(recs, mode="inference", gpu="v100-pcie-32gb")
+    assert len(v100) == 1 and v100[0]["runs"] == 2 and v100[0]["mean_signed_error_pct"] == -1.0
+    fused = _find(recs, mode="inference", fused=True, gpu=None)   # "+fusion" is the torch.compile flag, not a mode
+    assert len(fused) == 1 and fused[0]["gpus"] == ["l4"] and not fused[0]["gpu_seen"]
+    assert all(r["workload"] == "transformer" and r["precision"] == "fp32" for r in recs)
+
+
+def test_cnn_precisions_map_to_forecast_precisions():
+    cnn = pd.DataFrame({"gpu": ["t4", "t4"], "mode": ["training", "training"], "precision": ["amp", "fp16"],
+                        "error_pct": [10.0, -20.0], "source_name": ["Lambda", "Lambda"]})
+    recs = accuracy_records(LABELS.iloc[:0], TRAINED, vendors={"t4": "nvidia"}, cnn=[cnn])
+    assert {r["precision"] for r in recs} == {"amp-float16", "float16"}
+    assert all(r["workload"] == "cnn" and r["sources"] == ["Lambda"] for r in recs)
+
+
+def test_lookup_prefers_the_gpus_own_runs_and_needs_the_same_weights(tmp_path):
+    write_accuracy(tmp_path / "a.json", accuracy_records(LABELS, TRAINED, vendors=VENDORS), command="cmd",
+                   predictor_sha256=["abc"])
+    kind = {"vendor": "nvidia", "workload": "transformer", "mode": "inference", "precision": "fp32", "fused": False,
+            "gpu_seen": True, "gpu": "t4"}
+    own = measured_accuracy(kind, "abc", folder=tmp_path)
+    assert own["record"]["gpu"] == "t4" and own["record"]["runs"] == 1 and own["command"] == "cmd"
+    assert "on t4, a training GPU of the predictor" in format_accuracy(own)
+    other = measured_accuracy({**kind, "gpu": "p100-pcie-16gb"}, "abc", folder=tmp_path)   # trained on, no runs
+    assert other["record"]["gpu"] is None and other["record"]["runs"] == 3
+    assert "over 3 runs on t4, v100-pcie-32gb" in format_accuracy(other)
+    half = measured_accuracy({**kind, "precision": "float16"}, "abc", extra=["a KV cache"], folder=tmp_path)
+    assert half["record"] is None and format_accuracy(half).startswith("measured accuracy: none")
+    retrained = measured_accuracy(kind, "other-weights", folder=tmp_path)   # never measured: nothing is claimed
+    assert not retrained["predictor_measured"] and format_accuracy(retrained) is None
+
+
+def test_corrupt_accuracy_file_is_a_clear_error(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataError, match="bad.json"):
+        load_accuracy(tmp_path)
+    (tmp_path / "bad.json").write_text(json.dumps({"format_version": 1, "records": [{"gpu": "t4"}]}))
+    with pytest.raises(DataError, match="regenerate"):
+        load_accuracy(tmp_path)
+    assert load_accuracy(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("model,kw,want", [
+    ("resnet18", dict(mode="training", amp="float16"), ("cnn", "amp-float16")),
+    ("resnet18", dict(mode="inference"), ("cnn", "tf32")),              # convolutions on TF32 on an A100
+    ("resnet18", dict(mode="inference", tf32="off"), ("cnn", "fp32")),
+    ("vit-base", dict(mode="inference", image_size=64), ("other", "fp32")),   # one patch conv: not a CNN
+    ("gpt2", dict(mode="training", seq_len=16), ("transformer", "fp32")),
+    ("gpt2", dict(mode="inference", seq_len=16, dtype="bfloat16"), ("transformer", "bfloat16")),
+])
+def test_forecast_kind_of_real_traces(model, kw, want):
+    p = neusight.predict(model, "a100-pcie-40gb", batch_size=2, **kw)
+    kind, extra = forecast_kind(p.graph, p.kernels, p.device, p.predictor_devices)
+    assert (kind["workload"], kind["precision"]) == want
+    assert kind["gpu_seen"] and kind["gpu"] == "a100-pcie-40gb"
+    assert any("optimizer" in e for e in extra) == (want[0] == "transformer" and kw["mode"] == "training")
+
+
+def test_shipped_accuracy_files_measure_the_shipped_predictors():
+    """Regenerate data/accuracy with the evaluation commands whenever a shipped predictor is retrained."""
+    files = load_accuracy()
+    assert files, f"no accuracy file in {ACCURACY_DIR}"
+    shas = {load_predictor(None, load_device(d)).manifest_["weights_sha256"] for d in ("t4", "mi210")}
+    measured = {s for f in files for s in f["predictor_weights_sha256"]}
+    assert shas <= measured
+
+
+def test_a_forecast_carries_its_measured_accuracy():
+    p = neusight.predict("gpt2-large", "l4", batch_size=4, seq_len=1024)
+    r = p.accuracy["record"]
+    assert r is not None and r["gpu"] == "l4" and r["workload"] == "transformer" and r["runs"] >= 1
+    assert p.to_dict()["measured_accuracy"]["record"] == r
+    h100 = neusight.predict("gpt2-large", "h100-sxm5-80gb", batch_size=4, seq_len=1024)
+    assert h100.accuracy["record"]["gpu"] is None and not h100.accuracy["record"]["gpu_seen"]
