@@ -46,6 +46,9 @@ def accuracy_records(labels: pd.DataFrame, trained_on: Sequence[str], *, vendors
     transformers, modes ``inference`` / ``training`` / ``inference+fusion``) and the CNN benchmark frames
     (:func:`neusight.e2e_eval.predict_cnn`, any precision). ``vendors`` maps each GPU key to its vendor."""
     rows = []
+    # one-GPU runs only: multi-GPU labels (modes like "training+dp4") are forecast by neusight.parallel, whose
+    # forecasts carry no accuracy line
+    labels = labels[labels["mode"].isin(["inference", "training", "inference+fusion", "training+fusion"])]
     if len(labels):
         t = labels.assign(workload="transformer", precision="fp32",
                           fused=labels["mode"].str.endswith("+fusion"),

@@ -37,6 +37,8 @@ def test_records_group_runs_by_kind_and_by_gpu():
     fused = _find(recs, mode="inference", fused=True, gpu=None)   # "+fusion" is the torch.compile flag, not a mode
     assert len(fused) == 1 and fused[0]["gpus"] == ["l4"] and not fused[0]["gpu_seen"]
     assert all(r["workload"] == "transformer" and r["precision"] == "fp32" for r in recs)
+    multi = pd.concat([LABELS, LABELS.iloc[:1].assign(mode="training+dp4")])   # multi-GPU runs are left out
+    assert accuracy_records(multi, TRAINED, vendors=VENDORS) == recs
 
 
 def test_cnn_precisions_map_to_forecast_precisions():
