@@ -108,11 +108,11 @@ def load_accuracy(folder: str | os.PathLike | None = None) -> list[dict[str, Any
 def forecast_kind(graph: Any, kernels: pd.DataFrame, device: Any, train_devices: Sequence[str], *,
                   fused: bool = False, megatron: bool = False) -> tuple[dict[str, Any], list[str]]:
     """The kind of a forecast (the fields of :data:`KEY`) and what it holds that the measured runs do not."""
-    flops = kernels.groupby("family")["flops"].sum()
-    conv_share = float(flops.get("conv", 0.0) / max(flops.sum(), 1e-12))   # of the work, whatever the precision
-    workload = ("cnn" if conv_share >= 0.5 else
-                "transformer" if getattr(graph, "seq_len", None) and getattr(graph, "image_size", None) is None
-                else "other")
+    # the measured workloads: transformers text models built by transformers (the NeuSight labels), and the CNN
+    # presets (the public benchmarks); anything else (an image transformer, your own nn.Module) is "other"
+    built = getattr(graph, "model_kind", "")
+    workload = ("cnn" if built == "vision" else
+                "transformer" if built == "hf" and getattr(graph, "image_size", None) is None else "other")
     amp = getattr(graph, "amp", None)
     dtype = str(getattr(graph, "dtype", "float32"))
     if amp:

@@ -6,6 +6,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 import neusight
 from neusight.accuracy import (ACCURACY_DIR, accuracy_records, forecast_kind, format_accuracy, load_accuracy,
@@ -83,6 +84,7 @@ def test_corrupt_accuracy_file_is_a_clear_error(tmp_path):
     ("vit-base", dict(mode="inference", image_size=64), ("other", "fp32")),   # one patch conv: not a CNN
     ("gpt2", dict(mode="training", seq_len=16), ("transformer", "fp32")),
     ("gpt2", dict(mode="inference", seq_len=16, dtype="bfloat16"), ("transformer", "bfloat16")),
+    (torch.nn.Sequential(torch.nn.Linear(8, 8)), dict(mode="inference", input_shapes=[(8,)]), ("other", "fp32")),
 ])
 def test_forecast_kind_of_real_traces(model, kw, want):
     p = neusight.predict(model, "a100-pcie-40gb", batch_size=2, **kw)

@@ -43,6 +43,7 @@ class Graph:
     kv_cache: int | None = None  # tokens already in the KV cache of a generation step, else None
     gradient_checkpointing: bool | int = False   # layers recompute their forward in backward (n: every n-th)
     lora_rank: int | None = None   # LoRA fine-tuning: the adapters' rank (base weights frozen), else None
+    model_kind: str = ""   # how the model was built: "hf" (transformers), "vision" (CNN presets), "module" (nn.Module)
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

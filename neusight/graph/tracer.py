@@ -434,7 +434,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
-                 lora_rank=lora_rank if adapted else None)
+                 lora_rank=lora_rank if adapted else None, model_kind=built.kind)
 
 
 def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
