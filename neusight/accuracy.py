@@ -12,6 +12,7 @@ record says so: nothing is extrapolated from other kinds.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,8 +25,10 @@ from neusight.util import atomic_write_text
 __all__ = ["ACCURACY_DIR", "accuracy_records", "forecast_kind", "format_accuracy", "load_accuracy",
            "measured_accuracy", "write_accuracy"]
 
+log = logging.getLogger(__name__)
+
 ACCURACY_DIR = Path(__file__).resolve().parents[1] / "data" / "accuracy"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: records carry batch_range
 KEY = ("vendor", "workload", "mode", "precision", "fused", "gpu_seen", "gpu")   # gpu: one GPU's runs, or None: all
 # the CNN benchmarks' precision names -> the kinds here (AMP rows ran torch.autocast in float16)
 CNN_PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "amp": "amp-float16", "fp16": "float16"}
@@ -35,6 +38,7 @@ WORKLOAD_WORDS = {"transformer": "transformer", "cnn": "CNN"}
 def _record(g: pd.DataFrame, key: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
     e = g["error_pct"].astype(float)
     return {**key, "runs": int(len(g)), "gpus": sorted(map(str, g["gpu"].unique())), "sources": list(sources),
+            "batch_range": [int(g["batch"].min()), int(g["batch"].max())],
             "mean_abs_error_pct": round(float(e.abs().mean()), 2),
             "worst_abs_error_pct": round(float(e.abs().max()), 2),
             "mean_signed_error_pct": round(float(e.mean()), 2)}
@@ -54,16 +58,16 @@ def accuracy_records(labels: pd.DataFrame, trained_on: Sequence[str], *, vendors
                           fused=labels["mode"].str.endswith("+fusion"),
                           mode=labels["mode"].str.replace("+fusion", "", regex=False),
                           source="NeuSight labels")
-        rows.append(t[["gpu", "workload", "mode", "precision", "fused", "error_pct", "source"]])
+        rows.append(t[["gpu", "workload", "mode", "precision", "fused", "batch", "error_pct", "source"]])
     for c in cnn:
         if c is not None and len(c):
             rows.append(c.assign(workload="cnn", fused=False, precision=c["precision"].map(CNN_PRECISION_KIND),
                                  source=c["source_name"])[["gpu", "workload", "mode", "precision", "fused",
-                                                           "error_pct", "source"]])
+                                                           "batch", "error_pct", "source"]])
     if not rows:
         return []
     df = pd.concat(rows, ignore_index=True).dropna(subset=["precision", "error_pct"])
-    df["vendor"] = df["gpu"].map(vendors).fillna("nvidia")
+    df["vendor"] = [vendors[g] for g in df["gpu"]]
     df["gpu_seen"] = df["gpu"].isin(list(trained_on))
     out = []
     group = [k for k in KEY if k != "gpu"]
@@ -84,9 +88,12 @@ def write_accuracy(path: str | os.PathLike, records: list[dict[str, Any]], *, co
                                         "records": records}, indent=1) + "\n")
 
 
-def load_accuracy(folder: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+def load_accuracy(folder: str | os.PathLike | None = None, *, strict: bool = False) -> list[dict[str, Any]]:
     """Every accuracy file (``*.json``) of ``folder`` (default: the shipped ``data/accuracy``), as a list of
-    ``{"command", "predictor_weights_sha256", "records"}``; a missing folder holds none."""
+    ``{"command", "predictor_weights_sha256", "records"}``; a missing folder holds none. A file that is corrupt or
+    of another format is a DataError with ``strict``, else left out with a warning that says how to regenerate
+    it: the files annotate forecasts, so a bad one must not stop forecasting (nor the evaluation that rewrites
+    it)."""
     folder = Path(folder) if folder is not None else ACCURACY_DIR
     if not folder.is_dir():
         return []
@@ -99,8 +106,12 @@ def load_accuracy(folder: str | os.PathLike | None = None) -> list[dict[str, Any
         except (OSError, json.JSONDecodeError, AttributeError):
             ok = False
         if not ok:
-            raise DataError(f"accuracy file {str(path)!r} is corrupt or of another format; regenerate it with the "
-                            "command in docs/evaluation.md (neusight-evaluate ... accuracy_out=...) or delete it")
+            msg = (f"accuracy file {str(path)!r} is corrupt or of another format; regenerate it with the command in "
+                   "docs/evaluation.md (neusight-evaluate ... accuracy_out=...) or delete it")
+            if strict:
+                raise DataError(msg)
+            log.warning("%s (left out: forecasts show no measured accuracy from it)", msg)
+            continue
         files.append({**doc, "path": str(path)})
     return files
 
@@ -137,7 +148,7 @@ def forecast_kind(graph: Any, kernels: pd.DataFrame, device: Any, train_devices:
 
 
 def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra: Sequence[str] = (),
-                      folder: str | os.PathLike | None = None) -> dict[str, Any]:
+                      batch_size: int | None = None, folder: str | os.PathLike | None = None) -> dict[str, Any]:
     """The measured record of ``kind`` for the predictor with these weights, the forecast GPU's own runs where
     it has some, else all GPUs' of the kind (inside or outside the training set, as the forecast GPU): ``{"kind",
     "record" (None when no run of the kind was measured), "not_covered" (``extra``), "command" (that measured
@@ -149,7 +160,12 @@ def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra
             for r in f["records"]:
                 if record is None and all(r.get(k) == (gpu if k == "gpu" else kind[k]) for k in KEY):
                     record, command = r, f["command"]
-    return {"kind": dict(kind), "record": record, "not_covered": list(extra), "command": command,
+    extra = list(extra)
+    if record is not None and batch_size is not None and not (
+            record["batch_range"][0] <= batch_size <= record["batch_range"][1]):
+        lo, hi = record["batch_range"]
+        extra.append(f"batch {batch_size} (the runs measured batch {lo}" + (f" to {hi})" if hi > lo else ")"))
+    return {"kind": dict(kind), "record": record, "not_covered": extra, "command": command,
             "predictor_measured": bool(files)}
 
 

@@ -428,7 +428,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     if host := host_bound_note(total, len(kernels)):
         notes += (host,)
     kind, not_covered = forecast_kind(g, kernels, device, pred.train_devices_, fused=fused, megatron=megatron)
-    accuracy = measured_accuracy(kind, getattr(pred, "manifest_", {}).get("weights_sha256"), extra=not_covered)
+    accuracy = measured_accuracy(kind, getattr(pred, "manifest_", {}).get("weights_sha256"), extra=not_covered,
+                                 batch_size=g.batch_size)
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, total, phases,
                       kernels, g, notes, None, pred.train_devices_, accuracy)
 
