@@ -80,8 +80,13 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         raise InputError("predict_generation sets mode, seq_len and kv_cache itself. Fix: give prompt_len and "
                          "new_tokens instead")
     device = load_device(device)
-    first = predict(model, device, batch_size, prompt_len, "inference", predictor=predictor, memory=False,
-                    **trace_kwargs)
+    try:
+        first = predict(model, device, batch_size, prompt_len, "inference", predictor=predictor, memory=False,
+                        **trace_kwargs)
+    except InputError as e:   # the prefill's seq_len is the caller's prompt_len
+        if not str(e).startswith(f"seq_len={prompt_len} "):
+            raise
+        raise InputError(f"prompt_len={prompt_len}: {e}") from None
     steps: list[tuple[int, float]] = []
     notes = first.notes
     if new_tokens > 1:

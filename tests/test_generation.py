@@ -40,6 +40,7 @@ def test_totals_integrate_the_steps(gen):
 @pytest.mark.parametrize("kw, fragment", [
     (dict(new_tokens=0), "new_tokens=0"),
     (dict(prompt_len=1000, new_tokens=100), "prompt_len=1000 + new_tokens=100"),
+    (dict(prompt_len=2000), "prompt_len=2000: seq_len=2000 exceeds"),   # the prompt alone is too long
     (dict(mode="training"), "sets mode, seq_len and kv_cache itself"),
 ])
 def test_bad_generation_requests_are_refused(kw, fragment):

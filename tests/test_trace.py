@@ -381,6 +381,12 @@ def test_dtype_spellings_name_the_same_precision():
         assert neusight.trace("gpt2", batch_size=1, seq_len=8, dtype=name).dtype == want
 
 
+def test_a_text_head_on_a_cnn_preset_is_refused():
+    with pytest.raises(ModelError, match="head='causal-lm'"):
+        neusight.trace("resnet18", batch_size=1, head="causal-lm")
+    assert neusight.trace("resnet18", batch_size=1, head="image-classification").kernels.shape[0] > 0
+
+
 def test_unknown_model_suggests_close_names():
     with pytest.raises(ModelError, match="gpt2-large"):
         neusight.trace("gpt2-lage")

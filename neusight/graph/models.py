@@ -174,6 +174,9 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
                          "builds its own inputs. Fix: leave input_shapes out")
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     if key in CNN_PRESETS:
+        if head not in (None, "image-classification"):
+            raise ModelError(f"head={head!r} is for Hugging Face models; {key} is a CNN preset with its own "
+                             "classifier. Fix: leave head out")
         return _vision(key, image_size, dtype)
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
