@@ -497,11 +497,10 @@ def _check_counts(cfg: PredictConfig) -> None:
                              "(1: no split)")
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
-    for k in ("total_tokens", "total_samples", "anchor_ms"):
+    for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
         v = getattr(cfg, k)
         if v is not None and not v > 0:
-            raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}="
-                             f"{ {'total_tokens': '1e9', 'total_samples': '1.28e6', 'anchor_ms': '850'}[k]}")
+            raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
 
 
 def _generation(cfg: PredictConfig) -> float:
