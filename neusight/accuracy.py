@@ -23,7 +23,7 @@ from neusight.errors import DataError
 from neusight.util import atomic_write_text
 
 __all__ = ["ACCURACY_DIR", "accuracy_records", "forecast_kind", "format_accuracy", "load_accuracy",
-           "measured_accuracy", "write_accuracy"]
+           "measured_accuracy", "short_accuracy", "write_accuracy"]
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +201,15 @@ def format_accuracy(acc: dict[str, Any] | None) -> str | None:
     if acc["not_covered"]:
         line += f"; not in those runs: {', '.join(acc['not_covered'])}"
     return line
+
+
+def short_accuracy(acc: dict[str, Any] | None) -> str | None:
+    """A table cell: "5.7 % (14 runs on this GPU)", "9.1 % (8 runs on l4)", "none", or None when no accuracy
+    file is about the forecast's predictor."""
+    if not acc or not acc.get("predictor_measured"):
+        return None
+    r = acc["record"]
+    if r is None:
+        return "none"
+    where = "this GPU" if r["gpu"] is not None else ", ".join(r["gpus"])
+    return f"{r['mean_abs_error_pct']:.1f} % ({r['runs']} run{'s' if r['runs'] != 1 else ''} on {where})"

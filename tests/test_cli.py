@@ -114,7 +114,9 @@ def test_predict_prints_summary_and_side_by_side(compare_run):
     out = r.stdout
     for fragment in ("total:", "phases: forward", "backward", "optimizer", "bound: compute-bound kernels",
                      "top 3 kernels", "top 3 layers", "transformer.h.*", "side by side", "speed-up vs a100-80gb-pcie",
-                     "not in the predictor's training set", "tokens/s"):
+                     "not in the predictor's training set", "tokens/s",
+                     "measured accuracy of this kind (FP32 transformer training on GPUs the predictor was not trained on)",
+                     "not in those runs: the optimizer step", "measured mean error of the kind"):
         assert fragment in out, fragment
     assert "memory: peak" in out
     assert "gpt2: training (forward + loss + backward + optimizer), batch 1, seq 64, 124.4 M parameters" in out
@@ -125,6 +127,7 @@ def test_predict_writes_json_into_run_dir_and_csv_where_asked(compare_run):
     data = json.loads((tmp / "run" / "forecast.json").read_text())   # relative path: Hydra's run directory
     assert [d["device"] for d in data] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(d["latency_ms"] > 0 and set(d["phases"]) >= {"forward", "backward", "optimizer"} for d in data)
+    assert all(d["measured_accuracy"]["record"]["gpus"] == ["l4"] for d in data)   # L4: the one unseen GPU measured
     # gpt2, batch 1 x 64 tokens: throughput = tokens per second of the step
     assert all(d["throughput_unit"] == "tokens/s" and d["throughput"] == pytest.approx(64 / (d["latency_ms"] / 1e3))
                for d in data)

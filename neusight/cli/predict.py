@@ -207,7 +207,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Side by side: one column per forecast (``label``), rows total / phases / speed-up vs the first / memory.
 
     ``rows`` are dicts with ``label``, ``latency_ms``, ``phases`` and optionally ``memory_peak_gib``,
-    ``fits``, ``trained_on`` (the shape of :func:`summary_record`).
+    ``fits``, ``trained_on``, ``measured_error`` (the shape of :func:`summary_record`).
     """
     import pandas as pd
 
@@ -227,12 +227,16 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
             col["memory peak GiB"] = f"{r['memory_peak_gib']:.1f}" + ("" if r.get("fits") in (None, True) else " (no fit)")
         if r.get("trained_on") is not None:
             col["predictor trained on it"] = "yes" if r["trained_on"] else "no"
+        if r.get("measured_error") is not None:
+            col["measured mean error of the kind"] = r["measured_error"]
         cols[r["label"]] = col
     return pd.DataFrame(cols)
 
 
 def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
     """What the comparison table needs of one forecast (JSON-safe)."""
+    from neusight.accuracy import short_accuracy
+
     m = p.memory
     peak = getattr(m, "peak_bytes", None) if m is not None else None
     rate, unit = p.throughput
@@ -240,7 +244,8 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
             "throughput": rate, "throughput_unit": unit,
             "phases": dict(p.phases), "memory_peak_gib": None if peak is None else peak / GIB,
             "fits": getattr(m, "fits", None) if m is not None else None,
-            "trained_on": p.device.key in tuple(p.predictor_devices)}
+            "trained_on": p.device.key in tuple(p.predictor_devices),
+            "measured_error": short_accuracy(p.accuracy)}
 
 
 # ---------------------------------------------------------------------------------------------------------
