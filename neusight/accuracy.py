@@ -28,7 +28,7 @@ __all__ = ["ACCURACY_DIR", "accuracy_records", "forecast_kind", "format_accuracy
 log = logging.getLogger(__name__)
 
 ACCURACY_DIR = Path(__file__).resolve().parents[1] / "data" / "accuracy"
-FORMAT_VERSION = 2   # 2: records carry batch_range
+FORMAT_VERSION = 3   # 2: records carry batch_range; 3: and measured_ms_range
 KEY = ("vendor", "workload", "mode", "precision", "fused", "gpu_seen", "gpu")   # gpu: one GPU's runs, or None: all
 # the CNN benchmarks' precision names -> the kinds here (AMP rows ran torch.autocast in float16)
 CNN_PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "amp": "amp-float16", "fp16": "float16"}
@@ -39,6 +39,7 @@ def _record(g: pd.DataFrame, key: dict[str, Any], sources: Sequence[str]) -> dic
     e = g["error_pct"].astype(float)
     return {**key, "runs": int(len(g)), "gpus": sorted(map(str, g["gpu"].unique())), "sources": list(sources),
             "batch_range": [int(g["batch"].min()), int(g["batch"].max())],
+            "measured_ms_range": [round(float(g["measured_ms"].min()), 3), round(float(g["measured_ms"].max()), 3)],
             "mean_abs_error_pct": round(float(e.abs().mean()), 2),
             "worst_abs_error_pct": round(float(e.abs().max()), 2),
             "mean_signed_error_pct": round(float(e.mean()), 2)}
@@ -58,12 +59,12 @@ def accuracy_records(labels: pd.DataFrame, trained_on: Sequence[str], *, vendors
                           fused=labels["mode"].str.endswith("+fusion"),
                           mode=labels["mode"].str.replace("+fusion", "", regex=False),
                           source="NeuSight labels")
-        rows.append(t[["gpu", "workload", "mode", "precision", "fused", "batch", "error_pct", "source"]])
+        rows.append(t[["gpu", "workload", "mode", "precision", "fused", "batch", "measured_ms", "error_pct", "source"]])
     for c in cnn:
         if c is not None and len(c):
             rows.append(c.assign(workload="cnn", fused=False, precision=c["precision"].map(CNN_PRECISION_KIND),
                                  source=c["source_name"])[["gpu", "workload", "mode", "precision", "fused",
-                                                           "batch", "error_pct", "source"]])
+                                                           "batch", "measured_ms", "error_pct", "source"]])
     if not rows:
         return []
     df = pd.concat(rows, ignore_index=True).dropna(subset=["precision", "error_pct"])
@@ -148,7 +149,8 @@ def forecast_kind(graph: Any, kernels: pd.DataFrame, device: Any, train_devices:
 
 
 def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra: Sequence[str] = (),
-                      batch_size: int | None = None, folder: str | os.PathLike | None = None) -> dict[str, Any]:
+                      batch_size: int | None = None, latency_ms: float | None = None,
+                      folder: str | os.PathLike | None = None) -> dict[str, Any]:
     """The measured record of ``kind`` for the predictor with these weights, the forecast GPU's own runs where
     it has some, else all GPUs' of the kind (inside or outside the training set, as the forecast GPU): ``{"kind",
     "record" (None when no run of the kind was measured), "not_covered" (``extra``), "command" (that measured
@@ -165,8 +167,18 @@ def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra
             record["batch_range"][0] <= batch_size <= record["batch_range"][1]):
         lo, hi = record["batch_range"]
         extra.append(f"batch {batch_size} (the runs measured batch {lo}" + (f" to {hi})" if hi > lo else ")"))
+    if record is not None and latency_ms is not None and not (
+            record["measured_ms_range"][0] <= latency_ms <= record["measured_ms_range"][1]):
+        lo, hi = record["measured_ms_range"]
+        took = f"{_ms(lo)} ms" if hi == lo else f"{_ms(lo)} to {_ms(hi)} ms"
+        extra.append(f"a run of {_ms(latency_ms)} ms (the runs measured took {took})")
     return {"kind": dict(kind), "record": record, "not_covered": extra, "command": command,
             "predictor_measured": bool(files)}
+
+
+def _ms(v: float) -> str:
+    """Milliseconds to three significant digits, never in exponent form: 0.0123, 12.3, 1,235."""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def _kind_words(kind: dict[str, Any], on_gpu: bool = False) -> str:

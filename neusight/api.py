@@ -429,7 +429,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         notes += (host,)
     kind, not_covered = forecast_kind(g, kernels, device, pred.train_devices_, fused=fused, megatron=megatron)
     accuracy = measured_accuracy(kind, getattr(pred, "manifest_", {}).get("weights_sha256"), extra=not_covered,
-                                 batch_size=g.batch_size)
+                                 batch_size=g.batch_size, latency_ms=total)
     return Prediction(g.model, device, g.mode, g.batch_size, g.seq_len, total, phases,
                       kernels, g, notes, None, pred.train_devices_, accuracy)
 

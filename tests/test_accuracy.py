@@ -20,6 +20,7 @@ LABELS = pd.DataFrame({
     "mode": ["inference", "inference", "inference", "inference", "inference+fusion", "training"],
     "error_pct": [2.0, -4.0, 6.0, -10.0, 5.0, 3.0],
     "batch": [8, 16, 8, 8, 8, 2],
+    "measured_ms": [100.0, 200.0, 300.0, 400.0, 350.0, 900.0],
 })
 TRAINED = ("v100-pcie-32gb", "t4")
 VENDORS = {g: "nvidia" for g in LABELS["gpu"]}
@@ -34,7 +35,7 @@ def test_records_group_runs_by_kind_and_by_gpu():
     seen = _find(recs, mode="inference", fused=False, gpu_seen=True, gpu=None)
     assert len(seen) == 1 and seen[0]["runs"] == 3 and seen[0]["gpus"] == ["t4", "v100-pcie-32gb"]
     assert seen[0]["mean_abs_error_pct"] == 4.0 and seen[0]["worst_abs_error_pct"] == 6.0
-    assert seen[0]["batch_range"] == [8, 16]
+    assert seen[0]["batch_range"] == [8, 16] and seen[0]["measured_ms_range"] == [100.0, 300.0]
     v100 = _find(recs, mode="inference", gpu="v100-pcie-32gb")
     assert len(v100) == 1 and v100[0]["runs"] == 2 and v100[0]["mean_signed_error_pct"] == -1.0
     fused = _find(recs, mode="inference", fused=True, gpu=None)   # "+fusion" is the torch.compile flag, not a mode
@@ -46,7 +47,8 @@ def test_records_group_runs_by_kind_and_by_gpu():
 
 def test_cnn_precisions_map_to_forecast_precisions():
     cnn = pd.DataFrame({"gpu": ["t4", "t4"], "mode": ["training", "training"], "precision": ["amp", "fp16"],
-                        "error_pct": [10.0, -20.0], "source_name": ["Lambda", "Lambda"], "batch": [64, 64]})
+                        "error_pct": [10.0, -20.0], "source_name": ["Lambda", "Lambda"], "batch": [64, 64],
+                        "measured_ms": [250.0, 180.0]})
     recs = accuracy_records(LABELS.iloc[:0], TRAINED, vendors={"t4": "nvidia"}, cnn=[cnn])
     assert {r["precision"] for r in recs} == {"amp-float16", "float16"}
     assert all(r["workload"] == "cnn" and r["sources"] == ["Lambda"] for r in recs)
@@ -68,6 +70,9 @@ def test_lookup_prefers_the_gpus_own_runs_and_needs_the_same_weights(tmp_path):
     big = measured_accuracy(kind, "abc", batch_size=64, folder=tmp_path)   # outside the measured batches: named
     assert big["not_covered"] == ["batch 64 (the runs measured batch 8)"]
     assert measured_accuracy(kind, "abc", batch_size=8, folder=tmp_path)["not_covered"] == []
+    short = measured_accuracy(kind, "abc", latency_ms=12.0, folder=tmp_path)   # t4's one run took 300 ms
+    assert short["not_covered"] == ["a run of 12 ms (the runs measured took 300 ms)"]
+    assert measured_accuracy(kind, "abc", latency_ms=300.0, folder=tmp_path)["not_covered"] == []
     retrained = measured_accuracy(kind, "other-weights", folder=tmp_path)   # never measured: nothing is claimed
     assert not retrained["predictor_measured"] and format_accuracy(retrained) is None
 
@@ -76,7 +81,7 @@ def test_corrupt_accuracy_file_is_a_clear_error_or_a_warning(tmp_path, caplog):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="bad.json"):
         load_accuracy(tmp_path, strict=True)
-    (tmp_path / "bad.json").write_text(json.dumps({"format_version": 2, "records": [{"gpu": "t4"}]}))
+    (tmp_path / "bad.json").write_text(json.dumps({"format_version": 3, "records": [{"gpu": "t4"}]}))
     with pytest.raises(DataError, match="regenerate"):
         load_accuracy(tmp_path, strict=True)
     # looked up for a forecast: left out with a warning, so forecasting (and the evaluation rewriting it) goes on
