@@ -33,6 +33,10 @@ KEY = ("vendor", "workload", "mode", "precision", "fused", "gpu_seen", "gpu")   
 # the CNN benchmarks' precision names -> the kinds here (AMP rows ran torch.autocast in float16)
 CNN_PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "amp": "amp-float16", "fp16": "float16"}
 WORKLOAD_WORDS = {"transformer": "transformer", "cnn": "CNN"}
+# what a record must hold to be read (the key, then what the lookup and the line use)
+RECORD_FIELDS = (*KEY, "runs", "gpus", "sources", "mean_abs_error_pct", "worst_abs_error_pct", "batch_range",
+                 "measured_ms_range")
+_warned: set[str] = set()   # files already warned about in this process
 
 
 def _record(g: pd.DataFrame, key: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
@@ -103,7 +107,7 @@ def load_accuracy(folder: str | os.PathLike | None = None, *, strict: bool = Fal
         try:
             doc = json.loads(path.read_text())
             ok = (doc.get("format_version") == FORMAT_VERSION and isinstance(doc.get("records"), list)
-                  and all(isinstance(r, dict) and set(KEY) <= set(r) for r in doc["records"]))
+                  and all(isinstance(r, dict) and set(RECORD_FIELDS) <= set(r) for r in doc["records"]))
         except (OSError, json.JSONDecodeError, AttributeError):
             ok = False
         if not ok:
@@ -111,7 +115,9 @@ def load_accuracy(folder: str | os.PathLike | None = None, *, strict: bool = Fal
                    "docs/evaluation.md (neusight-evaluate ... accuracy_out=...) or delete it")
             if strict:
                 raise DataError(msg)
-            log.warning("%s (left out: forecasts show no measured accuracy from it)", msg)
+            if str(path) not in _warned:   # once per file and process, not once per forecast
+                _warned.add(str(path))
+                log.warning("%s (left out: forecasts show no measured accuracy from it)", msg)
             continue
         files.append({**doc, "path": str(path)})
     return files

@@ -89,7 +89,15 @@ def test_corrupt_accuracy_file_is_a_clear_error_or_a_warning(tmp_path, caplog):
                    predictor_sha256=["abc"])
     with caplog.at_level("WARNING"):
         assert [f["command"] for f in load_accuracy(tmp_path)] == ["cmd"]
+        assert [f["command"] for f in load_accuracy(tmp_path)] == ["cmd"]
     assert "bad.json" in caplog.text and "regenerate" in caplog.text
+    assert caplog.text.count("bad.json") == 1          # warned once, not at every forecast
+    (tmp_path / "bad.json").unlink()
+    good = json.loads((tmp_path / "good.json").read_text())
+    del good["records"][0]["measured_ms_range"]        # a record missing a field the line needs
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    with pytest.raises(DataError, match="good.json"):
+        load_accuracy(tmp_path, strict=True)
     assert load_accuracy(tmp_path / "missing") == []
 
 
