@@ -47,6 +47,8 @@ BAD = {
                                     "new_tokens=8"),
     "predict-unknown-amp": (("neusight-predict", "model=gpt2", "device=t4", "amp=float8"), "amp='float8'"),
     "collect-without-out": (("neusight-collect",), "out= is required"),
+    "train-zero-width-layer": (("neusight-train", "predictor.families.linear.hidden=[0]", "out={bad_yaml}.d",
+                                "progress=false"), "predictor.families.linear.hidden=(0,)"),
     "predict-dp-0": (("neusight-predict", "model=gpt2", "device=t4", "dp=0"), "dp=0"),
     "predict-negative-top": (("neusight-predict", "model=gpt2", "device=t4", "top=-1"), "top=-1"),
     "predict-negative-run-length": (("neusight-predict", "model=gpt2", "device=t4", "total_tokens=-5"),

@@ -539,6 +539,10 @@ def test_ensemble_needs_leave_one_gpu_out(small_df):
         Predictor(cfg).fit(small_df)
     with pytest.raises(ValueError, match="ensemble=0"):
         replace(TINY, ensemble=0)
+    for field_, bad in (("hidden", ()), ("hidden", (64, 0)), ("epochs", 0), ("batch_size", -1), ("lr", 0.0),
+                        ("patience", -1), ("weight_decay", -1e-4), ("size_weight", -0.5)):
+        with pytest.raises(InputError, match=f"{field_}="):
+            replace(TINY, **{field_: bad})
 
 
 def test_fit_is_deterministic(small_fit, small_df):

@@ -107,17 +107,23 @@ def _fit_conv_backward(cfg: TrainConfig, pred: Any, df: Any) -> dict | None:
 @catch_user_errors
 def _app(cfg: TrainConfig) -> float:
     from neusight.dataset import load_kernel_traces
+    from neusight.errors import InputError
     from neusight.predictor.mlp import MLPConfig
     from neusight.predictor.model import Predictor, PredictorConfig
 
     quiet_third_party_logs()
+    fams = {}
+    for name, spec in cfg.predictor.families.items():
+        try:
+            fams[name] = MLPConfig(**{**OmegaConf.to_container(spec, resolve=True), "seed": cfg.seed,
+                                      "hidden": tuple(spec.hidden)})
+        except InputError as e:
+            raise InputError(f"predictor.families.{name}.{e}. Fix: change it on the command line or in "
+                             "conf/predictor/") from None
     t0 = time.time()
     traces = [str(Path(p)) for p in cfg.data.traces]
     df = load_kernel_traces(traces, devices=list(cfg.data.devices))
     log.info("loaded %d kernel rows of %s in %.1f s", len(df), sorted(df["device"].unique()), time.time() - t0)
-    fams = {name: MLPConfig(**{**OmegaConf.to_container(spec, resolve=True), "seed": cfg.seed,
-                               "hidden": tuple(spec.hidden)})
-            for name, spec in cfg.predictor.families.items()}
     pcfg = PredictorConfig(families=fams, val_devices=tuple(cfg.val_devices), seed=cfg.seed)
     digest = data_hash(traces)
     resume_dir = Path(cfg.out).with_name(f".{Path(cfg.out).name}.partial-{digest[:12]}") if cfg.resume else None

@@ -56,8 +56,27 @@ class MLPConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from neusight.errors import InputError
+
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
         if not isinstance(self.ensemble, int) or isinstance(self.ensemble, bool) or self.ensemble < 1:
-            raise ValueError(f"ensemble={self.ensemble!r}: the number of fits to average must be an integer >= 1")
+            raise InputError(f"ensemble={self.ensemble!r}: the number of fits to average must be an integer >= 1")
+        if not (isinstance(self.hidden, (tuple, list)) and self.hidden and all(count(h) for h in self.hidden)):
+            raise InputError(f"hidden={self.hidden!r}: the hidden layer widths must be one or more integers >= 1, "
+                             "e.g. [64, 64]")
+        for name in ("epochs", "batch_size"):
+            if not count(getattr(self, name)):
+                raise InputError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
+        if not (isinstance(self.patience, int) and self.patience >= 0):
+            raise InputError(f"patience={self.patience!r} must be an integer >= 0")
+        for name in ("lr", "init_overhead_ms"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
+                raise InputError(f"{name}={getattr(self, name)!r} must be a number > 0")
+        for name in ("weight_decay", "size_weight", "dropout"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
+                raise InputError(f"{name}={getattr(self, name)!r} must be a number >= 0")
 
 
 GAIN_LOG2_RANGE = 2.0   # device gains lie in [2^-2, 2^2]
