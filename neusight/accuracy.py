@@ -11,6 +11,8 @@ record says so: nothing is extrapolated from other kinds.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import os
@@ -105,12 +107,11 @@ def load_accuracy(folder: str | os.PathLike | None = None, *, strict: bool = Fal
     files = []
     for path in sorted(folder.glob("*.json")):
         try:
-            doc = json.loads(path.read_text())
-            ok = (doc.get("format_version") == FORMAT_VERSION and isinstance(doc.get("records"), list)
-                  and all(isinstance(r, dict) and set(RECORD_FIELDS) <= set(r) for r in doc["records"]))
-        except (OSError, json.JSONDecodeError, AttributeError):
-            ok = False
-        if not ok:
+            stat = path.stat()
+            doc = _read_checked(str(path), stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            doc = None
+        if doc is None:
             msg = (f"accuracy file {str(path)!r} is corrupt or of another format; regenerate it with the command in "
                    "docs/evaluation.md (neusight-evaluate ... accuracy_out=...) or delete it")
             if strict:
@@ -121,6 +122,19 @@ def load_accuracy(folder: str | os.PathLike | None = None, *, strict: bool = Fal
             continue
         files.append({**doc, "path": str(path)})
     return files
+
+
+@functools.lru_cache(maxsize=16)
+def _read_checked(path: str, mtime_ns: int, size: int) -> dict[str, Any] | None:
+    """An accuracy file's JSON if it is of this format with every record field, else None. Cached by path, time
+    and size: every forecast looks the files up, and they change only when an evaluation rewrites them."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        ok = (doc.get("format_version") == FORMAT_VERSION and isinstance(doc.get("records"), list)
+              and all(isinstance(r, dict) and set(RECORD_FIELDS) <= set(r) for r in doc["records"]))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        ok = False
+    return doc if ok else None
 
 
 def forecast_kind(graph: Any, kernels: pd.DataFrame, device: Any, train_devices: Sequence[str], *,
@@ -167,7 +181,7 @@ def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra
         for f in files:
             for r in f["records"]:
                 if record is None and all(r.get(k) == (gpu if k == "gpu" else kind[k]) for k in KEY):
-                    record, command = r, f["command"]
+                    record, command = copy.deepcopy(r), f["command"]   # the files' records are cached: a copy
     extra = list(extra)
     if record is not None and batch_size is not None and not (
             record["batch_range"][0] <= batch_size <= record["batch_range"][1]):

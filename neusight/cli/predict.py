@@ -495,11 +495,9 @@ def _app(cfg: PredictConfig) -> float:
 def _check_counts(cfg: PredictConfig) -> None:
     """The run-wide numbers checked before any forecast is made (so a bad one does not cost a forecast first)."""
     from neusight.errors import InputError
+    from neusight.parallel import Parallelism
 
-    for k in ("dp", "tp", "pp", "microbatches"):
-        if getattr(cfg, k) < 1:
-            raise InputError(f"{k}={getattr(cfg, k)} is not a positive number of GPUs / micro-batches. Fix: {k} >= 1 "
-                             "(1: no split)")
+    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches)   # its own checks: positive integers
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
