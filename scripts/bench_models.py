@@ -67,6 +67,19 @@ HF_CONFIGS = {
                                      vocab_size=8000)),
     "roberta": ("encoder", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                 intermediate_size=1024, vocab_size=8000)),
+    # these four branch on their inputs' values (padding, global-attention tokens, an all-ones mask): traced on
+    # the branch a plain batch takes (neusight.graph.tracer, _PLAIN_BATCH)
+    "deberta-v2": ("encoder, disentangled attention", dict(hidden_size=256, num_hidden_layers=2,
+                                                            num_attention_heads=4, intermediate_size=1024,
+                                                            vocab_size=8000)),
+    "longformer": ("encoder, sliding-window attention", dict(hidden_size=256, num_hidden_layers=2,
+                                                              num_attention_heads=4, intermediate_size=1024,
+                                                              attention_window=64, vocab_size=8000)),
+    "big_bird": ("encoder, block-sparse attention", dict(hidden_size=256, num_hidden_layers=2,
+                                                          num_attention_heads=4, intermediate_size=1024,
+                                                          vocab_size=8000)),
+    "modernbert": ("encoder, masked-LM head", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                                    intermediate_size=1024)),
     "mixtral": ("routed MoE, 2 of 8 experts", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                                     num_attention_heads=4, num_key_value_heads=2,
                                                     num_local_experts=8, num_experts_per_tok=2, vocab_size=8000)),
@@ -235,6 +248,11 @@ def render(df: pd.DataFrame, seconds: float) -> str:
               "x its forward (checked on a 3x3 layer of 64 channels: 2x at groups 1, 5x at 4, 33x at 32), where "
               "each gradient is a GEMM of the forward's size (2x in all), so those ratios say nothing about the "
               "trace.", ""]
+    uncounted = sorted(set(ok.loc[ok["ratio"].isna(), "model"]))
+    if uncounted:
+        lines += [f"No ratio for {', '.join(uncounted)}: `FlopCounterMode` runs the model on the meta device "
+                  "outside the tracer, where a branch on a tensor's value (a padding or global-attention check) "
+                  "fails; the tracer takes the branch of a plain batch there.", ""]
     shown = df.copy()
     for col, fmt in (("GEMM/conv GFLOP", "{:,.2f}"), ("FlopCounterMode GFLOP", "{:,.2f}"), ("ratio", "{:.3f}"),
                      ("trace s", "{:.2f}"), (f"{DEVICE} ms", "{:,.2f}")):

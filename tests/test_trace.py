@@ -406,6 +406,82 @@ def test_data_dependent_module_names_op_and_module():
         neusight.trace(Bad(), batch_size=2, input_shapes=[(4,)])
 
 
+class _Branchy(nn.Module):
+    """Branches on tensor values the way models check their masks and outputs."""
+
+    def __init__(self, read_a_count: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.read_a_count = read_a_count
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+        y = self.lin(x) if mask.all() else self.lin(x) * mask[..., None]   # no padding: no masking
+        if torch.isnan(y).any().item():
+            raise RuntimeError("NaN")
+        if self.read_a_count:
+            n = int(mask.sum().item())   # a size read from the data
+            y = y[:, :n]
+        return y
+
+
+def test_branches_on_tensor_values_take_the_plain_batch_path():
+    """all() is true and any() false on meta tensors (no padding, no NaN), as in a plain batch; the kernels of
+    both checks are recorded, the masked branch is not taken."""
+    g = neusight.trace(_Branchy(), batch_size=2, input_shapes=[(8,)])
+    ops = list(g.kernels["aten_op"])
+    assert "aten.mul.Tensor" not in ops
+    assert {"aten.all.default", "aten.any.default", "aten.isnan.default"} <= set(ops)
+    assert (g.kernels["family"] == "linear").sum() == 1
+
+
+def test_a_value_read_back_from_the_data_is_refused_with_the_module():
+    with pytest.raises(TraceError, match=r"read back in module '<root>' .*\(\) int64 tensor"):
+        neusight.trace(_Branchy(read_a_count=True), batch_size=2, input_shapes=[(8,)])
+
+
+_SMALL_TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize("cfg,cls", [
+    # transformers asks `pad_token_id in input_ids` when no attention mask is given
+    ({"model_type": "deberta-v2", **_SMALL_TEXT, "vocab_size": 512}, "DebertaV2ForMaskedLM"),
+    # global-attention tokens: `is_index_global_attn.any().item()`
+    ({"model_type": "longformer", **_SMALL_TEXT, "vocab_size": 512, "attention_window": 8}, "LongformerForMaskedLM"),
+    # masking_utils skips an all-ones padding mask: `padding_mask.all()`
+    ({"model_type": "megatron-bert", **_SMALL_TEXT, "vocab_size": 512}, "MegatronBertForCausalLM"),
+    # no causal-LM or pretraining head: the masked-LM one
+    ({"model_type": "modernbert", **_SMALL_TEXT}, "ModernBertForMaskedLM"),
+])
+def test_text_models_that_check_their_inputs_trace(cfg, cls):
+    g = neusight.trace(cfg, batch_size=2, seq_len=32, mode="training")
+    assert g.notes[0].startswith(f"{cls} from")
+    assert set(g.kernels["phase"]) >= {"forward", "loss", "backward"}
+    assert (g.kernels["family"] == "linear").sum() > 0
+
+
+def test_masked_lm_head_and_bare_encoders():
+    bert = {"model_type": "bert", **_SMALL_TEXT, "vocab_size": 512}
+    g = neusight.trace(bert, batch_size=2, seq_len=16, mode="training", head="masked-lm")
+    assert g.notes[0].startswith("BertForMaskedLM from")
+    # a model with no task head at all (an embedding encoder) trains on the mean of its output
+    from neusight.graph.models import build_model
+
+    built = build_model(bert)
+    out = built.module(*built.make_inputs(2, 16)[0], **built.make_inputs(2, 16)[1])
+    base = type("Bare", (), {"last_hidden_state": out.logits})()
+    assert built.loss(base, (), built.make_inputs(2, 16)[1]).shape == ()
+
+
+def test_negative_max_positions_mean_no_limit():
+    """XLNet's config says max_position_embeddings=-1 (relative positions): any length, not 'at most -1'."""
+    from neusight.graph.models import build_model
+
+    built = build_model({"model_type": "xlnet", "d_model": 64, "n_layer": 1, "n_head": 2, "d_inner": 128,
+                         "vocab_size": 512})
+    assert built.max_seq_len is None
+
+
 def test_module_without_input_shapes():
     with pytest.raises(InputError, match="input_shapes"):
         neusight.trace(nn.Linear(3, 3), batch_size=2)

@@ -52,7 +52,7 @@ class PredictConfig:
     batch_size: int = 1
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
     mode: str = "inference"              # inference | training
-    head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
+    head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | masked-lm | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training; null: no step)
     attn_implementation: str = "eager"   # eager | sdpa
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)

@@ -24,7 +24,7 @@ class TraceConfig:
     batch_size: int = 1
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
     mode: str = "inference"              # inference | training
-    head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | seq2seq
+    head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | masked-lm | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training only)
     attn_implementation: str = "eager"   # eager | sdpa
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)

@@ -97,7 +97,7 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b",
                   "mixtral-8x7b-v0.1": "mixtral-8x7b", "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
 
-HEADS = ("causal-lm", "sequence-classification", "pretraining", "seq2seq", "image-classification")
+HEADS = ("causal-lm", "sequence-classification", "pretraining", "masked-lm", "seq2seq", "image-classification")
 
 # vision presets: name -> (builder, native image size, description)
 CNN_PRESETS: dict[str, tuple[Callable[[str], nn.Module], int, str]] = {
@@ -304,8 +304,8 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         if routed:
             notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if model_type in ("t5", "switch_transformers"):
-        max_len = None  # relative position buckets: any length
+    if model_type in ("t5", "switch_transformers") or not (isinstance(max_len, int) and max_len > 0):
+        max_len = None  # relative position buckets (or XLNet's -1: no limit): any length
     vocab = config.vocab_size
     kind_name = type(module).__name__
 
@@ -319,7 +319,11 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 
     def loss(out: Any, args: tuple, kw: dict) -> torch.Tensor:
         # Cross-entropy over the main logits, as the NeuSight labels were measured.
-        logits = out.logits if hasattr(out, "logits") else out.prediction_logits
+        logits = getattr(out, "logits", None)
+        logits = getattr(out, "prediction_logits", None) if logits is None else logits
+        if logits is None:   # a bare encoder (no task head exists for it): the mean of its output stands in
+            feats = getattr(out, "last_hidden_state", None)
+            return (feats if feats is not None else out[0]).float().mean()
         ids = kw["input_ids"]
         if logits.dim() == 2:  # sequence classification: (B, num_labels)
             return F.cross_entropy(logits, ids[:, 0] % logits.shape[-1])
@@ -331,8 +335,8 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 
 def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:
     autos = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification",
-             "pretraining": "AutoModelForPreTraining", "seq2seq": "AutoModelForSeq2SeqLM",
-             "image-classification": "AutoModelForImageClassification"}
+             "pretraining": "AutoModelForPreTraining", "masked-lm": "AutoModelForMaskedLM",
+             "seq2seq": "AutoModelForSeq2SeqLM", "image-classification": "AutoModelForImageClassification"}
     if head is not None:
         auto = getattr(transformers, autos[head])
         try:
@@ -343,7 +347,7 @@ def _hf_class(config: Any, model_type: str, head: str | None, architectures: lis
     for arch in architectures or []:
         if hasattr(transformers, arch):
             return getattr(transformers, arch)
-    for h in (("image-classification",) if _is_vision(config) else ("causal-lm", "seq2seq", "pretraining")):
+    for h in (("image-classification",) if _is_vision(config) else ("causal-lm", "seq2seq", "pretraining", "masked-lm")):
         mapping = getattr(transformers, autos[h])._model_mapping
         if type(config) in mapping:
             return _first(mapping[type(config)])

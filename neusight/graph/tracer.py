@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 from torch.utils.module_tracker import ModuleTracker
 
 from neusight.errors import InputError, ModelError, TraceError
@@ -48,6 +49,13 @@ _SKIP = frozenset(getattr(torch.ops.aten, n) for n in (
     "size", "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_local_scalar_dense",
     "is_contiguous", "_has_compatible_shallow_copy_type",
 ) if hasattr(torch.ops.aten, n))
+# Meta tensors hold no values, so a Python branch on one (``if mask.all():``, ``x.any().item()``) cannot be taken
+# as the data would take it. Models ask these of their masks and ids to find the special cases: padding, packed
+# sequences, global-attention tokens, NaNs. The tracer takes the branch of a plain batch, where none occurs: an
+# ``all()`` is true, an ``any()`` false. Any other value read back from the GPU (``.item()`` of a sum or a max,
+# which may size what follows) stays an error.
+_PLAIN_BATCH = {torch.ops.aten.all: True, torch.ops.aten.any: False}
+_SCALAR_READ = torch.ops.aten._local_scalar_dense
 
 
 class _Recorder(TorchDispatchMode):
@@ -59,6 +67,7 @@ class _Recorder(TorchDispatchMode):
         self.root = root_name + "."
         self.phase = "forward"
         self.ops: list[OpRecord] = []
+        self._verdicts = WeakTensorKeyDictionary()   # outputs of all() / any() on meta -> their plain-batch value
 
     def _module(self) -> str:
         deepest = max(self.tracker.parents, key=lambda p: (p.count("."), len(p)), default="Global")
@@ -69,6 +78,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         packet = func.overloadpacket
+        if packet is _SCALAR_READ and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            return self._read_scalar(args[0])
         if packet in _SKIP:
             return func(*args, **kwargs)
         try:
@@ -91,7 +102,20 @@ class _Recorder(TorchDispatchMode):
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled))
+        if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
+            self._verdicts[out] = _PLAIN_BATCH[packet]
         return out
+
+    def _read_scalar(self, t: torch.Tensor) -> Any:
+        """``.item()`` / ``bool()`` of a meta tensor: the plain-batch value of an ``all()`` or ``any()``, or an
+        error naming the module (the host sync itself, a few microseconds, is not a kernel and is not recorded)."""
+        verdict = self._verdicts.get(t)
+        if verdict is not None and t.numel() == 1:
+            return verdict
+        raise TraceError(f"a value of a tensor is read back in module {self._module() or '<root>'!r} (.item(), "
+                         f"bool() or a Python comparison on a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} "
+                         "tensor): the trace has shapes, not values, so a branch or a size that depends on the data "
+                         "cannot be followed. Make it static or trace a module without it")
 
 
 def _tensors(obj: Any, found: list) -> None:
@@ -280,7 +304,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         Record ``optimizer.zero_grad(set_to_none=False)`` after the step (a memset of every gradient), as loops
         that keep their gradient buffers do (Megatron-LM zeroes its contiguous buffer every step).
     head : str, optional
-        HF model class: ``causal-lm``, ``sequence-classification``, ``pretraining``, ``seq2seq``.
+        HF model class: ``causal-lm``, ``sequence-classification``, ``pretraining``, ``masked-lm``, ``seq2seq``.
     tensor_parallel : int
         Trace one GPU's share of a Megatron-style tensor-parallel model over this many GPUs
         (:func:`neusight.parallel.shard_tensor_parallel`); 1 = the whole model.
