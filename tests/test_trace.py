@@ -514,7 +514,8 @@ def test_a_config_in_memory_traces_like_its_json(tmp_path):
 
 
 @pytest.mark.parametrize("cfg,fragment", [
-    ({"model_type": "clip"}, "composite config: text_config, vision_config"),
+    ({"model_type": "musicgen"}, "no token vocabulary; .* a multimodal model through the language model of its "
+                                 "text_config, which this config lacks"),
     ({"model_type": "wav2vec2", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
       "intermediate_size": 64}, "takes input_values rather than token ids"),
 ])
@@ -525,6 +526,30 @@ def test_configs_without_token_or_pixel_inputs_are_refused_clearly(tmp_path, cfg
     p.write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match=fragment):
         neusight.trace(str(p), batch_size=1, seq_len=16)
+
+
+_SMALL_LM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512}
+
+
+def test_a_multimodal_config_is_forecast_through_its_language_model():
+    """LLaVA's config (a vision tower + a Llama): the Llama alone, the same kernels as its own config, with a note."""
+    text = {"model_type": "llama", **_SMALL_LM}
+    alone = neusight.trace(text, batch_size=2, seq_len=16, mode="training")
+    g = neusight.trace({"model_type": "llava", "text_config": text}, batch_size=2, seq_len=16, mode="training")
+    assert g.kernels[["family", "flops", "bytes"]].equals(alone.kernels[["family", "flops", "bytes"]])
+    assert g.notes[0].startswith("the language model of llava (its text_config, llama)")
+    assert "the vision encoder is not traced" in g.notes[0]
+
+
+def test_a_language_model_without_a_head_says_so():
+    """Qwen2-VL's text model has no LM-head class of its own in transformers: traced bare, and the notes say it."""
+    # heads of 128 (hidden / heads): its default M-RoPE sections need them
+    text = {"model_type": "qwen2_vl_text", **_SMALL_LM, "hidden_size": 256, "head_dim": 128}
+    g = neusight.trace({"model_type": "qwen2_vl", "text_config": text},
+                       batch_size=1, seq_len=16, mode="training")
+    assert any("has no task head" in n and "the mean of its output stands in for the loss" in n for n in g.notes)
+    assert "loss" in set(g.kernels["phase"])
 
 
 def test_deterministic_trace():

@@ -272,13 +272,31 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
                          "leave image_size out and give seq_len")
     if vision:
         return _hf_vision(name, model_type, config, head, architectures, attn, dtype, image_size, transformers)
+    text = getattr(config, "text_config", None)
+    if not hasattr(config, "vocab_size") and hasattr(text, "vocab_size") and getattr(text, "model_type", None):
+        # a multimodal model (Gemma 3, Llama 4, Qwen3.5, Mistral 3, LLaVA, ...): its language model, as a text-only
+        # prompt runs it; the image / audio encoders run only on those inputs and are not traced
+        towers = [k.replace("_config", "") for k in ("vision_config", "audio_config", "speech_config")
+                  if getattr(config, k, None) is not None]
+        sub = text.to_dict()
+        try:
+            built = _hf(name, sub.pop("model_type"), sub, head, attn, dtype, None, moe_kernels)
+        except ModelError as e:
+            raise ModelError(f"{model_type} is multimodal and is forecast through its language model (its "
+                             f"text_config, {text.model_type}), which failed: {e}") from None
+        built.notes.insert(0, f"the language model of {model_type} (its text_config, {text.model_type}), as a "
+                              f"text-only prompt runs it; the {' and '.join(towers) or 'other'} encoder"
+                              f"{'s are' if len(towers) > 1 else ' is'} not traced")
+        return built
     if not hasattr(config, "vocab_size"):
         parts = [k for k in ("text_config", "vision_config", "audio_config", "speech_config") if hasattr(config, k)]
         which = f" (a composite config: {', '.join(parts)})" if parts else ""
         raise ModelError(f"model {name!r} ({model_type}) has no token vocabulary{which}; text models (input_ids) and "
-                         "image models (pixel_values) are supported. For a multimodal model, forecast its language "
-                         "model: save its text_config as a config.json (with its model_type) and pass that path")
+                         "image models (pixel_values) are supported, and a multimodal model through the language "
+                         "model of its text_config, which this config lacks. Trace the part you want as an nn.Module "
+                         "with input_shapes=[...]")
     cls = _hf_class(config, model_type, head, architectures, transformers)
+    bare = cls is _first(transformers.AutoModel._model_mapping.get(type(config), ()) or (None,))
     takes = inspect.signature(cls.forward).parameters
     if "input_ids" not in takes:
         needed = [n for n, p in takes.items() if n != "self" and p.default is inspect.Parameter.empty
@@ -330,6 +348,10 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1) % vocab)
 
     notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
+    if bare and not any(hasattr(module, a) for a in ("lm_head", "cls", "classifier", "score")):
+        notes.insert(1, f"{kind_name} has no task head (transformers has none for {model_type} apart from this "
+                        "model): traced without an output projection; in training the mean of its output stands "
+                        "in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
 
 
@@ -351,7 +373,12 @@ def _hf_class(config: Any, model_type: str, head: str | None, architectures: lis
         mapping = getattr(transformers, autos[h])._model_mapping
         if type(config) in mapping:
             return _first(mapping[type(config)])
-    return _first(transformers.AutoModel._model_mapping[type(config)])
+    try:
+        return _first(transformers.AutoModel._model_mapping[type(config)])
+    except KeyError:
+        raise ModelError(f"transformers has no model class for model_type={model_type!r} (config class "
+                         f"{type(config).__name__}). Fix: pass a config whose model_type transformers can build "
+                         "(AutoModel)") from None
 
 
 def _first(cls: Any) -> Any:
