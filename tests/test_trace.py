@@ -552,6 +552,22 @@ def test_a_language_model_without_a_head_says_so():
     assert "loss" in set(g.kernels["phase"])
 
 
+def test_reference_code_of_fused_kernel_layers_is_named():
+    """Mamba's scan and causal conv1d have fused CUDA kernels in optional packages; the trace follows transformers'
+    PyTorch code for them and says so. A plain transformer gets no such note."""
+    from pathlib import Path
+
+    import transformers.models.mamba.modeling_mamba as modeling
+
+    if "use_kernel_func_from_hub_with_fallback" not in Path(modeling.__file__).read_text():
+        pytest.skip("this transformers marks Mamba's fused-kernel layers another way")
+    mamba = {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 512}
+    notes = neusight.trace(mamba, batch_size=1, seq_len=16).notes
+    note = next(n for n in notes if "PyTorch reference code" in n)
+    assert "mamba_ssm" in note and "causal_conv1d" in note and "selective_scan_fn" in note
+    assert not any("PyTorch reference code" in n for n in neusight.trace("gpt2", batch_size=1, seq_len=16).notes)
+
+
 def test_deterministic_trace():
     a = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     b = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels

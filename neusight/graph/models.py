@@ -348,11 +348,42 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1) % vocab)
 
     notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
+    reference = _torch_reference_paths(module)
+    if reference:
+        notes.append(reference)
     if bare and not any(hasattr(module, a) for a in ("lm_head", "cls", "classifier", "score")):
         notes.insert(1, f"{kind_name} has no task head (transformers has none for {model_type} apart from this "
                         "model): traced without an output projection; in training the mean of its output stands "
                         "in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+
+
+# transformers' layers with an optional fused CUDA implementation from another package (state-space scans,
+# causal conv1d, gated-delta-rule linear attention): ``@use_kernel_func_from_hub_with_fallback("fn", "package")``
+_FUSED_FALLBACK = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"')
+
+
+def _torch_reference_paths(module: nn.Module) -> str | None:
+    """A note when ``module`` runs transformers' PyTorch reference code where a GPU with the optional package
+    installed (mamba_ssm, causal_conv1d, fla) runs a fused kernel: the trace records the reference code's many
+    small kernels, as on a GPU without those packages."""
+    found: dict[str, set[str]] = {}
+    for mod_name in sorted({type(m).__module__ for m in module.modules()}):
+        path = getattr(sys.modules.get(mod_name), "__file__", None)
+        if not path or not mod_name.startswith("transformers."):
+            continue
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            continue
+        for fn, package in _FUSED_FALLBACK.findall(text):
+            found.setdefault(package, set()).add(fn)
+    if not found:
+        return None
+    what = "; ".join(f"{pkg}: {', '.join(sorted(fns))}" for pkg, fns in sorted(found.items()))
+    return (f"transformers' PyTorch reference code for the layers it can hand to fused CUDA kernels ({what}) is "
+            f"traced, as on a GPU without {' / '.join(sorted(found))} installed: many small kernels; with those "
+            "packages those layers run as a few fused kernels, faster than forecast here")
 
 
 def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:
