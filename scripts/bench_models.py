@@ -45,6 +45,7 @@ GEMM = ("linear", "bmm", "conv")
 BATCH, SEQ = 2, 128
 
 # small configs of architectures without a preset: (model_type, kind, config)
+ENCODER = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024)
 HF_CONFIGS = {
     "qwen2": ("dense decoder, biased q/k/v", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=8000)),
@@ -65,21 +66,14 @@ HF_CONFIGS = {
     "bart": ("encoder-decoder", dict(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                                      decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
                                      vocab_size=8000)),
-    "roberta": ("encoder", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                intermediate_size=1024, vocab_size=8000)),
-    # these four branch on their inputs' values (padding, global-attention tokens, an all-ones mask): traced on
+    "roberta": ("encoder", dict(**ENCODER, vocab_size=8000)),
+    # these three branch on their inputs' values (padding, global-attention tokens, an all-ones mask): traced on
     # the branch a plain batch takes (neusight.graph.tracer, _PLAIN_BATCH)
-    "deberta-v2": ("encoder, disentangled attention", dict(hidden_size=256, num_hidden_layers=2,
-                                                            num_attention_heads=4, intermediate_size=1024,
-                                                            vocab_size=8000)),
-    "longformer": ("encoder, sliding-window attention", dict(hidden_size=256, num_hidden_layers=2,
-                                                              num_attention_heads=4, intermediate_size=1024,
-                                                              attention_window=64, vocab_size=8000)),
-    "big_bird": ("encoder, block-sparse attention", dict(hidden_size=256, num_hidden_layers=2,
-                                                          num_attention_heads=4, intermediate_size=1024,
-                                                          vocab_size=8000)),
-    "modernbert": ("encoder, masked-LM head", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                                    intermediate_size=1024)),
+    "deberta-v2": ("encoder, disentangled attention", dict(**ENCODER, vocab_size=8000)),
+    "longformer": ("encoder, sliding-window attention", dict(**ENCODER, attention_window=64, vocab_size=8000)),
+    "big_bird": ("encoder, block-sparse attention", dict(**ENCODER, vocab_size=8000)),
+    # no causal-LM or pretraining class in transformers: its masked-LM one
+    "modernbert": ("encoder, masked-LM head", dict(ENCODER)),
     "mixtral": ("routed MoE, 2 of 8 experts", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                                     num_attention_heads=4, num_key_value_heads=2,
                                                     num_local_experts=8, num_experts_per_tok=2, vocab_size=8000)),

@@ -285,8 +285,9 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
             raise ModelError(f"{model_type} is multimodal and is forecast through its language model (its "
                              f"text_config, {text.model_type}), which failed: {e}") from None
         built.notes.insert(0, f"the language model of {model_type} (its text_config, {text.model_type}), as a "
-                              f"text-only prompt runs it; the {' and '.join(towers) or 'other'} encoder"
-                              f"{'s are' if len(towers) > 1 else ' is'} not traced")
+                              "text-only prompt runs it; " + (f"the {' and '.join(towers)} encoder"
+                              f"{'s are' if len(towers) > 1 else ' is'} not traced" if towers else
+                              "nothing else of it is traced"))
         return built
     if not hasattr(config, "vocab_size"):
         parts = [k for k in ("text_config", "vision_config", "audio_config", "speech_config") if hasattr(config, k)]
