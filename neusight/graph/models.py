@@ -7,6 +7,7 @@ Presets are written here from the public architecture numbers of each family (pa
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import json
 import logging
@@ -364,21 +365,24 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 _FUSED_FALLBACK = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"')
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_fallbacks(path: str | None) -> tuple[tuple[str, str], ...]:
+    """(function, package) of each fused-kernel fallback a transformers source file declares (read once)."""
+    try:
+        return tuple(_FUSED_FALLBACK.findall(Path(path).read_text())) if path else ()
+    except OSError:
+        return ()
+
+
 def _torch_reference_paths(module: nn.Module) -> str | None:
     """A note when ``module`` runs transformers' PyTorch reference code where a GPU with the optional package
     installed (mamba_ssm, causal_conv1d, fla) runs a fused kernel: the trace records the reference code's many
     small kernels, as on a GPU without those packages."""
     found: dict[str, set[str]] = {}
     for mod_name in sorted({type(m).__module__ for m in module.modules()}):
-        path = getattr(sys.modules.get(mod_name), "__file__", None)
-        if not path or not mod_name.startswith("transformers."):
-            continue
-        try:
-            text = Path(path).read_text()
-        except OSError:
-            continue
-        for fn, package in _FUSED_FALLBACK.findall(text):
-            found.setdefault(package, set()).add(fn)
+        if mod_name.startswith("transformers."):
+            for fn, package in _fused_fallbacks(getattr(sys.modules.get(mod_name), "__file__", None)):
+                found.setdefault(package, set()).add(fn)
     if not found:
         return None
     what = "; ".join(f"{pkg}: {', '.join(sorted(fns))}" for pkg, fns in sorted(found.items()))
