@@ -156,12 +156,10 @@ def render(df: pd.DataFrame, seconds: float, version: str) -> str:
         by = failed.groupby("class")["model_type"].apply(lambda s: ", ".join(s)).reset_index()
         by.columns = ["failure class (docstring)", "model types"]
         lines += ["Failures by class:", "", markdown_table(by, index=False), ""]
-    shown = df.drop(columns=[]).copy()
-    if "trace s" in shown:
-        shown["trace s"] = shown["trace s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
-    for col in ("kernels",):
-        if col in shown:
-            shown[col] = shown[col].map(lambda v: "" if pd.isna(v) else f"{int(v)}")
+    shown = df.copy()
+    shown["trace s"] = shown["trace s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
+    for col in ("layers", "kernels"):   # counts, or "default" layers
+        shown[col] = shown[col].map(lambda v: "" if pd.isna(v) else v if isinstance(v, str) else f"{int(v)}")
     lines += [markdown_table(shown.fillna(""), index=False), ""]
     return "\n".join(lines)
 

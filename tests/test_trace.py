@@ -468,9 +468,10 @@ def test_masked_lm_head_and_bare_encoders():
     from neusight.graph.models import build_model
 
     built = build_model(bert)
-    out = built.module(*built.make_inputs(2, 16)[0], **built.make_inputs(2, 16)[1])
+    args, kwargs = built.make_inputs(2, 16)
+    out = built.module(*args, **kwargs)
     base = type("Bare", (), {"last_hidden_state": out.logits})()
-    assert built.loss(base, (), built.make_inputs(2, 16)[1]).shape == ()
+    assert built.loss(base, args, kwargs).shape == ()
 
 
 def test_negative_max_positions_mean_no_limit():

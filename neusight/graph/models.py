@@ -298,7 +298,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
                          "model of its text_config, which this config lacks. Trace the part you want as an nn.Module "
                          "with input_shapes=[...]")
     cls = _hf_class(config, model_type, head, architectures, transformers)
-    bare = cls is _first(transformers.AutoModel._model_mapping.get(type(config), ()) or (None,))
+    bare = cls is _base_class(config, transformers)   # the headless model: no output projection, no loss
     takes = inspect.signature(cls.forward).parameters
     if "input_ids" not in takes:
         needed = [n for n, p in takes.items() if n != "self" and p.default is inspect.Parameter.empty
@@ -353,10 +353,9 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     reference = _torch_reference_paths(module)
     if reference:
         notes.append(reference)
-    if bare and not any(hasattr(module, a) for a in ("lm_head", "cls", "classifier", "score")):
-        notes.insert(1, f"{kind_name} has no task head (transformers has none for {model_type} apart from this "
-                        "model): traced without an output projection; in training the mean of its output stands "
-                        "in for the loss")
+    if bare:
+        notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
+                        "of its output stands in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
 
 
@@ -409,12 +408,18 @@ def _hf_class(config: Any, model_type: str, head: str | None, architectures: lis
         mapping = getattr(transformers, autos[h])._model_mapping
         if type(config) in mapping:
             return _first(mapping[type(config)])
-    try:
-        return _first(transformers.AutoModel._model_mapping[type(config)])
-    except KeyError:
+    base = _base_class(config, transformers)
+    if base is None:
         raise ModelError(f"transformers has no model class for model_type={model_type!r} (config class "
                          f"{type(config).__name__}). Fix: pass a config whose model_type transformers can build "
-                         "(AutoModel)") from None
+                         "(AutoModel)")
+    return base
+
+
+def _base_class(config: Any, transformers: Any) -> Any:
+    """transformers' headless model class for ``config`` (AutoModel's), or None."""
+    cls = transformers.AutoModel._model_mapping.get(type(config), None)
+    return None if cls is None else _first(cls)
 
 
 def _first(cls: Any) -> Any:
