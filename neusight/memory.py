@@ -432,7 +432,7 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
     def fits(n: int) -> bool:
         if n not in cache:
             kw = shape(n)
-            r = estimate_memory(trace(model, mode=mode, **kw, **trace_kwargs), device)
+            r = estimate_memory(trace(model, mode=mode, device=device, **kw, **trace_kwargs), device)
             cache[n] = bool(r.fits)
             log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], r.peak_gib, device.memory_gib,
                      "fits" if r.fits else "does not fit")

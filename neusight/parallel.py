@@ -324,7 +324,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
     g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
-              tensor_parallel=tp, **trace_kwargs)
+              tensor_parallel=tp, device=device, **trace_kwargs)
     one = predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32)
     k = one.kernels
     index = _block_index(k)

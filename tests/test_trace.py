@@ -132,23 +132,72 @@ def test_experts_called_without_routing_keep_their_own_forward(tmp_path):
         assert not any("balanced routing" in n for n in g.notes)
 
 
-def test_grouped_experts_run_one_batched_gemm_per_projection(tmp_path):
+def _expert_gemms(g, phase="forward"):
+    k = g.kernels
+    return k[k["module"].str.contains("experts") & (k["phase"] == phase) & k["family"].isin(["bmm", "linear"])]
+
+
+def test_experts_kernels_follow_the_chosen_implementation(tmp_path):
+    """loop / grouped / per-expert: the same GEMM FLOPs, forward and backward; grouped runs one batched GEMM per
+    projection, per-expert one mm per expert with no per-expert gather or scatter, loop both per expert."""
     import json
 
     cfg = tmp_path / "mixtral.json"
     cfg.write_text(json.dumps(ROUTED_MOE["mixtral"]))
-    loop = neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="training", optimizer=None)
-    grouped = neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="training", optimizer=None,
-                             moe_kernels="grouped")
-    assert any("grouped_mm" in n for n in grouped.notes) and grouped.unmodeled == []
-    expert = grouped.kernels[grouped.kernels["module"].str.contains("experts") & (grouped.kernels["phase"] == "forward")]
-    gemm = expert[expert["family"].isin(["bmm", "linear"])]
+    runs = {how: neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="training", optimizer=None, moe_kernels=how)
+            for how in ("loop", "grouped", "per-expert")}
+    flops = {how: g.kernels.loc[g.kernels["family"].isin(["bmm", "linear"]), "flops"].sum() for how, g in runs.items()}
+    assert flops["grouped"] == flops["loop"] == flops["per-expert"]
+    for how, g in runs.items():
+        assert g.unmodeled == [] and any("balanced routing" in n for n in g.notes), how
     # 2 layers x (up, down), each one batched GEMM over the 4 experts of 24 token copies each
-    assert len(gemm) == 2 * 2 and set(gemm["dims"].map(lambda d: d[:2])) == {(4, 24)}
-    flops = lambda g: g.kernels.loc[g.kernels["family"].isin(["bmm", "linear"]), "flops"].sum()  # noqa: E731
-    assert flops(grouped) == flops(loop)
+    grouped = _expert_gemms(runs["grouped"])
+    assert len(grouped) == 2 * 2 and set(grouped["dims"].map(lambda d: d[:2])) == {(4, 24)}
+    assert any("grouped GEMM kernel" in n for n in runs["grouped"].notes)
+    # 2 layers x 4 experts x (up, down) mm, and in backward an input- and a weight-gradient mm for each
+    per = runs["per-expert"]
+    assert len(_expert_gemms(per)) == 2 * 4 * 2 and set(_expert_gemms(per)["aten_op"]) == {"aten.mm.out"}
+    assert (_expert_gemms(per, "backward")["aten_op"] == "aten.mm.out").sum() == 2 * 4 * 2 * 2
+    # the tokens are gathered once per layer in sorted order, not once per expert as the eager loop does
+    gathers = {how: int((g.kernels["module"].str.contains("experts") & (g.kernels["phase"] == "forward")
+                         & (g.kernels["aten_op"] == "aten.index_select.default")).sum()) for how, g in runs.items()}
+    assert gathers["per-expert"] == gathers["grouped"] < gathers["loop"]
+    assert len(per.kernels) < len(runs["loop"].kernels)
     with pytest.raises(InputError, match="moe_kernels='fancy'"):
         neusight.trace("resnet18", batch_size=1, moe_kernels="fancy")
+
+
+def test_auto_experts_follow_transformers_on_the_gpu(tmp_path):
+    """moe_kernels='auto': transformers' grouped_mm experts (its default) as one grouped GEMM for BF16 on NVIDIA
+    compute capability 9.x / 10.x, PyTorch's per-expert fallback elsewhere; a config asking for eager experts gets
+    the loop."""
+    import json
+
+    from neusight.graph.moe import grouped_gemm_runs
+
+    cfg = tmp_path / "mixtral.json"
+    cfg.write_text(json.dumps(ROUTED_MOE["mixtral"]))
+
+    def ops(device, dtype, path=cfg):
+        g = neusight.trace(str(path), batch_size=2, seq_len=24, mode="inference", dtype=dtype, device=device)
+        assert any("moe_kernels='auto'" in n for n in g.notes)
+        return set(_expert_gemms(g)["aten_op"])
+
+    assert ops("h100-sxm5-80gb", "bfloat16") == {"aten.bmm.default"}
+    assert ops("b200", "bfloat16") == {"aten.bmm.default"}
+    for device, dtype in (("h100-sxm5-80gb", "float32"), ("a100-sxm4-40gb", "bfloat16"), ("mi300x", "bfloat16"),
+                          (None, "bfloat16")):
+        assert ops(device, dtype) == {"aten.mm.out"}, (device, dtype)
+    assert not grouped_gemm_runs(None, torch.bfloat16)
+    eager = tmp_path / "mixtral-eager.json"
+    eager.write_text(json.dumps({**ROUTED_MOE["mixtral"], "experts_implementation": "eager"}))
+    loop = neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="inference", dtype="bfloat16", moe_kernels="loop")
+    assert ops("h100-sxm5-80gb", "bfloat16", eager) == set(_expert_gemms(loop)["aten_op"])
+    # predict() and the CLI pass their GPU on: the same model forecast on H100 and A100 runs different kernels
+    h100 = neusight.predict(str(cfg), "h100-sxm5-80gb", batch_size=2, seq_len=24, dtype="bfloat16", memory=False)
+    a100 = neusight.predict(str(cfg), "a100-sxm4-40gb", batch_size=2, seq_len=24, dtype="bfloat16", memory=False)
+    assert set(_expert_gemms(h100)["aten_op"]) == {"aten.bmm.default"}
+    assert set(_expert_gemms(a100)["aten_op"]) == {"aten.mm.out"}
 
 
 # Hugging Face image models, tiny: a ViT (patch embeddings + encoder), DeiT (whose auto mapping lists two

@@ -69,7 +69,8 @@ class PredictConfig:
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
-    moe_kernels: str = "loop"            # routed MoE experts: loop (transformers' eager) | grouped (its grouped_mm)
+    moe_kernels: str = "auto"            # routed MoE experts: auto (as transformers runs them on the GPU) | loop |
+    #                                      grouped | per-expert (see neusight.trace)
     input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
     #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
@@ -266,7 +267,7 @@ def _step_options(cfg: Any) -> dict[str, Any]:
     """The training-step options of a predict or trace config, as ``neusight.trace`` takes them."""
     targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
     out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets,
-           "moe_kernels": getattr(cfg, "moe_kernels", "loop")}
+           "moe_kernels": getattr(cfg, "moe_kernels", "auto")}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
         from omegaconf import OmegaConf
@@ -323,17 +324,24 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     (an anchor GPU, last in the list) when given."""
     from neusight.api import load_predictor, predict_graph, tf32_mode
     from neusight.devices import load_device
+    from neusight.graph.amp import model_dtype
+    from neusight.graph.moe import grouped_gemm_runs
     from neusight.graph.tracer import trace
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
-    g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
-              optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
+    graphs: dict[bool, Any] = {}   # one trace per software path the GPUs take (grouped GEMM kernel or not)
     preds = []
     for dev in devices:
+        path = grouped_gemm_runs(dev, model_dtype(cfg.dtype))
+        if path not in graphs:
+            graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,
+                                 head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
+                                 image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
+                                 device=dev, **_step_options(cfg))
+        g = graphs[path]
         p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
         if cfg.memory:
             from neusight.memory import estimate_memory

@@ -34,9 +34,11 @@ class TraceConfig:
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
-    moe_kernels: str = "loop"            # routed MoE experts: loop (transformers' eager) | grouped (its grouped_mm)
+    moe_kernels: str = "auto"            # routed MoE experts: auto (as transformers runs them on the GPU) | loop |
+    #                                      grouped | per-expert (see neusight.trace)
     input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
     #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
+    device: Optional[str] = None         # the GPU the trace is for (only moe_kernels=auto depends on it)
     csv: Optional[str] = "kernels.csv"   # relative to Hydra's run directory; null to skip
 
 
@@ -53,7 +55,7 @@ def _app(cfg: TraceConfig) -> None:
     quiet_third_party_logs()
     g = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
               optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
+              dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, device=cfg.device, **_step_options(cfg))
     s = g.summary()
     total = pd.DataFrame([s.sum()], index=["total"])
     print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")

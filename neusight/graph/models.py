@@ -149,7 +149,8 @@ def list_models() -> list[str]:
 
 def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
                 image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
-                dtype: torch.dtype = torch.float32, moe_kernels: str = "loop") -> BuiltModel:
+                dtype: torch.dtype = torch.float32, moe_kernels: str = "auto",
+                grouped_gemm: bool = False) -> BuiltModel:
     """Build a model on the meta device from a preset name, an HF config (JSON path, ``PretrainedConfig`` or a
     dict with ``model_type``) or an nn.Module."""
     if head is not None and head not in HEADS:
@@ -168,7 +169,7 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
                              "(e.g. transformers.GPT2Config(n_layer=6)) or a dict with 'model_type' and its fields")
         model_type = cfg.pop("model_type")
         name = str(cfg.get("_name_or_path") or model_type)
-        return _hf(name, model_type, cfg, head, attn_implementation, dtype, image_size, moe_kernels)
+        return _hf(name, model_type, cfg, head, attn_implementation, dtype, image_size, moe_kernels, grouped_gemm)
     name = str(model)
     if input_shapes and not (MODULE_REF.match(name) and not Path(name).expanduser().exists()):
         raise InputError(f"input_shapes={input_shapes!r} is for an nn.Module (or 'package.module:Class'); model={name!r} "
@@ -181,11 +182,13 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return _vision(key, image_size, dtype)
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
-        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels)
+        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
+                   grouped_gemm)
     path = Path(name).expanduser()
     if path.suffix == ".json" or path.exists():
         cfg = _read_config_json(path)
-        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size, moe_kernels)
+        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size, moe_kernels,
+                   grouped_gemm)
     if MODULE_REF.match(name):
         return _from_module(_import_module_ref(name), input_shapes, dtype)
     close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
@@ -256,7 +259,7 @@ def _is_vision(config: Any) -> bool:
 
 
 def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
-        image_size: int | None = None, moe_kernels: str = "loop") -> BuiltModel:
+        image_size: int | None = None, moe_kernels: str = "auto", grouped_gemm: bool = False) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
 
@@ -281,7 +284,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
                   if getattr(config, k, None) is not None]
         sub = text.to_dict()
         try:
-            built = _hf(name, sub.pop("model_type"), sub, head, attn, dtype, None, moe_kernels)
+            built = _hf(name, sub.pop("model_type"), sub, head, attn, dtype, None, moe_kernels, grouped_gemm)
         except ModelError as e:
             raise ModelError(f"{model_type} is multimodal and is forecast through its language model (its "
                              f"text_config, {text.model_type}), which failed: {e}") from None
@@ -320,7 +323,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     else:
         from neusight.graph.moe import fix_routed_experts
 
-        routed = fix_routed_experts(module, moe_kernels)
+        routed = fix_routed_experts(module, moe_kernels, grouped_gemm)
         if routed:
             notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

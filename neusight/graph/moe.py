@@ -55,7 +55,9 @@ def fix_switch_capacity(model: nn.Module, config: Any) -> str:
 # routing instead: each expert receives an equal share, ceil(tokens x top_k / experts), of the token-expert pairs,
 # the expected load of a trained router (real routers are uneven, so a step's slowest expert runs more). With fewer
 # pairs than experts (a decode step of a small batch) only as many experts as pairs run, one token each, as the
-# eager loop skips the experts no token chose.
+# eager loop skips the experts no token chose (and grouped_mm's groups of those experts are empty). The kernels
+# follow the experts implementation (MOE_KERNELS below): the eager loop, or grouped_mm's sort, one gather, the
+# projections over all experts and the weighted sum per token, as transformers.integrations.moe runs it.
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     y = x @ weight if transposed else nn.functional.linear(x, weight)
@@ -100,42 +102,124 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     return out
 
 
-def _balanced_experts_grouped(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                              top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The same balanced routing with transformers' ``grouped_mm`` experts (its default from transformers 5 on GPUs
-    of compute capability 8.0 and up): the token copies gathered expert by expert, then one grouped GEMM per
-    projection over all experts (traced as a batched GEMM: equal groups under balanced routing), the weights
-    applied and the copies summed back."""
+class _PerExpertMM(torch.autograd.Function):
+    """PyTorch's grouped-GEMM fallback (``_grouped_mm`` where its grouped kernel does not run, and transformers'
+    own fallback below compute capability 8.0): ``x`` (rows, in) sorted by expert in equal shares of ``share`` rows,
+    ``w`` (experts, in, out); one ``mm`` per expert into its rows of the output, and in backward one ``mm`` per
+    expert for the input gradient and one for the weight gradient, each where autograd needs it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, share: int) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.share = share
+        out = x.new_empty(x.shape[0], w.shape[-1])
+        for e in range(w.shape[0]):
+            rows = slice(e * share, (e + 1) * share)
+            torch.mm(x[rows], w[e], out=out[rows])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        share = ctx.share
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = torch.empty_like(x) if want_x else None
+        gw = torch.empty_like(w) if want_w else None
+        for e in range(w.shape[0]):
+            rows = slice(e * share, (e + 1) * share)
+            if gx is not None:
+                torch.mm(grad[rows], w[e].transpose(0, 1), out=gx[rows])
+            if gw is not None:
+                torch.mm(x[rows].transpose(0, 1), grad[rows], out=gw[e])
+        return gx, gw, None
+
+
+def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts (its default experts implementation from transformers 5 on) under
+    balanced routing: the token-expert pairs sorted by expert, the tokens gathered in that order, each projection
+    over all experts at once (``grouped``: one grouped GEMM, traced as a batched GEMM of equal groups) or as
+    PyTorch's fallback runs it (one ``mm`` per expert over its rows, :class:`_PerExpertMM`), the activation on all
+    rows at once, the routing weights applied, the pairs put back in token order and summed per token."""
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     pairs, active, share, (gated, transposed, up_w, up_b, down_w, down_b) = _balanced_plan(self, tokens, top_k)
-    up_w, down_w = up_w[:active], down_w[:active]
-    up_b, down_b = (None if b is None else b[:active] for b in (up_b, down_b))
+    rows = active * share                                          # >= pairs: the last expert's share is padded
+    device = hidden_states.device
+    torch.sort(top_k_index.reshape(-1))                            # the pairs' expert order (values unused here)
+    pair = torch.arange(rows, device=device) % pairs               # a fixed stand-in for that order
+    x = hidden_states.index_select(0, torch.div(pair, top_k, rounding_mode="floor"))   # (rows, hidden)
+    sample_weights = top_k_weights.reshape(-1).index_select(0, pair)
+    torch.zeros(int(self.num_experts), dtype=torch.int32, device=device).cumsum(0)      # tokens per expert -> offsets
 
-    def grouped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        y = torch.bmm(x, w if transposed else w.transpose(1, 2))      # (experts, share, out)
-        return y if b is None else y + b.unsqueeze(1)
+    def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if active < w.shape[0]:            # only the experts that run (slicing them all would add a gradient copy)
+            w = w[:active]
+        w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)
+        if grouped:
+            y = torch.bmm(h.view(active, share, h.shape[-1]), w).view(rows, w.shape[-1])
+        else:
+            y = _PerExpertMM.apply(h, w, share)
+        if b is None:
+            return y
+        expert_of_row = torch.div(torch.arange(rows, device=device), share, rounding_mode="floor")
+        return y + b.index_select(0, expert_of_row)                 # each row's expert bias, gathered
 
-    pair = torch.arange(active * share, device=hidden_states.device) % pairs
-    tok = torch.div(pair, top_k, rounding_mode="floor")
-    x = hidden_states.index_select(0, tok).view(active, share, hidden)   # copies sorted by expert
-    h = grouped(x, up_w, up_b)
+    h = project(x, up_w, up_b)
     h = self._apply_gate(h) if gated else self.act_fn(h)
-    y = grouped(h, down_w, down_b)
+    y = project(h, down_w, down_b)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
-    y = y.reshape(active * share, hidden) * top_k_weights.reshape(-1).index_select(0, pair).unsqueeze(-1)
-    return torch.zeros_like(hidden_states).index_add(0, tok, y.to(hidden_states.dtype))
+    y = y * sample_weights.unsqueeze(-1)
+    back = torch.arange(pairs, device=device)                      # the inverse permutation (row of each pair)
+    y = y.index_select(0, back).view(tokens, top_k, hidden).sum(dim=1)
+    return y.to(hidden_states.dtype)
 
 
-MOE_KERNELS = ("loop", "grouped")   # transformers' eager loop over experts / its grouped_mm experts
+def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    return _sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, grouped=True)
+
+
+def _per_expert_mm_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    return _sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, grouped=False)
+
+
+# How routed experts run (``moe_kernels``): "auto" as transformers itself runs them on the GPU forecast (its model's
+# experts implementation: "grouped_mm", the default from transformers 5 on, or "eager"), or one way for every model:
+# "loop" transformers' eager loop (a gather, a GEMM pair and a scatter per expert), "grouped" its grouped_mm with
+# PyTorch's grouped GEMM kernel (one GEMM per projection over all experts), "per-expert" its grouped_mm where that
+# kernel does not run (one mm per expert per projection over the sorted tokens).
+MOE_KERNELS = ("auto", "loop", "grouped", "per-expert")
+_HOW = {"loop": "one GEMM pair per expert, each on its gathered tokens (transformers' eager experts)",
+        "grouped": "one grouped GEMM per projection over the experts (transformers' grouped_mm experts with PyTorch's "
+                   "grouped GEMM kernel)",
+        "per-expert": "the tokens sorted by expert, then one mm per expert per projection (transformers' grouped_mm "
+                      "experts where PyTorch has no grouped GEMM kernel for the GPU and dtype: its per-group fallback)"}
+_FORWARDS = {"loop": _balanced_experts_forward, "grouped": _grouped_experts_forward,
+             "per-expert": _per_expert_mm_forward}
+# PyTorch's grouped GEMM kernel (CUTLASS, aten/src/ATen/native/cuda/GroupedBlas.cpp) runs for BF16 operands on
+# NVIDIA compute capability 9.x and 10.x (Hopper, Blackwell datacenter parts); every other GPU and dtype takes its
+# fallback, a loop of mm over the groups.
+GROUPED_GEMM_CC_MAJOR = ("9", "10")
+
+
+def grouped_gemm_runs(device: Any, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs as one grouped GEMM kernel on ``device`` (a Device or None) for expert
+    weights of ``dtype``; False without a device."""
+    if device is None or dtype != torch.bfloat16 or getattr(device, "vendor", None) != "nvidia":
+        return False
+    return str(device.compute_capability).split(".")[0] in GROUPED_GEMM_CC_MAJOR
 
 
 def check_moe_kernels(kernels: str) -> None:
     """Refuse a ``moe_kernels`` value other than :data:`MOE_KERNELS`, naming the choices."""
     if kernels not in MOE_KERNELS:
-        raise InputError(f"moe_kernels={kernels!r} is not known; use 'loop' (transformers' eager loop over the "
-                         "experts) or 'grouped' (its grouped_mm: one grouped GEMM per projection)")
+        raise InputError(f"moe_kernels={kernels!r} is not known; use 'auto' (as transformers runs the model's experts "
+                         "on the GPU forecast, the default), 'loop' (its eager loop over the experts), 'grouped' (its "
+                         "grouped_mm as one grouped GEMM per projection) or 'per-expert' (its grouped_mm as PyTorch's "
+                         "fallback runs it: one mm per expert)")
 
 
 def is_routed_experts(mod: nn.Module) -> bool:
@@ -157,22 +241,30 @@ def is_routed_experts(mod: nn.Module) -> bool:
     return "top_k_index" in takes or len(takes) >= 4      # self, hidden states, chosen experts, their weights
 
 
-def fix_routed_experts(model: nn.Module, kernels: str = "loop") -> str | None:
-    """Trace every top-k routed experts module of ``model`` under balanced routing, with ``kernels`` "loop" (one
-    GEMM pair per expert, transformers' eager loop) or "grouped" (one grouped GEMM per projection, its
-    ``grouped_mm``); a note for the result, None when the model has none."""
+def fix_routed_experts(model: nn.Module, kernels: str = "auto", grouped_gemm: bool = False) -> str | None:
+    """Trace every top-k routed experts module of ``model`` under balanced routing with ``kernels`` (one of
+    :data:`MOE_KERNELS`; "auto": what the module's experts implementation runs, ``grouped_gemm`` saying whether
+    PyTorch's grouped GEMM kernel runs on the GPU forecast, :func:`grouped_gemm_runs`); a note for the result, None
+    when the model has none."""
     check_moe_kernels(kernels)
     found = [m for m in model.modules() if is_routed_experts(m)]
-    forward = _balanced_experts_forward if kernels == "loop" else _balanced_experts_grouped
-    for mod in found:
-        mod.forward = types.MethodType(forward, mod)
     if not found:
         return None
+    used: dict[str, int] = {}
+    for mod in found:
+        how = kernels
+        if how == "auto":
+            impl = getattr(getattr(mod, "config", None), "_experts_implementation", None)
+            how = "loop" if impl in (None, "eager") else ("grouped" if grouped_gemm else "per-expert")
+        mod.forward = types.MethodType(_FORWARDS[how], mod)
+        used[how] = used.get(how, 0) + 1
     n_exp = sorted({int(m.num_experts) for m in found})
-    how = ("one GEMM pair per expert (transformers' eager loop; moe_kernels='grouped' for its grouped_mm)"
-           if kernels == "loop" else "one grouped GEMM per projection over the experts (transformers' grouped_mm)")
+    how = "; ".join(_HOW[k] if len(used) == 1 else f"{n} layers: {_HOW[k]}" for k, n in used.items())
+    why = (" as transformers runs them (moe_kernels='auto': the model's experts implementation, with PyTorch's "
+           "grouped GEMM kernel where the GPU and dtype have one; 'loop', 'grouped' or 'per-expert' choose one)"
+           if kernels == "auto" else "")
     return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
             f"layer{'s' if len(found) != 1 else ''} "
             f"({'/'.join(map(str, n_exp))} experts) every expert runs on tokens x top-k / experts tokens (when fewer "
-            f"token choices than experts: that many experts, one token each), {how} (routing is data-dependent; a "
-            "real router's uneven load makes a step slower)")
+            f"token choices than experts: that many experts, one token each), {how}{why} (routing is data-dependent; "
+            "a real router's uneven load makes a step slower)")

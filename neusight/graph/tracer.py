@@ -278,7 +278,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
-          lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "loop") -> Graph:
+          lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
+          device: Any = None) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -312,11 +313,17 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
         architecture, e.g. the attention's query and value projections).
-    moe_kernels : {"loop", "grouped"}
+    moe_kernels : {"auto", "loop", "grouped", "per-expert"}
         Routed mixture-of-experts layers (Mixtral, Qwen-MoE, ...; :mod:`neusight.graph.moe`, balanced routing):
-        "loop" runs one GEMM pair per expert (transformers' eager experts), "grouped" one grouped GEMM per
-        projection over the experts (transformers' ``grouped_mm`` experts, its default from transformers 5 on
-        GPUs of compute capability 8.0 and up).
+        "loop" runs one GEMM pair per expert on its gathered tokens (transformers' eager experts), "grouped" one
+        grouped GEMM per projection over the experts (its ``grouped_mm`` experts, the default from transformers 5
+        on, with PyTorch's grouped GEMM kernel), "per-expert" the same experts where PyTorch has no grouped kernel for
+        the GPU and dtype (one mm per expert over the sorted tokens). "auto": what transformers runs on ``device``:
+        the model's experts implementation, grouped_mm as "grouped" for BF16 weights on NVIDIA compute capability
+        9.x / 10.x, else as "per-expert" (also without a device).
+    device : str, Device or None
+        The GPU the trace is for; only what the software stack itself decides by the GPU depends on it (the
+        experts kernels of ``moe_kernels="auto"``).
     gradient_checkpointing : bool or int
         Training with activation (gradient) checkpointing, as ``model.gradient_checkpointing_enable()`` runs it
         in Hugging Face models: each layer keeps only its input and runs its forward again in the backward pass.
@@ -346,11 +353,16 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     20
     """
     torch_dtype = model_dtype(dtype)
-    from neusight.graph.moe import check_moe_kernels
+    from neusight.graph.moe import check_moe_kernels, grouped_gemm_runs
 
     check_moe_kernels(moe_kernels)
+    if device is not None:
+        from neusight.devices import load_device
+
+        device = load_device(device)
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
-                        input_shapes=input_shapes, dtype=torch_dtype, moe_kernels=moe_kernels)
+                        input_shapes=input_shapes, dtype=torch_dtype, moe_kernels=moe_kernels,
+                        grouped_gemm=grouped_gemm_runs(device, torch_dtype))
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
     amp_t = amp_dtype(amp)
     _check_kv_cache(built, kv_cache, mode, seq_len, tensor_parallel)
