@@ -200,6 +200,24 @@ def test_auto_experts_follow_transformers_on_the_gpu(tmp_path):
     assert set(_expert_gemms(a100)["aten_op"]) == {"aten.mm.out"}
 
 
+def test_per_expert_gemms_keep_the_weights_dtype_and_skip_frozen_weight_gradients(tmp_path):
+    """grouped_mm is not autocast: under amp an FP32 model's experts run their GEMMs in FP32 (transformers casts the
+    tokens to the weights' dtype); with the experts frozen (LoRA elsewhere) no weight-gradient mm runs."""
+    import json
+
+    cfg = tmp_path / "mixtral.json"
+    cfg.write_text(json.dumps(ROUTED_MOE["mixtral"]))
+    kw = dict(batch_size=2, seq_len=24, mode="training", optimizer=None, moe_kernels="per-expert")
+    amp = neusight.trace(str(cfg), amp="bfloat16", **kw).kernels
+    mm = amp[amp["aten_op"] == "aten.mm.out"]
+    assert len(mm) and set(mm["dtype"]) == {"float32"}
+    assert (amp["dtype"] == "bfloat16").any()                     # the attention projections are autocast
+    full = neusight.trace(str(cfg), **kw).kernels
+    lora = neusight.trace(str(cfg), lora_rank=4, lora_targets=["q_proj", "v_proj"], **kw).kernels
+    count = lambda k: int(((k["aten_op"] == "aten.mm.out") & (k["phase"] == "backward")).sum())  # noqa: E731
+    assert count(full) == 2 * 4 * 2 * 2 and count(lora) == 2 * 4 * 2      # input gradients only
+
+
 # Hugging Face image models, tiny: a ViT (patch embeddings + encoder), DeiT (whose auto mapping lists two
 # classes) and Swin (shifted windows: in-place strided views, stochastic depth in training).
 VISION = {

@@ -109,6 +109,8 @@ class Autocast(TorchFunctionMode):
     def cast_args(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``func``'s arguments as autocast hands them to it (unchanged for a function outside its lists)."""
         name = getattr(func, "__name__", "")
+        if kwargs.get("out") is not None:     # calls that supply out= are allowed but not autocast (torch.amp docs)
+            return args, kwargs
         if name in LOWER:
             to, src = self.dtype, (torch.float32,)
         elif name in FP32:

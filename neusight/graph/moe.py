@@ -158,8 +158,8 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)
         if grouped:
             y = torch.bmm(h.view(active, share, h.shape[-1]), w).view(rows, w.shape[-1])
-        else:
-            y = _PerExpertMM.apply(h, w, share)
+        else:                              # in the weights' dtype, as transformers casts it (grouped_mm: no autocast)
+            y = _PerExpertMM.apply(h.to(w.dtype), w, share)
         if b is None:
             return y
         expert_of_row = torch.div(torch.arange(rows, device=device), share, rounding_mode="floor")
