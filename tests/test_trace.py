@@ -173,7 +173,7 @@ def test_auto_experts_follow_transformers_on_the_gpu(tmp_path):
     the loop."""
     import json
 
-    from neusight.graph.moe import grouped_gemm_runs
+    from neusight.graph.moe import depends_on_gpu, grouped_gemm_runs
 
     cfg = tmp_path / "mixtral.json"
     cfg.write_text(json.dumps(ROUTED_MOE["mixtral"]))
@@ -189,6 +189,10 @@ def test_auto_experts_follow_transformers_on_the_gpu(tmp_path):
                           (None, "bfloat16")):
         assert ops(device, dtype) == {"aten.mm.out"}, (device, dtype)
     assert not grouped_gemm_runs(None, torch.bfloat16)
+    # only experts traced by "auto" make a trace GPU-specific (the CLI traces again per path only then)
+    assert depends_on_gpu(neusight.trace(str(cfg), batch_size=2, seq_len=24).notes)
+    assert not depends_on_gpu(neusight.trace(str(cfg), batch_size=2, seq_len=24, moe_kernels="loop").notes)
+    assert not depends_on_gpu(neusight.trace("gpt2", batch_size=1, seq_len=16).notes)
     eager = tmp_path / "mixtral-eager.json"
     eager.write_text(json.dumps({**ROUTED_MOE["mixtral"], "experts_implementation": "eager"}))
     loop = neusight.trace(str(cfg), batch_size=2, seq_len=24, mode="inference", dtype="bfloat16", moe_kernels="loop")

@@ -325,17 +325,20 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     from neusight.api import load_predictor, predict_graph, tf32_mode
     from neusight.devices import load_device
     from neusight.graph.amp import model_dtype
-    from neusight.graph.moe import grouped_gemm_runs
+    from neusight.graph.moe import depends_on_gpu, grouped_gemm_runs
     from neusight.graph.tracer import trace
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
-    graphs: dict[bool, Any] = {}   # one trace per software path the GPUs take (grouped GEMM kernel or not)
+    # one trace, and one more per software path of the GPUs (grouped GEMM kernel or not) when its experts depend on it
+    graphs: dict[bool, Any] = {}
     preds = []
     for dev in devices:
         path = grouped_gemm_runs(dev, model_dtype(cfg.dtype))
+        if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
+            path = next(iter(graphs))
         if path not in graphs:
             graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,
                                  head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,

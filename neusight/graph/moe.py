@@ -203,6 +203,13 @@ _FORWARDS = {"loop": _balanced_experts_forward, "grouped": _grouped_experts_forw
 # NVIDIA compute capability 9.x and 10.x (Hopper, Blackwell datacenter parts); every other GPU and dtype takes its
 # fallback, a loop of mm over the groups.
 GROUPED_GEMM_CC_MAJOR = ("9", "10")
+AUTO_MARK = "moe_kernels='auto'"   # in the note of experts traced by "auto": their kernels depend on the GPU
+
+
+def depends_on_gpu(notes: list[str] | tuple[str, ...]) -> bool:
+    """Whether a trace with these notes has experts whose kernels ``moe_kernels="auto"`` chose by the GPU, so that
+    another GPU may need its own trace."""
+    return any(AUTO_MARK in n for n in notes)
 
 
 def grouped_gemm_runs(device: Any, dtype: torch.dtype) -> bool:
@@ -260,7 +267,7 @@ def fix_routed_experts(model: nn.Module, kernels: str = "auto", grouped_gemm: bo
         used[how] = used.get(how, 0) + 1
     n_exp = sorted({int(m.num_experts) for m in found})
     how = "; ".join(_HOW[k] if len(used) == 1 else f"{n} layers: {_HOW[k]}" for k, n in used.items())
-    why = (" as transformers runs them (moe_kernels='auto': the model's experts implementation, with PyTorch's "
+    why = (f" as transformers runs them ({AUTO_MARK}: the model's experts implementation, with PyTorch's "
            "grouped GEMM kernel where the GPU and dtype have one; 'loop', 'grouped' or 'per-expert' choose one)"
            if kernels == "auto" else "")
     return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
