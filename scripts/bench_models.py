@@ -118,8 +118,13 @@ HF_CONFIGS = {
     "swin": ("image transformer, shifted windows", dict(embed_dim=48, depths=[2, 2], num_heads=[2, 4],
                                                          image_size=224, patch_size=4, window_size=7)),
     "convnext": ("image CNN", dict(hidden_sizes=[48, 96, 192, 384], depths=[1, 1, 1, 1], image_size=224)),
-    "mamba": ("state-space (reference scan)", dict(hidden_size=256, num_hidden_layers=2, vocab_size=8000)),
+    "mamba": ("state-space (fused kernels)", dict(hidden_size=256, num_hidden_layers=2, vocab_size=8000)),
+    "mamba2": ("state-space, chunked scan (fused kernels)", dict(hidden_size=256, num_hidden_layers=2,
+                                                                 vocab_size=8000, num_heads=8, head_dim=64,
+                                                                 state_size=64, n_groups=1, chunk_size=64)),
 }
+# traced a second time with transformers' PyTorch reference code for their state-space layers (ssm_kernels)
+REFERENCE_SSM = ("mamba", "mamba2")
 
 
 class LSTMTagger(nn.Module):
@@ -212,6 +217,10 @@ def run() -> pd.DataFrame:
             kw = {} if vision else {"seq_len": SEQ}
             for mode in ("inference", "training"):
                 rows.append(_row(model_type, kind, "HF config", str(path), mode, kw, {}))
+            if model_type in REFERENCE_SSM:
+                ref = kind.replace("fused kernels", "reference code")
+                for mode in ("inference", "training"):
+                    rows.append(_row(model_type, ref, "HF config", str(path), mode, {**kw, "ssm_kernels": "reference"}, {}))
     for name, (make, shapes, kind) in MODULES.items():
         uses_seq = any("seq" in (s[0] if isinstance(s[0], tuple) else s) for s in shapes)
         kw = {"input_shapes": shapes, **({"seq_len": SEQ} if uses_seq else {})}
@@ -241,7 +250,13 @@ def render(df: pd.DataFrame, seconds: float) -> str:
               "Mamba's and Jamba's causal conv1d): `FlopCounterMode` counts a grouped convolution's two gradients as (1 + groups) "
               "x its forward (checked on a 3x3 layer of 64 channels: 2x at groups 1, 5x at 4, 33x at 32), where "
               "each gradient is a GEMM of the forward's size (2x in all), so those ratios say nothing about the "
-              "trace.", ""]
+              "trace.",
+              "- State-space layers traced as their fused kernels (`ssm_kernels=fused`, the default; "
+              "neusight/graph/ssm.py): a fused call is one kernel holding all of its reference code's FLOPs, a batched "
+              "GEMM where that code multiplies matrices (Mamba-2's chunked scan), a streaming kernel where it does not "
+              "(Mamba's per-token selective scan), and its backward three times its forward's FLOPs, while "
+              "`FlopCounterMode` counts the reference code's matrix products and their autograd gradients; the "
+              "`reference code` rows trace that code itself.", ""]
     uncounted = sorted(set(ok.loc[ok["ratio"].isna(), "model"]))
     if uncounted:
         lines += [f"No ratio for {', '.join(uncounted)}: `FlopCounterMode` runs the model on the meta device "

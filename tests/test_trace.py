@@ -624,20 +624,109 @@ def test_a_language_model_without_a_head_says_so():
     assert "loss" in set(g.kernels["phase"])
 
 
-def test_reference_code_of_fused_kernel_layers_is_named():
-    """Mamba's scan and causal conv1d have fused CUDA kernels in optional packages; the trace follows transformers'
-    PyTorch code for them and says so. A plain transformer gets no such note."""
+# Small state-space / linear-attention configs (neusight.graph.ssm): Mamba's selective scan, Mamba-2's chunked scan
+# and gated norm, Qwen3-Next's gated delta rule next to a full-attention layer.
+SSM = {
+    "mamba": {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 512},
+    "mamba2": {"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 512, "num_heads": 8,
+               "head_dim": 16, "state_size": 16, "n_groups": 1, "chunk_size": 8},
+    "qwen3_next": {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512,
+                   "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                   "layer_types": ["linear_attention", "full_attention"]},
+}
+
+
+def _needs_hub_fallbacks(model_type: str) -> None:
+    import importlib
     from pathlib import Path
 
-    import transformers.models.mamba.modeling_mamba as modeling
-
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     if "use_kernel_func_from_hub_with_fallback" not in Path(modeling.__file__).read_text():
-        pytest.skip("this transformers marks Mamba's fused-kernel layers another way")
-    mamba = {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 512}
-    notes = neusight.trace(mamba, batch_size=1, seq_len=16).notes
+        pytest.skip("this transformers marks its fused-kernel layers another way")
+
+
+def _fused_rows(g):
+    k = g.kernels
+    return k[k["aten_op"].str.startswith("neusight.fused.")]
+
+
+def test_reference_code_of_fused_kernel_layers_is_named():
+    """Mamba's scan and causal conv1d have fused CUDA kernels in optional packages; with ssm_kernels='reference' the
+    trace follows transformers' PyTorch code for them and says so; by default it traces those fused kernels and
+    says that instead. A plain transformer gets neither note."""
+    _needs_hub_fallbacks("mamba")
+    notes = neusight.trace(SSM["mamba"], batch_size=1, seq_len=16, ssm_kernels="reference").notes
     note = next(n for n in notes if "PyTorch reference code" in n)
     assert "mamba_ssm" in note and "causal_conv1d" in note and "selective_scan_fn" in note
-    assert not any("PyTorch reference code" in n for n in neusight.trace("gpt2", batch_size=1, seq_len=16).notes)
+    notes = neusight.trace(SSM["mamba"], batch_size=1, seq_len=16).notes
+    assert not any(n.startswith("transformers' PyTorch reference code") for n in notes)
+    note = next(n for n in notes if "traced as the fused kernels" in n)
+    assert "causal_conv1d_fn, selective_scan_fn" in note and "mamba_ssm" in note
+    plain = neusight.trace("gpt2", batch_size=1, seq_len=16).notes
+    assert not any("PyTorch reference code" in n or "fused kernels of" in n for n in plain)
+    with pytest.raises(InputError, match="ssm_kernels='fancy'"):
+        neusight.trace("gpt2", batch_size=1, seq_len=16, ssm_kernels="fancy")
+
+
+@pytest.mark.parametrize("name", list(SSM))
+def test_fused_ssm_calls_keep_the_forward_work_in_one_kernel_each(name):
+    """ssm_kernels='fused': each call of a fused-kernel layer is one kernel with the reference code's FLOPs (the
+    forward's total work is unchanged), moving only the call's inputs and outputs; in training one backward kernel
+    per call of three times its forward's FLOPs, and every parameter still gets its gradient."""
+    _needs_hub_fallbacks(name)
+    cfg = SSM[name]
+    ref_i = neusight.trace(cfg, batch_size=2, seq_len=32, ssm_kernels="reference")
+    fus_i = neusight.trace(cfg, batch_size=2, seq_len=32)
+    assert ref_i.flops() == pytest.approx(fus_i.flops(), rel=1e-12)
+    assert len(fus_i.kernels) < len(ref_i.kernels)
+    fwd = _fused_rows(fus_i)
+    assert len(fwd) >= 2 and set(fwd["phase"]) == {"forward"}
+    names = set(fwd["kernel"])
+    assert "causal_conv1d_fn" in names
+    assert names & {"selective_scan_fn", "mamba_chunk_scan_combined", "chunk_gated_delta_rule"}
+    for r in fus_i.ops:   # one op, one kernel, bytes of what the call reads and writes
+        if r.call.op.startswith("neusight.fused."):
+            (kern,) = r.kernels
+            assert kern.bytes == sum(t.view_nbytes for t in {(t.storage, t.shape, t.stride): t
+                                                             for t in r.call.tensor_args() + list(r.call.outputs)}.values())
+    ref_t = neusight.trace(cfg, batch_size=2, seq_len=32, mode="training", optimizer=None, ssm_kernels="reference")
+    fus_t = neusight.trace(cfg, batch_size=2, seq_len=32, mode="training", optimizer=None)
+    assert ref_t.flops("forward") == pytest.approx(fus_t.flops("forward"), rel=1e-12)
+    assert sorted(t.shape for t in ref_t.grads) == sorted(t.shape for t in fus_t.grads)
+    rows = _fused_rows(fus_t)
+    for kernel in rows.loc[rows["phase"] == "forward", "kernel"]:
+        f = rows[(rows["kernel"] == kernel) & (rows["phase"] == "forward")]
+        b = rows[(rows["kernel"] == kernel + "_bwd") & (rows["phase"] == "backward")]
+        assert len(b) == len(f)
+        assert b["flops"].sum() == pytest.approx(3 * f["flops"].sum())
+
+
+def test_fused_mamba2_training_fuses_the_gated_norm_only_in_training():
+    """Mamba-2's training step with mamba_ssm runs its gated RMS norm inside the whole-mixer kernel (one Triton norm
+    kernel each way); inference runs transformers' PyTorch norm even with the package."""
+    _needs_hub_fallbacks("mamba2")
+    train = _fused_rows(neusight.trace(SSM["mamba2"], batch_size=2, seq_len=32, mode="training", optimizer=None))
+    norm = train[train["kernel"].str.startswith("rmsnorm_gated")]
+    assert list(norm["kernel"]) == ["rmsnorm_gated", "rmsnorm_gated_bwd"] and set(norm["family"]) == {"layernorm"}
+    infer = _fused_rows(neusight.trace(SSM["mamba2"], batch_size=2, seq_len=32))
+    assert not infer["kernel"].str.startswith("rmsnorm_gated").any()
+
+
+def test_generation_step_of_hybrid_models():
+    """A decode step of a state-space / hybrid model reads the attention layers' cached keys (cache + new tokens
+    long) and the fixed-size conv and recurrent states; its fused calls are the one-token update kernels."""
+    _needs_hub_fallbacks("qwen3_next")
+    g = neusight.trace(SSM["qwen3_next"], batch_size=2, seq_len=1, kv_cache=15)
+    k = g.kernels
+    scores = k[(k["family"] == "bmm") & k["module"].str.contains("self_attn")]
+    assert scores["dims"].iloc[0] == (8, 1, 16, 16)     # 2 x 4 heads, 1 query, head_dim 16, 15 + 1 keys
+    assert set(_fused_rows(g)["kernel"]) == {"causal_conv1d_update", "fused_recurrent_gated_delta_rule"}
+    for name in ("mamba", "mamba2"):
+        assert set(_fused_rows(neusight.trace(SSM[name], batch_size=2, seq_len=1, kv_cache=15))["kernel"]) == {
+            "causal_conv1d_update", "selective_state_update"}
 
 
 def test_deterministic_trace():

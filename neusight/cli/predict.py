@@ -71,6 +71,8 @@ class PredictConfig:
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     moe_kernels: str = "auto"            # routed MoE experts: auto (as transformers runs them on the GPU) | loop |
     #                                      grouped | per-expert (see neusight.trace)
+    ssm_kernels: str = "fused"           # state-space / linear-attention layers: fused (mamba_ssm / causal_conv1d /
+    #                                      fla kernels) | reference (transformers' PyTorch code; see neusight.trace)
     input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
     #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     new_tokens: Optional[int] = None     # forecast generate(): a seq_len-token prompt, then new_tokens decode steps
@@ -267,7 +269,7 @@ def _step_options(cfg: Any) -> dict[str, Any]:
     """The training-step options of a predict or trace config, as ``neusight.trace`` takes them."""
     targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
     out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets,
-           "moe_kernels": getattr(cfg, "moe_kernels", "auto")}
+           "moe_kernels": getattr(cfg, "moe_kernels", "auto"), "ssm_kernels": getattr(cfg, "ssm_kernels", "fused")}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
         from omegaconf import OmegaConf

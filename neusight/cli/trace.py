@@ -36,6 +36,8 @@ class TraceConfig:
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     moe_kernels: str = "auto"            # routed MoE experts: auto (as transformers runs them on the GPU) | loop |
     #                                      grouped | per-expert (see neusight.trace)
+    ssm_kernels: str = "fused"           # state-space / linear-attention layers: fused (mamba_ssm / causal_conv1d /
+    #                                      fla kernels) | reference (transformers' PyTorch code; see neusight.trace)
     input_shapes: Optional[List[Any]] = None  # model=pkg.module:Class: its inputs without the batch, e.g. [[3,224,224]]
     #                                      or [[[seq],long]] (token ids of seq_len); see neusight.trace
     device: Optional[str] = None         # the GPU the trace is for (only moe_kernels=auto depends on it)

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from neusight.errors import InputError, ModelError
 from neusight.graph import efficientnet as _efficientnet
 from neusight.graph import resnet as _resnet
+from neusight.graph.ssm import REFERENCE_NOTE_START
 
 log = logging.getLogger(__name__)
 
@@ -388,9 +389,9 @@ def _torch_reference_paths(module: nn.Module) -> str | None:
     if not found:
         return None
     what = "; ".join(f"{pkg}: {', '.join(sorted(fns))}" for pkg, fns in sorted(found.items()))
-    return (f"transformers' PyTorch reference code for the layers it can hand to fused CUDA kernels ({what}) is "
-            f"traced, as on a GPU without {' / '.join(sorted(found))} installed: many small kernels; with those "
-            "packages those layers run as a few fused kernels, faster than forecast here")
+    return (f"{REFERENCE_NOTE_START} it can hand to fused CUDA kernels ({what}) is traced (ssm_kernels=reference), "
+            f"as on a GPU without {' / '.join(sorted(found))} installed: many small kernels; with those packages "
+            "those layers run as a few fused kernels, faster than forecast here")
 
 
 def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:

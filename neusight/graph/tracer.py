@@ -68,6 +68,36 @@ class _Recorder(TorchDispatchMode):
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self._verdicts = WeakTensorKeyDictionary()   # outputs of all() / any() on meta -> their plain-batch value
+        self._in_region = False
+
+    @contextlib.contextmanager
+    def fused_region(self, name: str, inputs: tuple, info: dict) -> Any:
+        """Record what runs inside as one fused kernel (:mod:`neusight.graph.ssm`): the ops recorded in the region
+        are replaced by one op whose kernel is ``fused_kernel`` of theirs (or ``info["make"]``'s, called alike),
+        reading ``inputs`` and writing the tensors the caller appends to the yielded list; the kernel is left in
+        ``info["kernel"]``. A region inside another one is part of the outer one."""
+        if self._in_region:
+            yield []
+            return
+        from neusight.graph.ssm import FUSED_OP_PREFIX, fused_kernel
+
+        start, module, phase = len(self.ops), self._module(), self.phase
+        outputs: list[torch.Tensor] = []
+        self._in_region = True
+        try:
+            yield outputs
+        finally:
+            self._in_region = False
+        inner = self.ops[start:]
+        del self.ops[start:]
+        if not inner and "make" not in info:
+            return
+        ins = [TensorMeta.of(t) for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        outs = [TensorMeta.of(t) for t in outputs if t.device.type == "meta"]
+        kernel = info.get("make", fused_kernel)(name, [k for r in inner for k in r.kernels], ins, outs)
+        info["kernel"] = kernel
+        call = OpCall(FUSED_OP_PREFIX + name, None, tuple(ins), {}, tuple(outs))
+        self.ops.append(OpRecord(start, phase, module, call, [kernel], True))
 
     def _module(self) -> str:
         deepest = max(self.tracker.parents, key=lambda p: (p.count("."), len(p)), default="Global")
@@ -279,7 +309,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
-          device: Any = None) -> Graph:
+          ssm_kernels: str = "fused", device: Any = None) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -321,6 +351,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         the GPU and dtype (one mm per expert over the sorted tokens). "auto": what transformers runs on ``device``:
         the model's experts implementation, grouped_mm as "grouped" for BF16 weights on NVIDIA compute capability
         9.x / 10.x, else as "per-expert" (also without a device).
+    ssm_kernels : {"fused", "reference"}
+        State-space and linear-attention layers (Mamba, Mamba-2, Jamba, Qwen3-Next, ...; :mod:`neusight.graph.ssm`):
+        "fused" traces each call transformers hands to mamba_ssm / causal_conv1d / fla as one fused kernel forward
+        and one backward, as on a GPU with those packages; "reference" traces transformers' PyTorch reference code
+        (many small kernels), as without them.
     device : str, Device or None
         The GPU the trace is for; only what the software stack itself decides by the GPU depends on it (the
         experts kernels of ``moe_kernels="auto"``).
@@ -354,8 +389,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     """
     torch_dtype = model_dtype(dtype)
     from neusight.graph.moe import check_moe_kernels, grouped_gemm_runs
+    from neusight.graph.ssm import REFERENCE_NOTE_START, check_ssm_kernels, fused_calls, fused_note
 
     check_moe_kernels(moe_kernels)
+    check_ssm_kernels(ssm_kernels)
     if device is not None:
         from neusight.devices import load_device
 
@@ -404,8 +441,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                "growth": torch.zeros((), dtype=torch.int32, device="meta")}
               if training and amp_t == torch.float16 else None)
     grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
+    ssm_ctx = fused_calls(module, ssm_kernels, rec.fused_region)
     try:
-        with grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx:
+        with grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx, ssm_ctx as fused_names:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
                 out = module(*args, **kwargs)
                 held = _held_tensors(out)
@@ -452,6 +490,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                 r.kernels = []
     amp_name = str(amp_t).removeprefix("torch.") if amp_t is not None else None
     notes = tuple(built.notes)
+    if ssm_kernels == "fused" and fused_names:
+        fused = fused_note(fused_names, [r.call.op for r in rec.ops])
+        notes = tuple(n for n in notes if not n.startswith(REFERENCE_NOTE_START)) + ((fused,) if fused else ())
     if kv_cache:
         notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
     if amp_name:
@@ -550,16 +591,66 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     FP16 projections, Llama the FP32 result of its rotary embedding)."""
     from transformers import DynamicCache
 
+    hybrid = _hybrid_cache(module)
     # one token through the model into an empty cache: each layer's (1, kv heads, 1, head_dim) keys and their dtype
-    probe = DynamicCache()
+    probe = hybrid() if hybrid is not None else DynamicCache()
     with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
+    if hybrid is not None:
+        return {"cache": _grown_hybrid_cache(probe, batch, length), "use_cache": True}
     cache = DynamicCache()
     for i, layer in enumerate(probe.layers):
         _, kv_heads, _, head_dim = layer.keys.shape
         kv = torch.zeros(batch, kv_heads, length, head_dim, dtype=layer.keys.dtype, device="meta")
         cache.update(kv, kv.clone(), i)
     return {"cache": cache, "use_cache": True}
+
+
+def _hybrid_cache(module: torch.nn.Module) -> Any:
+    """For a model with state-space / linear-attention layers (Mamba, Qwen3-Next, Jamba, ...): a maker of the
+    DynamicCache its generation uses (built from its config: a conv and a recurrent state per such layer, keys and
+    values per attention layer); None for a model of attention layers only (a plain DynamicCache)."""
+    from transformers import DynamicCache
+
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:
+        return None
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:   # a config the cache cannot read the layer types of: the plain cache
+        return None
+    if not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
+        return None
+    return lambda: DynamicCache(config=config)
+
+
+def _grown_hybrid_cache(probe: Any, batch: int, length: int) -> Any:
+    """The cache ``probe`` (one token of one sequence through the model) as ``batch`` sequences after ``length``
+    tokens: attention layers' keys and values ``length`` long, the state-space layers' conv and recurrent states
+    (of fixed size whatever the length) for every sequence."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    def grown(t: torch.Tensor, seq_dim: int | None) -> torch.Tensor:
+        shape = [batch, *t.shape[1:]]
+        if seq_dim is not None:
+            shape[seq_dim] = length
+        return torch.zeros(shape, dtype=t.dtype, device="meta")
+
+    for layer in probe.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                for i, t in states.items():
+                    if isinstance(t, torch.Tensor):
+                        states[i] = grown(t, None)
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.ndim == 4:
+                setattr(layer, name, grown(t, 2))
+    return probe
 
 
 def _held_tensors(out: Any, depth: int = 0, seen: set | None = None) -> list[TensorMeta]:
