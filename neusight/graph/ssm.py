@@ -86,9 +86,10 @@ def fallbacks(module: nn.Module) -> dict[tuple[str, str], tuple[str, str]]:
     ``module``'s layers call."""
     found: dict[tuple[str, str], tuple[str, str]] = {}
     for mod_name in sorted({type(m).__module__ for m in module.modules()}):
-        if not mod_name.startswith("transformers."):
+        mod = sys.modules.get(mod_name)
+        if mod is None or not mod_name.startswith("transformers."):
             continue
-        for attr, obj in vars(sys.modules.get(mod_name, object())).items():
+        for attr, obj in vars(mod).items():
             hit = _fallback_of(obj)
             if hit is not None:
                 found[(mod_name, attr)] = hit
