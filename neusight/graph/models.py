@@ -7,7 +7,6 @@ Presets are written here from the public architecture numbers of each family (pa
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import json
 import logging
@@ -25,7 +24,6 @@ from torch.nn import functional as F
 from neusight.errors import InputError, ModelError
 from neusight.graph import efficientnet as _efficientnet
 from neusight.graph import resnet as _resnet
-from neusight.graph.ssm import REFERENCE_NOTE_START
 
 log = logging.getLogger(__name__)
 
@@ -354,44 +352,10 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1) % vocab)
 
     notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
-    reference = _torch_reference_paths(module)
-    if reference:
-        notes.append(reference)
     if bare:
         notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
                         "of its output stands in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
-
-
-# transformers' layers with an optional fused CUDA implementation from another package (state-space scans,
-# causal conv1d, gated-delta-rule linear attention): ``@use_kernel_func_from_hub_with_fallback("fn", "package")``
-_FUSED_FALLBACK = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"')
-
-
-@functools.lru_cache(maxsize=None)
-def _fused_fallbacks(path: str | None) -> tuple[tuple[str, str], ...]:
-    """(function, package) of each fused-kernel fallback a transformers source file declares (read once)."""
-    try:
-        return tuple(_FUSED_FALLBACK.findall(Path(path).read_text())) if path else ()
-    except OSError:
-        return ()
-
-
-def _torch_reference_paths(module: nn.Module) -> str | None:
-    """A note when ``module`` runs transformers' PyTorch reference code where a GPU with the optional package
-    installed (mamba_ssm, causal_conv1d, fla) runs a fused kernel: the trace records the reference code's many
-    small kernels, as on a GPU without those packages."""
-    found: dict[str, set[str]] = {}
-    for mod_name in sorted({type(m).__module__ for m in module.modules()}):
-        if mod_name.startswith("transformers."):
-            for fn, package in _fused_fallbacks(getattr(sys.modules.get(mod_name), "__file__", None)):
-                found.setdefault(package, set()).add(fn)
-    if not found:
-        return None
-    what = "; ".join(f"{pkg}: {', '.join(sorted(fns))}" for pkg, fns in sorted(found.items()))
-    return (f"{REFERENCE_NOTE_START} it can hand to fused CUDA kernels ({what}) is traced (ssm_kernels=reference), "
-            f"as on a GPU without {' / '.join(sorted(found))} installed: many small kernels; with those packages "
-            "those layers run as a few fused kernels, faster than forecast here")
 
 
 def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:

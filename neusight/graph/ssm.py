@@ -44,6 +44,7 @@ from torch import nn
 
 from neusight.errors import InputError
 from neusight.graph.records import TensorMeta
+from neusight.graph.tracer import _tensors
 from neusight.kernels.base import Family, Kernel
 
 SSM_KERNELS = ("fused", "reference")
@@ -53,7 +54,9 @@ FUSED_OP_PREFIX = "neusight.fused."
 # selective scan's state read-out, a decode step's update) are streaming work, and the only convolution in these
 # layers is the causal depthwise conv1d, a stencil.
 MMA_MIN_DIM = 8
-REFERENCE_NOTE_START = "transformers' PyTorch reference code for the layers"
+REFERENCE_NOTE = ("transformers' PyTorch reference code for the layers it can hand to fused CUDA kernels ({what}) is "
+                  "traced (ssm_kernels=reference), as on a GPU without {packages} installed: many small kernels; with "
+                  "those packages those layers run as a few fused kernels, faster than forecast here")
 FUSED_NOTE = ("state-space / linear-attention layers traced as the fused kernels of {packages} ({names}): one kernel "
               "per call, forward and backward (ssm_kernels=fused; unvalidated: no measurement of those kernels); "
               "ssm_kernels=reference traces transformers' PyTorch reference code instead, as on a GPU without them")
@@ -94,14 +97,6 @@ def fallbacks(module: nn.Module) -> dict[tuple[str, str], tuple[str, str]]:
             if hit is not None:
                 found[(mod_name, attr)] = hit
     return found
-
-
-def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _tensors(o, out)
 
 
 def _unique(ts: list[TensorMeta]) -> list[TensorMeta]:
@@ -167,9 +162,8 @@ class _Fused(torch.autograd.Function):
     def forward(ctx: Any, spec: dict, *tensors: torch.Tensor) -> Any:
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
-        ctx.info = dict(spec["info"])
-        with torch.no_grad():
-            return spec["run"](spec["name"], tensors, spec["call"], ctx.info)
+        ctx.info = dict(spec["info"])   # (autograd runs a Function's forward without grad)
+        return spec["run"](spec["name"], tensors, spec["call"], ctx.info)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
@@ -182,15 +176,12 @@ class _Fused(torch.autograd.Function):
         forward = info.get("kernel")
         if forward is None:            # the forward launched nothing (a region inside another one)
             return (None, *gradients(*saved))
-        make = functools.partial(_backward_of, forward)
+        def make(name: str, inner: list[Kernel], ins: list[TensorMeta], outs: list[TensorMeta]) -> Kernel:
+            return backward_kernel(forward, ins, outs)
+
         out = spec["run"](spec["name"] + "_bwd", tuple(saved) + tuple(g for g in grads if isinstance(g, torch.Tensor)),
                           gradients, {"make": make}, args=saved)
         return (None, *out)
-
-
-def _backward_of(forward: Kernel, name: str, inner: list[Kernel], inputs: list[TensorMeta],
-                 outputs: list[TensorMeta]) -> Kernel:
-    return backward_kernel(forward, inputs, outputs)
 
 
 def _fused_wrapper(original: Callable, name: str, region: Callable, params: tuple[torch.Tensor, ...] = (),
@@ -287,9 +278,18 @@ def _gated_norms(module: nn.Module) -> list[nn.Module]:
             and type(m).__module__.startswith("transformers.") and "forward" not in vars(m)]
 
 
-def fused_note(packages: dict[str, str], ops: list[str]) -> str | None:
-    """The note of a trace whose ops ``ops`` (aten names) include fused calls of ``packages`` ({kernel: package});
-    None when no fused call ran."""
+def ssm_note(mode: str, packages: dict[str, str], ops: list[str]) -> str | None:
+    """The note of a trace in ``mode`` whose layers call the fused-kernel fallbacks ``packages`` ({kernel:
+    package}) and whose ops are ``ops`` (aten names): which reference code it traced, or which fused kernels ran;
+    None for a model without such layers (or, fused, when none of them ran)."""
+    if not packages:
+        return None
+    if mode == "reference":
+        by_package: dict[str, set[str]] = {}
+        for fn, package in packages.items():
+            by_package.setdefault(package, set()).add(fn)
+        what = "; ".join(f"{pkg}: {', '.join(sorted(fns))}" for pkg, fns in sorted(by_package.items()))
+        return REFERENCE_NOTE.format(what=what, packages=" / ".join(sorted(by_package)))
     ran = sorted({op[len(FUSED_OP_PREFIX):].removesuffix("_bwd") for op in ops if op.startswith(FUSED_OP_PREFIX)})
     if not ran:
         return None

@@ -389,7 +389,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     """
     torch_dtype = model_dtype(dtype)
     from neusight.graph.moe import check_moe_kernels, grouped_gemm_runs
-    from neusight.graph.ssm import REFERENCE_NOTE_START, check_ssm_kernels, fused_calls, fused_note
+    from neusight.graph.ssm import check_ssm_kernels, fused_calls, ssm_note
 
     check_moe_kernels(moe_kernels)
     check_ssm_kernels(ssm_kernels)
@@ -490,9 +490,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                 r.kernels = []
     amp_name = str(amp_t).removeprefix("torch.") if amp_t is not None else None
     notes = tuple(built.notes)
-    if ssm_kernels == "fused" and fused_names:
-        fused = fused_note(fused_names, [r.call.op for r in rec.ops])
-        notes = tuple(n for n in notes if not n.startswith(REFERENCE_NOTE_START)) + ((fused,) if fused else ())
+    ssm = ssm_note(ssm_kernels, fused_names, [r.call.op for r in rec.ops])
+    notes += (ssm,) if ssm else ()
     if kv_cache:
         notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
     if amp_name:
