@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import subprocess
 import sys
@@ -733,6 +734,78 @@ def test_deterministic_trace():
     a = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     b = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     assert a.equals(b)
+
+
+_M2M = dict(model_type="m2m_100", d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=512,
+            encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+
+
+def test_layerdrop_is_off_in_a_training_trace():
+    """M2M-100 / NLLB skip each layer with probability encoder_layerdrop in training by a random draw: the trace runs
+    every layer (the same kernels as with LayerDrop 0), says so, and inference has nothing to say."""
+    runs = [neusight.trace(_M2M, batch_size=2, seq_len=16, mode="training") for _ in range(3)]
+    plain = neusight.trace({**_M2M, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0}, batch_size=2, seq_len=16,
+                           mode="training")
+    for g in runs:
+        assert g.kernels.equals(plain.kernels)
+    [note] = [n for n in runs[0].notes if "LayerDrop" in n]
+    assert "decoder_layerdrop=0.5, encoder_layerdrop=0.5" in note and "50%" in note
+    assert not [n for n in plain.notes if "LayerDrop" in n]
+    assert not [n for n in neusight.trace(_M2M, batch_size=2, seq_len=16).notes if "LayerDrop" in n]
+
+
+class _RandomDepth(torch.nn.Module):
+    """A user module that skips its second layer by Python's random generator, with a LayerDrop attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.layerdrop = 0.3
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if self.training and i == 1 and random.random() < 0.5:
+                continue
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+def test_random_control_flow_traces_the_same_and_leaves_the_callers_generators_alone():
+    model = _RandomDepth()
+    random.seed(7)
+    torch.manual_seed(7)
+    expected = (random.random(), torch.rand(()).item())
+    random.seed(7)
+    torch.manual_seed(7)
+    graphs = [neusight.trace(model, batch_size=2, input_shapes=[(16,)], mode="training") for _ in range(3)]
+    assert (random.random(), torch.rand(()).item()) == expected
+    assert all(g.kernels.equals(graphs[0].kernels) for g in graphs)
+    assert model.layerdrop == 0.3                  # restored after the trace
+    assert any("layerdrop=0.3" in n for n in graphs[0].notes)
+    linear = graphs[0].kernels.query("phase == 'forward' and family == 'linear'")
+    assert len(linear) in (3, 4)                   # LayerDrop off; the module's own coin decides layer 1
+
+
+def test_tracing_a_module_leaves_it_as_it_was():
+    """The tracer works on a meta copy: the caller's weights, gradients and layers are untouched (a training trace
+    writes gradients, LoRA adds adapters), tied weights stay tied in the copy, and a second trace is the same."""
+    model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 64, bias=False))
+    model[2].weight = model[0].weight              # tied input / output embedding
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = [n for n, _ in model.named_modules()]
+    kw = dict(batch_size=2, seq_len=8, input_shapes=[(("seq",), torch.long)], mode="training")
+    first = neusight.trace(model, **kw)
+    lora = neusight.trace(model, **kw, lora_rank=4, lora_targets=["1"])
+    again = neusight.trace(model, **kw)
+    assert first.kernels.equals(again.kernels)
+    assert not lora.kernels.equals(first.kernels)
+    assert [n for n, _ in model.named_modules()] == modules
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sum(t.numel for t in first.params) == 64 * 16 + 16 * 16 + 16   # the tied weight once
 
 
 def test_fused_adam_clipping_and_zero_grad_are_one_pass_each():

@@ -6,6 +6,7 @@ Presets are written here from the public architecture numbers of each family (pa
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import json
@@ -488,15 +489,35 @@ def _input_spec(entry: Any, i: int) -> tuple[tuple[int | str, ...], torch.dtype 
     return tuple(dims), dtype
 
 
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of the caller's module with every parameter and buffer on the meta device; the module itself is left as
+    it was (its weights, device and gradients: a trace adds LoRA adapters, shards layers, writes gradients).
+
+    Parameters and buffers are swapped for meta tensors of the same shape, dtype and strides before the deep copy
+    (so weights are never copied, and tied weights stay tied); whatever else the module holds is copied. A module
+    that cannot be deep-copied is moved to the meta device in place instead, with a warning."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as e:   # noqa: BLE001 - any object a deep copy cannot handle
+        log.warning("%s cannot be copied (%s: %s); moving the module itself to the meta device, which drops its "
+                    "weights", type(module).__name__, type(e).__name__, e)
+    try:
+        return module.to(device="meta")
+    except Exception as e:
+        raise ModelError(f"{type(module).__name__} cannot be moved to the meta device: {e}") from None
+
+
 def _from_module(module: nn.Module, input_shapes: list[Any] | None, dtype: torch.dtype) -> BuiltModel:
     if not input_shapes:
         raise InputError("an nn.Module needs input_shapes=[(dims of input 1 without batch), ...] so the tracer can "
                          "build example inputs, e.g. input_shapes=[(3, 224, 224)], or [(('seq',), torch.long)] for "
                          "token ids of seq_len tokens")
-    try:
-        module = module.to(device="meta")
-    except Exception as e:
-        raise ModelError(f"{type(module).__name__} cannot be moved to the meta device: {e}") from None
+    module = _meta_copy(module)
     specs = [_input_spec(e, i) for i, e in enumerate(input_shapes)]
     uses_seq = any(SEQ_DIM in dims for dims, _ in specs)
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any
+import random
+from typing import Any, Iterator
+
+import numpy as np
 
 import torch
 from torch.nn import functional as F
@@ -40,6 +43,9 @@ AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
              "weight gradient or optimizer state for it)")
+LAYERDROP_NOTE = ("LayerDrop off: every layer is traced, where a training step skips each with probability {p} "
+                  "({names}); its layers' share of the forecast is what a step with all layers takes, {keep} of it "
+                  "on average")
 CHECKPOINT_NOTE = ("gradient checkpointing: {which} runs its forward again in the backward pass (Hugging Face's "
                    "activation checkpointing, non-reentrant torch.utils.checkpoint), keeping only its input between "
                    "the passes")
@@ -282,6 +288,61 @@ def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
                                                                   scale=scale)[0]
 
 
+@contextlib.contextmanager
+def _fixed_rng(seed: int = 0) -> Iterator[None]:
+    """Seed Python's, NumPy's and torch's CPU generators for the trace and restore them after: a model whose
+    control flow draws a random number (LayerDrop-like skipping, random masking) traces the same kernels every
+    time, and the caller's generators are left as they were."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed)
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def _layerdrop_off(module: torch.nn.Module, training: bool) -> Iterator[list[tuple[str, float]]]:
+    """Zero every LayerDrop probability of ``module`` for a training trace and restore it after.
+
+    Hugging Face models keep it as a float attribute whose name contains ``layerdrop``, on the module
+    (``self.layerdrop = config.encoder_layerdrop``: M2M-100 / NLLB, SeamlessM4T, Informer, ...) or read from their
+    config in forward (``self.config.layerdrop``: wav2vec2, HuBERT, WavLM, ...). With it on, a training step skips
+    each layer with that probability by a random draw, so the traced kernels would be one random sample. Yields the
+    ``(name, probability)`` pairs turned off (empty in inference, where no layer is skipped)."""
+    changed: list[tuple[Any, str, float]] = []
+    found: dict[str, float] = {}
+    from_config: dict[str, float] = {}
+    if training:
+        owners: list[tuple[bool, Any]] = []
+        for m in module.modules():
+            owners.append((False, m))
+            cfg = getattr(m, "config", None)
+            if cfg is not None and not isinstance(cfg, torch.nn.Module):
+                owners.append((True, cfg))
+        seen: set[int] = set()
+        for is_config, owner in owners:
+            if id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for attr, value in list(vars(owner).items()):
+                if "layerdrop" in attr and isinstance(value, float) and value > 0:
+                    changed.append((owner, attr, value))
+                    (from_config if is_config else found).setdefault(attr, value)
+    try:
+        for owner, attr, _ in changed:
+            setattr(owner, attr, 0.0)
+        # name the config fields a user sets (encoder_layerdrop=0.05), not the module attributes copied from them
+        yield sorted((from_config or found).items())
+    finally:
+        for owner, attr, value in changed:
+            setattr(owner, attr, value)
+
+
 def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: str, optimizer: str | None) -> int | None:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"batch_size={batch_size!r} is not a positive integer; use batch_size >= 1")
@@ -317,14 +378,17 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     model : str, path, config or nn.Module
         A preset (``"gpt2-large"``, ``"resnet50"``, ...), a Hugging Face config (a config.json path, a
         ``transformers.PretrainedConfig`` or a dict with its ``model_type``), or an nn.Module
-        (then ``input_shapes`` gives its inputs' shapes without the batch dimension; a ``(shape, dtype)`` pair
+        (traced as a meta copy, the module itself is left as it was; ``input_shapes`` gives its inputs' shapes
+        without the batch dimension; a ``(shape, dtype)`` pair
         for an input that is not of the run's dtype, e.g. ``(("seq",), torch.long)`` for token ids, where a dim
         "seq" takes ``seq_len``).
     batch_size, seq_len : int
         Run shape; ``seq_len`` is for sequence models only.
     mode : {"inference", "training"}
-        Inference: ``eval()`` and ``no_grad``. Training: ``train()`` (dropout active), forward, loss,
-        ``loss.backward()`` and, unless ``optimizer=None``, one optimizer step (foreach kernels, as on CUDA).
+        Inference: ``eval()`` and ``no_grad``. Training: ``train()`` (dropout active; LayerDrop off, with a note, so
+        every layer is traced), forward, loss, ``loss.backward()`` and, unless ``optimizer=None``, one optimizer step
+        (foreach kernels, as on CUDA). Random generators are seeded for the trace (and restored after): the same
+        arguments trace the same kernels.
     optimizer : {"adamw", "adam", "sgd", "adamw-fused", "adam-fused"} or None
         ``-fused``: the single multi-tensor kernel of ``torch.optim.AdamW(fused=True)`` (and of apex / Megatron-LM
         FusedAdam) instead of PyTorch's default foreach kernels.
@@ -442,8 +506,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
               if training and amp_t == torch.float16 else None)
     grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
     ssm_ctx = fused_calls(module, ssm_kernels, rec.fused_region)
+    rng_ctx, drop_ctx = _fixed_rng(), _layerdrop_off(module, training)
     try:
-        with grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx, ssm_ctx as fused_names:
+        with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx, ssm_ctx as fused_names:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
                 out = module(*args, **kwargs)
                 held = _held_tensors(out)
@@ -502,6 +567,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     # True (every layer) or n > 1 (one layer in n); False without checkpointing (validated by _enable_checkpointing)
     ckpt = int(gradient_checkpointing) if gradient_checkpointing else False
     ckpt = True if ckpt == 1 else ckpt
+    if dropped:
+        probs = sorted({p for _, p in dropped})
+        p_text = " / ".join(f"{p:g}" for p in probs)
+        keep = f"{1 - probs[-1]:.0%}" + (f" to {1 - probs[0]:.0%}" if len(probs) > 1 else "")
+        notes += (LAYERDROP_NOTE.format(p=p_text, names=", ".join(f"{n}={p:g}" for n, p in dropped), keep=keep),)
     if ckpt:
         notes += (CHECKPOINT_NOTE.format(which="every layer" if ckpt is True else f"one layer in {ckpt}"),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
