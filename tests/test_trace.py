@@ -919,6 +919,36 @@ def test_llama_family_presets_have_their_published_sizes(name, billions, layers)
     assert g.unmodeled == []
 
 
+@pytest.mark.parametrize("name, billions, per_layer", [
+    # model cards / the safetensors totals of the released checkpoints; OPT: Zhang et al. 2022, Table 1
+    ("llama-2-70b", 68.98, 7), ("llama-3-70b", 70.55, 7), ("llama-3.1-405b", 405.85, 7), ("llama-3.2-1b", 1.24, 7),
+    ("llama-3.2-3b", 3.21, 7), ("qwen2.5-7b", 7.62, 7), ("qwen2.5-72b", 72.7, 7), ("qwen3-8b", 8.19, 7),
+    ("gemma-2-9b", 9.24, 7), ("phi-3-mini", 3.82, 4), ("opt-125m", 0.125, 6), ("opt-350m", 0.331, 6),
+    ("opt-2.7b", 2.65, 6), ("opt-6.7b", 6.66, 6), ("opt-13b", 12.85, 6), ("opt-30b", 29.97, 6), ("opt-66b", 65.7, 6)])
+def test_newer_decoder_presets_have_their_published_sizes(name, billions, per_layer):
+    g = neusight.trace(name, batch_size=1, seq_len=16, mode="inference")
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(billions, rel=0.005)
+    layers = len({hit.group(1) for m in g.kernels["module"] if (hit := re.search(r"layers\.(\d+)\.", m))})
+    # q, k, v, o and a gated MLP's three (Phi-3: fused qkv and gate_up); OPT: q, k, v, out, fc1, fc2; plus the head
+    extra = 2 if name == "opt-350m" else 0        # its 512 -> 1024 projections in and out
+    assert (g.kernels["family"] == "linear").sum() == per_layer * layers + 1 + extra
+    assert g.unmodeled == []
+
+
+def test_deepseek_presets_have_their_published_sizes():
+    """DeepSeek-V2-Lite: 15.7B parameters, 2.4B active per token; DeepSeek-V3: 671B (without its multi-token-prediction
+    module), built only (its trace is a 15 s job)."""
+    g = neusight.trace("deepseek-v2-lite", batch_size=1, seq_len=64, mode="inference")
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(15.71, rel=0.002)
+    gemm_flops = g.kernels.loc[g.kernels["family"] == "linear", "flops"].sum()
+    assert gemm_flops / 64 / 2 / 1e9 == pytest.approx(2.4, rel=0.03)
+    assert g.unmodeled == []
+    from neusight.graph.models import build_model
+
+    v3 = build_model("deepseek-v3").module
+    assert sum(p.numel() for p in v3.parameters()) / 1e9 == pytest.approx(671.0, rel=0.001)
+
+
 def test_mixtral_and_vit_presets_have_their_published_sizes():
     # Mixtral 8x7B: 46.7B parameters, of which ~12.9B act on each token (2 of 8 experts)
     g = neusight.trace("mixtral-8x7b", batch_size=1, seq_len=64, mode="inference")
@@ -926,6 +956,11 @@ def test_mixtral_and_vit_presets_have_their_published_sizes():
     gemm_flops = g.kernels.loc[g.kernels["family"] == "linear", "flops"].sum()
     # 2 FLOPs per active weight and token: 12.9B less the 0.13B embedding table (a gather, not a GEMM)
     assert gemm_flops / 64 / 2 / 1e9 == pytest.approx(12.9 - 0.131, abs=0.03)
+    # Mixtral 8x22B (its model card): 141B parameters, 39B active
+    g = neusight.trace("mixtral-8x22b", batch_size=1, seq_len=64, mode="inference")
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(140.6, rel=0.005)
+    gemm_flops = g.kernels.loc[g.kernels["family"] == "linear", "flops"].sum()
+    assert gemm_flops / 64 / 2 / 1e9 == pytest.approx(39.0 - 0.2, rel=0.01)
     # ViT-Base/16 and ViT-Large/16 (Dosovitskiy et al. 2021, Table 1): 86M and 304M parameters
     for name, millions in (("vit-base", 86.6), ("vit-large", 304.3)):
         g = neusight.trace(name, batch_size=1)

@@ -51,6 +51,14 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt-1.3b": ("opt", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
                              vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048,
                              activation_function="relu", do_layer_norm_before=True)),
+    **{f"opt-{size}": ("opt", dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a, ffn_dim=4 * h,
+                                   vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=proj or h,
+                                   activation_function="relu", do_layer_norm_before=size != "350m"))
+       # the rest of the OPT family (Zhang et al. 2022, Table 1); OPT-350m projects 512-wide embeddings in and out
+       # and normalizes after each block
+       for size, h, n, a, proj in (("125m", 768, 12, 12, 0), ("350m", 1024, 24, 16, 512), ("2.7b", 2560, 32, 32, 0),
+                                   ("6.7b", 4096, 32, 32, 0), ("13b", 5120, 40, 40, 0), ("30b", 7168, 48, 56, 0),
+                                   ("66b", 9216, 64, 72, 0))},
     "switch-xl-4": ("switch_transformers", dict(d_model=1024, d_ff=16384, d_kv=128, num_heads=32, num_layers=24,
                                                 num_decoder_layers=24, num_experts=4, expert_capacity=64,
                                                 num_sparse_encoder_layers=12, num_sparse_decoder_layers=12,
@@ -78,12 +86,73 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
                                    sliding_window=4096)),
+    # Larger and newer members of the same family, from their published config.json files (Meta's Llama 2 / 3 /
+    # 3.1 / 3.2, Alibaba's Qwen2.5 and Qwen3, Google's Gemma 2, Microsoft's Phi-3-mini-4k). Llama 3.1 / 3.2's "llama3"
+    # rope scaling changes the rotary frequencies only, not a kernel, and is left out.
+    "llama-2-70b": ("llama", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                                  max_position_embeddings=4096)),
+    "llama-3-70b": ("llama", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                  max_position_embeddings=8192, rope_theta=500000.0)),
+    "llama-3.1-405b": ("llama", dict(_LLAMA, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                     num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+                                     max_position_embeddings=131072, rope_theta=500000.0)),
+    "llama-3.2-1b": ("llama", dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)),
+    "llama-3.2-3b": ("llama", dict(_LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                   num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("qwen2", dict(_LLAMA, architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
+                                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                 vocab_size=152064, max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen2.5-72b": ("qwen2", dict(_LLAMA, architectures=["Qwen2ForCausalLM"], hidden_size=8192,
+                                  intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                                  num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072,
+                                  rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen3-8b": ("qwen3", dict(_LLAMA, architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
+                               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "gemma-2-9b": ("gemma2", dict(architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
+                                  num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                  vocab_size=256000, max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh",
+                                  query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                                  final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "phi-3-mini": ("phi3", dict(_LLAMA, architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                                max_position_embeddings=4096)),
     # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", and its model card): Mistral-7B's layout with 8 SwiGLU
     # experts per layer, 2 chosen per token (traced under balanced routing, neusight.graph.moe).
     "mixtral-8x7b": ("mixtral", dict(_LLAMA, architectures=["MixtralForCausalLM"], hidden_size=4096,
                                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                                      vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6)),
+    "mixtral-8x22b": ("mixtral", dict(_LLAMA, architectures=["MixtralForCausalLM"], hidden_size=6144,
+                                      intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
+                                      num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                                      vocab_size=32768, max_position_embeddings=65536, rope_theta=1e6)),
+    # DeepSeek-V2-Lite and DeepSeek-V3 (DeepSeek-AI 2024, their config.json files): multi-head latent attention
+    # (keys and values through a rank-512 latent; V3 queries through a rank-1536 one) and fine-grained experts
+    # (64 routed + 2 shared, 6 per token / 256 routed + 1 shared, 8 per token) after 1 / 3 dense layers. V3's
+    # multi-token-prediction module (14B of the released 685B) is not in transformers' model and not here; its
+    # group-limited routing is traced as balanced routing like every router.
+    "deepseek-v2-lite": ("deepseek_v2", dict(architectures=["DeepseekV2ForCausalLM"], hidden_size=2048,
+                                             intermediate_size=10944, moe_intermediate_size=1408,
+                                             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                                             n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                                             first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+                                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                             vocab_size=102400, topk_method="greedy", n_group=1, topk_group=1,
+                                             max_position_embeddings=163840, tie_word_embeddings=False)),
+    "deepseek-v3": ("deepseek_v3", dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
+                                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                                        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+                                        n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                                        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                        v_head_dim=128, vocab_size=129280, n_group=8, topk_group=4,
+                                        routed_scaling_factor=2.5, max_position_embeddings=163840,
+                                        tie_word_embeddings=False)),
     # Vision Transformers (Dosovitskiy et al. 2021, Table 1: ViT-Base / ViT-Large, patch 16) at 224 x 224 with the
     # ImageNet-1k classifier.
     "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -95,7 +164,9 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4",
                   "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
                   "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
-                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b",
+                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b",
+                  "llama2-70b": "llama-2-70b", "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b",
+                  "qwen2.5-7b-instruct": "qwen2.5-7b", "phi-3-mini-4k": "phi-3-mini", "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b",
                   "mixtral-8x7b-v0.1": "mixtral-8x7b", "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "masked-lm", "seq2seq", "image-classification")
