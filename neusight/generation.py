@@ -36,6 +36,7 @@ class GenerationForecast:
     decode_ms: float                     # all steps after the first token
     steps: list[tuple[int, float]] = field(default_factory=list)   # (cached tokens, step ms) as forecast
     notes: tuple[str, ...] = ()
+    tp: int = 1                          # GPUs the model is split over (Megatron-style tensor parallelism)
 
     @property
     def total_ms(self) -> float:
@@ -52,7 +53,8 @@ class GenerationForecast:
         return self.batch_size * self.new_tokens / (self.total_ms / 1e3)
 
     def summary(self) -> str:
-        return (f"{self.model} on {self.device.name}: batch {self.batch_size}, prompt {self.prompt_len}, "
+        gpus = f"{self.tp} x {self.device.name} (tensor parallel)" if self.tp > 1 else self.device.name
+        return (f"{self.model} on {gpus}: batch {self.batch_size}, prompt {self.prompt_len}, "
                 f"{self.new_tokens} new tokens\n"
                 f"time to first token {self.prefill_ms:,.1f} ms | per output token "
                 f"{self.time_per_output_token_ms:,.2f} ms"
@@ -62,9 +64,11 @@ class GenerationForecast:
 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
-                       *, predictor: Any = None, **trace_kwargs: Any) -> GenerationForecast:
+                       *, predictor: Any = None, tp: int = 1, **trace_kwargs: Any) -> GenerationForecast:
     """Forecast ``generate()`` of ``new_tokens`` tokens after a ``prompt_len``-token prompt (see the module
     docstring). ``trace_kwargs`` go to :func:`neusight.trace` (``dtype=``, ``amp=``, ``attn_implementation=``...).
+    ``tp`` > 1 splits the model over that many GPUs (:func:`neusight.parallel.predict_parallel`: each GPU's share of
+    every layer, its share of the KV cache's heads, and two all-reduces of the new tokens' activations per layer).
 
     >>> f = predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=32, new_tokens=16)
     >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
@@ -80,9 +84,20 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         raise InputError("predict_generation sets mode, seq_len and kv_cache itself. Fix: give prompt_len and "
                          "new_tokens instead")
     device = load_device(device)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
+
+    def forecast(seq: int, **kw: Any) -> Any:
+        if tp == 1:
+            return predict(model, device, batch_size, seq, "inference", predictor=predictor, memory=False, **kw,
+                           **trace_kwargs)
+        from neusight.parallel import predict_parallel
+
+        return predict_parallel(model, device, batch_size, seq, "inference", tp=tp, predictor=predictor,
+                                memory=False, **kw, **trace_kwargs)
+
     try:
-        first = predict(model, device, batch_size, prompt_len, "inference", predictor=predictor, memory=False,
-                        **trace_kwargs)
+        first = forecast(prompt_len)
     except InputError as e:   # the prefill's seq_len is the caller's prompt_len
         if not str(e).startswith(f"seq_len={prompt_len} "):
             raise
@@ -94,8 +109,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
         for c in cached:
             try:
-                p = predict(model, device, batch_size, 1, "inference", predictor=predictor, memory=False, kv_cache=c,
-                            **trace_kwargs)
+                p = forecast(1, kv_cache=c)
             except InputError as e:
                 raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
                                  f"{e}") from None
@@ -109,4 +123,4 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         decode = 0.0
     # the host-bound warning of the last step forecast (decode steps are where it matters), if it has one
     return GenerationForecast(first.model, device, batch_size, prompt_len, new_tokens, first.latency_ms, decode,
-                              steps, tuple(n for n in notes if "kernel launches" in n))
+                              steps, tuple(n for n in notes if "kernel launches" in n or "collectives" in n), tp)

@@ -42,7 +42,22 @@ def test_totals_integrate_the_steps(gen):
     (dict(prompt_len=1000, new_tokens=100), "prompt_len=1000 + new_tokens=100"),
     (dict(prompt_len=2000), "prompt_len=2000: seq_len=2000 exceeds"),   # the prompt alone is too long
     (dict(mode="training"), "sets mode, seq_len and kv_cache itself"),
+    (dict(tp=0), "tp=0"),
+    (dict(tp=5), "tp=5 does not divide the 12 attention heads"),
 ])
 def test_bad_generation_requests_are_refused(kw, fragment):
     with pytest.raises(InputError, match=re.escape(fragment)):
         neusight.predict_generation("gpt2", "t4", **{"prompt_len": 16, "new_tokens": 4, **kw})
+
+
+def test_tensor_parallel_generation_is_the_parallel_forecast_of_its_steps():
+    """tp=2: prefill and every sampled decode step are neusight.parallel's forecasts of the sharded model (each GPU's
+    share of the layers and of the cache, plus the all-reduces), and the summary says on how many GPUs."""
+    from neusight.parallel import predict_parallel
+
+    f = neusight.predict_generation("gpt2", "h100-sxm5-80gb", batch_size=2, prompt_len=64, new_tokens=9, tp=2)
+    prefill = predict_parallel("gpt2", "h100-sxm5-80gb", 2, 64, "inference", tp=2, memory=False)
+    assert f.prefill_ms == prefill.latency_ms
+    step = predict_parallel("gpt2", "h100-sxm5-80gb", 2, 1, "inference", tp=2, memory=False, kv_cache=68)
+    assert dict(f.steps)[68] == step.latency_ms and step.parts["tp_comm"] > 0
+    assert f.tp == 2 and "2 x NVIDIA H100" in f.summary()

@@ -991,6 +991,17 @@ def test_generation_costs_grow_with_the_context_and_the_cache_is_held_in_memory(
     assert (d["gradient_checkpointing"], d["lora_rank"]) == (False, None)
 
 
+def test_a_tensor_parallel_decode_step_holds_its_share_of_the_cache():
+    """tp=2: each GPU attends with half the heads over its half of the cache (GPT-2: 12 heads; Llama-style grouped
+    query attention: half the key / value heads), and its GEMMs have half the width."""
+    for model, kv_heads in (("gpt2", 12), ({"model_type": "llama", **_SMALL_LM, "num_key_value_heads": 2}, 2)):
+        whole, half = (neusight.trace(model, batch_size=2, seq_len=1, kv_cache=15, tensor_parallel=tp) for tp in (1, 2))
+        cache = [{t.shape for t in g.held if len(t.shape) == 4 and t.shape[2] == 16} for g in (whole, half)]
+        assert {s[1] for s in cache[0]} == {kv_heads} and {s[1] for s in cache[1]} == {kv_heads // 2}
+        k1, k2 = (g.kernels for g in (whole, half))
+        assert k2.query("family == 'bmm'")["flops"].sum() * 2 == k1.query("family == 'bmm'")["flops"].sum()
+
+
 def test_the_cache_has_the_dtype_the_model_stores_under_autocast():
     def cache_dtype(model):   # of the grown cache the output holds: (batch, kv heads, 16 positions, head_dim) per layer
         g = neusight.trace(model, batch_size=1, seq_len=1, mode="inference", kv_cache=15, amp="float16")
@@ -1005,7 +1016,6 @@ def test_the_cache_has_the_dtype_the_model_stores_under_autocast():
     ("bert-base", dict(kv_cache=8), "decoder-only causal language model"),
     ("gpt2", dict(kv_cache=1020, seq_len=8), "exceeds gpt2's maximum of 1024"),
     ("gpt2", dict(kv_cache=0), "kv_cache=0"),
-    ("gpt2", dict(kv_cache=8, tensor_parallel=2), "tensor_parallel=2"),
 ])
 def test_bad_generation_runs_are_refused(model, kw, fragment):
     kw = {"seq_len": 1, **kw}

@@ -528,17 +528,18 @@ def _generation(cfg: PredictConfig) -> float:
     other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms") if getattr(cfg, k)]
-    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp", "microbatches") if getattr(cfg, k) != 1]
+    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
-                         f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt length)")
+                         f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
+                         "length; tp= splits the model over GPUs; data-parallel replicas generate independently)")
     rows = []
     for i, dev in enumerate(_gpus(cfg)):
         f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
                                predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp, head=cfg.head,
-                               attn_implementation=cfg.attn_implementation)
+                               attn_implementation=cfg.attn_implementation, tp=cfg.tp)
         print(("\n" if i else "") + f.summary())
-        rows.append({"device": f.device.key, "time_to_first_token_ms": f.prefill_ms,
+        rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
                      "generated_tokens_per_s": f.tokens_per_s, "decode_steps": [list(s) for s in f.steps]})
     if len(rows) > 1:

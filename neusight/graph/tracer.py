@@ -646,9 +646,6 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
         raise InputError(f"kv_cache={kv_cache} needs a decoder-only causal language model; {built.name} "
                          f"({type(built.module).__name__}) is not one. Fix: a GPT / OPT / Llama-style model, or "
                          "leave kv_cache out")
-    if tensor_parallel != 1:
-        raise InputError(f"kv_cache={kv_cache} with tensor_parallel={tensor_parallel} is not modelled. Fix: "
-                         "tensor_parallel=1 (tp=1), or leave kv_cache out")
     if built.max_seq_len and kv_cache + (seq_len or 0) > built.max_seq_len:
         raise InputError(f"kv_cache={kv_cache} + seq_len={seq_len} exceeds {built.name}'s maximum of "
                          f"{built.max_seq_len} positions. Fix: kv_cache + seq_len <= {built.max_seq_len}")
