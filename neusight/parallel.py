@@ -103,7 +103,13 @@ def _link_bytes_per_s(device: Device) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # tensor parallelism: one GPU's share of each block, as a model of its own
 
-_LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3")
+# Llama-style blocks: q / k / v / o projections in "<name>Attention", gate / up / down in "<name>MLP", attention
+# reshaped by head_dim. Each was checked to halve every layer GEMM and attention product at tp=2
+# (tests/test_parallel.py); blocks that normalize the whole query width (OLMo 2 / 3) or fuse projections (Phi-3,
+# GLM) are not Llama-style in this sense and are refused.
+_LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3",
+                "Ministral", "Granite", "Cohere", "Olmo", "Helium", "Ernie4_5", "Arcee", "Exaone4", "SeedOss",
+                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2")
 # (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features
 _SPLITS = {
     ("GPT2Attention", "c_attn"): "col", ("GPT2Attention", "c_proj"): "row",
@@ -118,6 +124,7 @@ _SPLITS = {
     **{(f"{m}Attention", "o_proj"): "row" for m in _LLAMA_STYLE},
     **{(f"{m}MLP", p): "col" for m in _LLAMA_STYLE for p in ("gate_proj", "up_proj")},
     **{(f"{m}MLP", "down_proj"): "row" for m in _LLAMA_STYLE},
+    ("Starcoder2MLP", "c_fc"): "col", ("Starcoder2MLP", "c_proj"): "row",
 }
 # blocks whose head counts live in their config: (query heads, key/value heads) must divide by tp
 _CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in _LLAMA_STYLE}
@@ -130,8 +137,8 @@ _HEADS = {"GPT2Attention": "num_heads", "BertSelfAttention": "num_attention_head
 def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
     """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
 
-    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT, Llama, Mistral, Mixtral (its
-    routed experts too) and Qwen2 / Qwen3. Raises
+    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT and the Llama-style blocks of
+    ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too). Raises
     ModelError for a model without any of them, InputError when heads or widths do not divide by ``tp``.
     """
     if tp == 1:
@@ -162,9 +169,9 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             _split_experts(parent, tp, cls)
             found += 1
     if not found:
-        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT, "
-                         f"Llama, Mistral, Mixtral and Qwen2/3 blocks; {type(module).__name__} has none. Fix: use tp=1 "
-                         "(dp and pp work for any model)")
+        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT "
+                         f"and Llama-style blocks ({', '.join(_LLAMA_STYLE)}); {type(module).__name__} has none. Fix: "
+                         "use tp=1 (dp and pp work for any model)")
     _split_vocab(module, tp)
     return module
 

@@ -106,6 +106,38 @@ def test_qwen_blocks_split_like_llama(tmp_path, model_type):
     assert half.unmodeled == []
 
 
+_TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "qwen3_moe", "granite", "cohere", "starcoder2",
+                                        "ministral"])
+def test_other_llama_style_blocks_halve_every_layer_product(model_type):
+    """Each block's projections, MLP (or experts) and attention products halve at tp=2; only routers stay whole."""
+    import transformers
+
+    if not hasattr(transformers.models, model_type.removesuffix("_text")):
+        pytest.skip(f"this transformers has no {model_type}")
+    cfg = {"model_type": model_type, **_TINY_DECODER}
+    whole, half = (neusight.trace(cfg, batch_size=2, seq_len=32, mode="training", optimizer=None, tensor_parallel=tp)
+                   for tp in (1, 2))
+
+    def layer_products(g):
+        k = g.kernels
+        k = k[k["family"].isin(["linear", "bmm"]) & k["module"].str.contains(r"layers\.\d+\.")]
+        return float(k.loc[~k["module"].str.contains(r"\.gate$|router"), "flops"].sum())
+
+    assert layer_products(half) / layer_products(whole) == pytest.approx(0.5, abs=0.003)   # bias gradients aside
+    assert half.unmodeled == []
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "phi3"])
+def test_blocks_that_are_not_llama_style_are_refused(model_type):
+    """OLMo 2 normalizes the whole query width, Phi-3 fuses its projections: neither splits by projections alone."""
+    with pytest.raises(ModelError, match="Llama-style blocks"):
+        neusight.trace({"model_type": model_type, **_TINY_DECODER}, batch_size=2, seq_len=8, tensor_parallel=2)
+
+
 def test_one_gpu_is_the_single_gpu_forecast():
     one = predict_parallel("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128)
     single = neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", optimizer=None,
