@@ -37,6 +37,8 @@ class GenerationForecast:
     steps: list[tuple[int, float]] = field(default_factory=list)   # (cached tokens, step ms) as forecast
     notes: tuple[str, ...] = ()
     tp: int = 1                          # GPUs the model is split over (Megatron-style tensor parallelism)
+    memory_peak_bytes: float | None = None   # per GPU, at the last step (the longest cache), approximate with tp
+    memory_fits: bool | None = None
 
     @property
     def total_ms(self) -> float:
@@ -59,8 +61,17 @@ class GenerationForecast:
                 f"time to first token {self.prefill_ms:,.1f} ms | per output token "
                 f"{self.time_per_output_token_ms:,.2f} ms"
                 f" | total {self.total_ms:,.1f} ms | {self.tokens_per_s:,.0f} generated tokens/s\n"
-                "decode steps forecast at " + ", ".join(f"context {n + 1}: {ms:.2f} ms" for n, ms in self.steps)
-                + "".join(f"\nnote: {n}" for n in self.notes))
+                + ("decode steps forecast at " + ", ".join(f"context {n + 1}: {ms:.2f} ms" for n, ms in self.steps)
+                   if self.steps else "no decode step (one new token: the prefill makes it)")
+                + self._memory_line() + "".join(f"\nnote: {n}" for n in self.notes))
+
+    def _memory_line(self) -> str:
+        if self.memory_peak_bytes is None:
+            return ""
+        where = "per GPU" if self.tp > 1 else "on the GPU"
+        return (f"\nmemory {where} at the longest context ({self.prompt_len + self.new_tokens - 1} tokens): "
+                f"{self.memory_peak_bytes / 2**30:,.1f} GiB of {self.device.memory_gib:g} GiB: "
+                f"{'fits' if self.memory_fits else 'does NOT fit'}")
 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
@@ -87,14 +98,18 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
 
-    def forecast(seq: int, **kw: Any) -> Any:
+    def forecast(seq: int, memory: bool = False, **kw: Any) -> Any:
         if tp == 1:
-            return predict(model, device, batch_size, seq, "inference", predictor=predictor, memory=False, **kw,
+            return predict(model, device, batch_size, seq, "inference", predictor=predictor, memory=memory, **kw,
                            **trace_kwargs)
         from neusight.parallel import predict_parallel
 
         return predict_parallel(model, device, batch_size, seq, "inference", tp=tp, predictor=predictor,
-                                memory=False, **kw, **trace_kwargs)
+                                memory=memory, **kw, **trace_kwargs)
+
+    def peak_of(p: Any) -> float | None:   # a Prediction's memory report, or a ParallelPrediction's first GPU
+        report = getattr(p, "memory", None)
+        return float(report.peak_bytes) if report is not None else p.memory_peak_bytes
 
     try:
         first = forecast(prompt_len)
@@ -104,23 +119,27 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         raise InputError(f"prompt_len={prompt_len}: {e}") from None
     steps: list[tuple[int, float]] = []
     notes = first.notes
+    peak = None
     if new_tokens > 1:
         # step i (1 .. new_tokens - 1) feeds token i with prompt_len + i - 1 tokens cached
         cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
         for c in cached:
-            try:
-                p = forecast(1, kv_cache=c)
+            try:   # the last step holds the longest cache: its memory is the run's
+                p = forecast(1, memory=c == cached[-1], kv_cache=c)
             except InputError as e:
                 raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
                                  f"{e}") from None
             steps.append((c, p.latency_ms))
             notes = p.notes
+        peak = peak_of(p)
         xs = np.array([c for c, _ in steps], dtype=float)
         ys = np.array([ms for _, ms in steps])
         at = np.arange(prompt_len, prompt_len + new_tokens - 1, dtype=float)   # every step's cached tokens
         decode = float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
     else:
         decode = 0.0
+        peak = peak_of(forecast(prompt_len, memory=True))
     # the host-bound warning of the last step forecast (decode steps are where it matters), if it has one
     return GenerationForecast(first.model, device, batch_size, prompt_len, new_tokens, first.latency_ms, decode,
-                              steps, tuple(n for n in notes if "kernel launches" in n or "collectives" in n), tp)
+                              steps, tuple(n for n in notes if "kernel launches" in n or "collectives" in n), tp,
+                              peak, None if peak is None else peak <= device.memory_bytes)

@@ -61,3 +61,16 @@ def test_tensor_parallel_generation_is_the_parallel_forecast_of_its_steps():
     step = predict_parallel("gpt2", "h100-sxm5-80gb", 2, 1, "inference", tp=2, memory=False, kv_cache=68)
     assert dict(f.steps)[68] == step.latency_ms and step.parts["tp_comm"] > 0
     assert f.tp == 2 and "2 x NVIDIA H100" in f.summary()
+
+
+def test_generation_says_whether_its_longest_cache_fits(gen):
+    """The memory of a generate() call is its last step's (the longest cache): as forecast for that step alone."""
+    last = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=1, mode="inference", kv_cache=139)
+    assert gen.memory_peak_bytes == last.memory.peak_bytes and gen.memory_fits is True
+    assert "memory on the GPU at the longest context (140 tokens)" in gen.summary()
+    # GPT-2 Large (3 GB of FP32 weights) with 32 caches of 527 tokens (6 GB) on an 8 GB P4
+    big = neusight.predict_generation("gpt2-large", "p4", batch_size=32, prompt_len=512, new_tokens=16)
+    assert big.memory_fits is False and "does NOT fit" in big.summary()
+    one = neusight.predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=100, new_tokens=1)
+    prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference")
+    assert one.memory_peak_bytes == prompt.memory.peak_bytes and "no decode step" in one.summary()

@@ -541,11 +541,14 @@ def _generation(cfg: PredictConfig) -> float:
         print(("\n" if i else "") + f.summary())
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
-                     "generated_tokens_per_s": f.tokens_per_s, "decode_steps": [list(s) for s in f.steps]})
+                     "generated_tokens_per_s": f.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes,
+                     "memory_fits": f.memory_fits, "decode_steps": [list(s) for s in f.steps]})
     if len(rows) > 1:
         import pandas as pd
 
-        table = pd.DataFrame(rows).set_index("device").drop(columns="decode_steps").T
+        table = pd.DataFrame(rows).set_index("device").drop(columns="decode_steps")
+        table.insert(list(table.columns).index("memory_peak_bytes"), "memory_peak_gib", table["memory_peak_bytes"] / 2**30)
+        table = table.drop(columns="memory_peak_bytes").T
         print("\nside by side:\n" + table.to_string(float_format=lambda v: f"{v:,.2f}"))
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
