@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import subprocess
@@ -462,6 +464,44 @@ def test_a_text_head_on_a_cnn_preset_is_refused():
 def test_unknown_model_suggests_close_names():
     with pytest.raises(ModelError, match="gpt2-large"):
         neusight.trace("gpt2-lage")
+
+
+@pytest.mark.parametrize("hub_name, preset", [
+    ("meta-llama/Llama-2-7b-chat-hf", "llama-2-7b"), ("meta-llama/Meta-Llama-3-70B-Instruct", "llama-3-70b"),
+    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("google/gemma-2-9b-it", "gemma-2-9b"),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"), ("openai-community/gpt2-large", "gpt2-large"),
+    ("mistralai/Mistral-7B-Instruct-v0.3", None),      # v0.3 is not v0.1's architecture (vocabulary)
+    ("EleutherAI/gpt-neo-2.7B", None)])
+def test_hub_names_of_fine_tuned_variants_build_their_preset(hub_name, preset):
+    from neusight.graph.models import _preset_of_hub_name, build_model
+
+    assert _preset_of_hub_name(hub_name) == preset
+    if preset is None:
+        with pytest.raises(ModelError, match="Hub id whose config.json is in your Hugging Face cache"):
+            build_model(hub_name)
+    elif preset in ("gpt2-large", "llama-2-7b"):
+        built = build_model(hub_name)
+        assert built.name == preset and built.notes[0].startswith(f"{hub_name!r} built as the preset {preset}")
+
+
+def test_a_hub_id_in_the_local_cache_is_built_from_its_config(tmp_path):
+    """A Hub id whose config.json is in the Hugging Face cache (as huggingface_hub lays it out) is built from that
+    config, without a download; run in a fresh interpreter, where HF_HUB_CACHE points at the test's cache."""
+    repo = tmp_path / "models--acme--tiny-llama"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_SMALL_LM}))
+    code = ("import neusight; g = neusight.trace('acme/tiny-llama', batch_size=1, seq_len=8); "
+            "print(g.notes[0]); print(sum(t.numel for t in g.params))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    note, params = r.stdout.strip().splitlines()[-2:]
+    assert note == "acme/tiny-llama: its config.json from the local Hugging Face cache"
+    built = neusight.trace({"model_type": "llama", **_SMALL_LM}, batch_size=1, seq_len=8)
+    assert int(params) == sum(t.numel for t in built.params)
 
 
 def test_data_dependent_module_names_op_and_module():

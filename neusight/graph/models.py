@@ -167,7 +167,7 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b",
                   "llama2-70b": "llama-2-70b", "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b",
                   "qwen2.5-7b-instruct": "qwen2.5-7b", "phi-3-mini-4k": "phi-3-mini", "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b",
-                  "mixtral-8x7b-v0.1": "mixtral-8x7b", "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
+                  "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b", "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "masked-lm", "seq2seq", "image-classification")
 
@@ -262,11 +262,58 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
                    grouped_gemm)
     if MODULE_REF.match(name):
         return _from_module(_import_module_ref(name), input_shapes, dtype)
+    cached = _cached_hub_config(name)
+    if cached is not None:
+        built = _hf(name, cached.pop("model_type"), cached, head, attn_implementation, dtype, image_size,
+                    moe_kernels, grouped_gemm)
+        built.notes.insert(0, f"{name}: its config.json from the local Hugging Face cache")
+        return built
+    preset = _preset_of_hub_name(name)
+    if preset is not None:
+        model_type, kwargs = HF_PRESETS[preset]
+        built = _hf(preset, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
+                    grouped_gemm)
+        built.notes.insert(0, f"{name!r} built as the preset {preset}, the same architecture (its own config.json, "
+                              "as a path, would give the exact one)")
+        return built
     close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ModelError(f"model={name!r} is neither a preset nor an existing config JSON.{hint} "
-                     f"Presets: {', '.join(list_models())}; or pass the path of a Hugging Face config.json, or "
+                     f"Presets: {', '.join(list_models())}; or pass the path of a Hugging Face config.json (or of "
+                     "a downloaded model's directory), a Hub id whose config.json is in your Hugging Face cache, or "
                      "'package.module:ClassName' of your own nn.Module (with input_shapes).")
+
+
+# words of a Hub model name that do not change its architecture: fine-tuned variants ("-Instruct", "-chat", "-it"),
+# the "-hf" of converted checkpoints, the "Meta-" of "Meta-Llama-3-8B"
+_VARIANT_WORDS = {"hf", "instruct", "chat", "it", "base"}
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _preset_of_hub_name(name: str) -> str | None:
+    """The preset a Hugging Face Hub name stands for (``meta-llama/Llama-2-7b-chat-hf`` -> ``llama-2-7b``,
+    ``Qwen/Qwen2.5-7B-Instruct`` -> ``qwen2.5-7b``), or None. Only words that name a fine-tuned variant of the
+    same architecture are dropped; versions are kept (Mistral 7B v0.1 and v0.3 differ)."""
+    words = name.rsplit("/", 1)[-1].lower().split("-")
+    if words and words[0] == "meta" and len(words) > 1:
+        words = words[1:]
+    kept = "-".join(w for w in words if w not in _VARIANT_WORDS)
+    key = PRESET_ALIASES.get(kept, kept)
+    return key if key in HF_PRESETS else None
+
+
+def _cached_hub_config(name: str) -> dict[str, Any] | None:
+    """The config of Hub id ``name`` (``org/model``) if its config.json is in the local Hugging Face cache (never a
+    download), as a dict with ``model_type``; None otherwise."""
+    if not _HUB_ID.match(name):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception:   # noqa: BLE001 - not cached, not a Hub id, or a config transformers cannot read
+        return None
+    return config.to_dict()
 
 
 # "package.module:Attribute": an importable nn.Module class, or a function returning a module, called with no
