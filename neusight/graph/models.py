@@ -33,6 +33,21 @@ log = logging.getLogger(__name__)
 # Transformer (Fedus et al. 2022) with 4 experts at Switch-Large-like width (the NeuSight evaluation model).
 _GPT2 = dict(vocab_size=50257, activation_function="gelu_new")
 _LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+_CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def _llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int,
+           model_type: str = "llama", **extra: Any) -> tuple[str, dict[str, Any]]:
+    """A preset of the Llama architecture or a relative (``model_type``): width, MLP width, layers, query / key-value
+    heads, vocabulary, positions, and the fields where it differs from Llama's defaults."""
+    return model_type, dict(_LLAMA, architectures=[_CAUSAL_LM[model_type]], hidden_size=hidden,
+                            intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions, **extra)
+
+
 HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", dict(_GPT2, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
     "gpt2-medium": ("gpt2", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16, n_positions=1024)),
@@ -73,65 +88,36 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Decoder-only models with RMSNorm, SwiGLU MLPs and rotary positions, from their published configs
     # (Touvron et al. 2023, "Llama 2"; Meta's Llama 3 model card; Jiang et al. 2023, "Mistral 7B"): grouped-query
     # attention where kv heads < heads.
-    "llama-2-7b": ("llama", dict(_LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                                 max_position_embeddings=4096)),
-    "llama-2-13b": ("llama", dict(_LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                  num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
-                                  max_position_embeddings=4096)),
-    "llama-3-8b": ("llama", dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                 max_position_embeddings=8192, rope_theta=500000.0)),
-    "mistral-7b": ("mistral", dict(_LLAMA, architectures=["MistralForCausalLM"], hidden_size=4096,
-                                   intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
-                                   sliding_window=4096)),
+    "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
+    "llama-2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 4096),
+    "llama-3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 8192, rope_theta=500000.0),
+    "mistral-7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768, "mistral", sliding_window=4096),
     # Larger and newer members of the same family, from their published config.json files (Meta's Llama 2 / 3 /
     # 3.1 / 3.2, Alibaba's Qwen2.5 and Qwen3, Google's Gemma 2, Microsoft's Phi-3-mini-4k). Llama 3.1 / 3.2's "llama3"
     # rope scaling changes the rotary frequencies only, not a kernel, and is left out.
-    "llama-2-70b": ("llama", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
-                                  max_position_embeddings=4096)),
-    "llama-3-70b": ("llama", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                                  max_position_embeddings=8192, rope_theta=500000.0)),
-    "llama-3.1-405b": ("llama", dict(_LLAMA, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                                     num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
-                                     max_position_embeddings=131072, rope_theta=500000.0)),
-    "llama-3.2-1b": ("llama", dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)),
-    "llama-3.2-3b": ("llama", dict(_LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                                   num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)),
-    "qwen2.5-7b": ("qwen2", dict(_LLAMA, architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
-                                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                 vocab_size=152064, max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6)),
-    "qwen2.5-72b": ("qwen2", dict(_LLAMA, architectures=["Qwen2ForCausalLM"], hidden_size=8192,
-                                  intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                                  num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072,
-                                  rope_theta=1e6, rms_norm_eps=1e-6)),
-    "qwen3-8b": ("qwen3", dict(_LLAMA, architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
-                               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                               vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "llama-2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 4096),
+    "llama-3-70b": _llama(8192, 28672, 80, 64, 8, 128256, 8192, rope_theta=500000.0),
+    "llama-3.1-405b": _llama(16384, 53248, 126, 128, 8, 128256, 131072, rope_theta=500000.0),
+    "llama-3.2-1b": _llama(2048, 8192, 16, 32, 8, 128256, 131072, head_dim=64, rope_theta=500000.0,
+                           tie_word_embeddings=True),
+    "llama-3.2-3b": _llama(3072, 8192, 28, 24, 8, 128256, 131072, head_dim=128, rope_theta=500000.0,
+                           tie_word_embeddings=True),
+    "qwen2.5-7b": _llama(3584, 18944, 28, 28, 4, 152064, 131072, "qwen2", rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen2.5-72b": _llama(8192, 29568, 80, 64, 8, 152064, 131072, "qwen2", rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3-8b": _llama(4096, 12288, 36, 32, 8, 151936, 40960, "qwen3", head_dim=128, rope_theta=1e6,
+                       rms_norm_eps=1e-6),
     "gemma-2-9b": ("gemma2", dict(architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
                                   num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                                   vocab_size=256000, max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh",
                                   query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
                                   final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
-    "phi-3-mini": ("phi3", dict(_LLAMA, architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
-                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
-                                max_position_embeddings=4096)),
+    "phi-3-mini": _llama(3072, 8192, 32, 32, 32, 32064, 4096, "phi3"),
     # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", and its model card): Mistral-7B's layout with 8 SwiGLU
     # experts per layer, 2 chosen per token (traced under balanced routing, neusight.graph.moe).
-    "mixtral-8x7b": ("mixtral", dict(_LLAMA, architectures=["MixtralForCausalLM"], hidden_size=4096,
-                                     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-                                     vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6)),
-    "mixtral-8x22b": ("mixtral", dict(_LLAMA, architectures=["MixtralForCausalLM"], hidden_size=6144,
-                                      intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
-                                      num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-                                      vocab_size=32768, max_position_embeddings=65536, rope_theta=1e6)),
+    "mixtral-8x7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768, "mixtral", num_local_experts=8,
+                           num_experts_per_tok=2, rope_theta=1e6),
+    "mixtral-8x22b": _llama(6144, 16384, 56, 48, 8, 32768, 65536, "mixtral", num_local_experts=8,
+                            num_experts_per_tok=2, rope_theta=1e6),
     # DeepSeek-V2-Lite and DeepSeek-V3 (DeepSeek-AI 2024, their config.json files): multi-head latent attention
     # (keys and values through a rank-512 latent; V3 queries through a rank-1536 one) and fine-grained experts
     # (64 routed + 2 shared, 6 per token / 256 routed + 1 shared, 8 per token) after 1 / 3 dense layers. V3's
