@@ -56,6 +56,8 @@ BAD = {
     "predict-unknown-dtype": (("neusight-predict", "model=gpt2", "device=t4", "dtype=float8"), "dtype='float8'"),
     "predict-unknown-tf32": (("neusight-predict", "model=gpt2", "device=a100-pcie-40gb", "tf32=fast"), "tf32='fast'"),
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
+    "predict-max-batch-over-stages": (("neusight-predict", "model=gpt2", "device=t4", "pp=2", "find_max_batch=true"),
+                                      "find_max_batch on several GPUs is available for data and tensor parallelism"),
     "predict-checkpointing-inference": (("neusight-predict", "model=gpt2", "device=t4", "gradient_checkpointing=true"),
                                         "mode='inference'"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
@@ -194,6 +196,21 @@ def test_predict_on_several_gpus_prints_the_parts_and_writes_json(tmp_path):
     assert "on 4 x NVIDIA H100 SXM5 80GB (dp 2, tp 1, pp 2" in r.stdout and "pp_bubble" in r.stdout
     (rec,) = json.loads((tmp_path / "run" / "parallel.json").read_text())
     assert rec["gpus"] == 4 and rec["latency_ms"] > rec["compute_ms"] > 0 and rec["memory_fits"] is True
+
+
+def test_largest_batch_on_data_and_tensor_parallel_gpus(tmp_path):
+    """find_max_batch=true with dp and tp: the search runs on one GPU's shard, the global batch is dp times its."""
+    from neusight.memory import find_max_batch
+
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2-large", "device=t4", "batch_size=4", "seq_len=1024",
+                        "mode=training", "dp=2", "tp=2", "find_max_batch=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    per_replica = find_max_batch("gpt2-large", "t4", seq_len=1024, mode="training", tensor_parallel=2)
+    whole = find_max_batch("gpt2-large", "t4", seq_len=1024, mode="training")
+    assert per_replica > whole                       # half the weights, gradients and optimizer state per GPU
+    assert (f"largest global batch that fits on 4 x NVIDIA T4 (dp 2, tp 2): {2 * per_replica} "
+            f"({per_replica} per replica)") in r.stdout
 
 
 def test_predict_a_megatron_step_from_the_command_line(tmp_path):

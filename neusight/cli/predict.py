@@ -561,12 +561,16 @@ def _parallel(cfg: PredictConfig) -> float:
     from neusight.parallel import predict_parallel
     from neusight.util import atomic_write_text
 
-    unsupported = [k for k in ("csv", "layers_csv", "plot", "timeline", "find_max_batch", "find_max_seq_len")
-                   if getattr(cfg, k)]
+    unsupported = [k for k in ("csv", "layers_csv", "plot", "timeline") if getattr(cfg, k)]
     unsupported += ["anchor_ms"] if cfg.anchor_ms is not None else []
     if unsupported:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
                          "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
+    searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
+    if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron):
+        raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp), where "
+                         "every GPU holds one replica's shard; pp / microbatches / megatron=true spread it otherwise. "
+                         "Fix: leave it out, or use dp and tp only")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
@@ -581,12 +585,37 @@ def _parallel(cfg: PredictConfig) -> float:
             print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
+        if searches:
+            _parallel_searches(cfg, p.device)
         records.append({"device": p.device.key, "gpus": p.parallelism.gpus, "latency_ms": p.latency_ms,
                         **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
                         "memory_fits": p.memory_fits})
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
     return float(records[0]["latency_ms"])
+
+
+def _parallel_searches(cfg: PredictConfig, device: Any) -> None:
+    """find_max_batch / find_max_seq_len on dp x tp GPUs: every GPU holds one tensor-parallel shard of one replica
+    and that replica's share of the batch, so the search runs on the shard and a batch found is per replica."""
+    from neusight.errors import InputError
+    from neusight.memory import find_max_batch, find_max_seq_len
+
+    kw = dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
+              dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, **_step_options(cfg))
+    gpus = f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, tp {cfg.tp})"
+    if cfg.find_max_batch:
+        best = find_max_batch(cfg.model, device, seq_len=cfg.seq_len, image_size=cfg.image_size,
+                              kv_cache=cfg.kv_cache, **kw)
+        print(f"largest global batch that fits on {gpus}: {cfg.dp * best}"
+              + (f" ({best} per replica)" if cfg.dp > 1 and best else "") + ("" if best else " (batch 1 does not fit)"))
+    if cfg.find_max_seq_len:
+        if cfg.batch_size % cfg.dp:
+            raise InputError(f"batch_size={cfg.batch_size} does not split into dp={cfg.dp} replicas. Fix: a multiple "
+                             f"of {cfg.dp}")
+        longest = find_max_seq_len(cfg.model, device, batch_size=cfg.batch_size // cfg.dp, **kw)
+        print(f"longest sequence that fits on {gpus} at global batch {cfg.batch_size}: {longest}"
+              + ("" if longest else " (64 tokens do not fit)"))
 
 
 class CompareCallback(Callback):
