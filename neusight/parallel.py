@@ -15,6 +15,12 @@ communication between GPUs over the device's interconnect:
    stage: the pipeline bubble is (pp - 1) slots.
 3. DP: every replica runs ``batch_size / dp``; after the backward pass its gradients (FP32, its share of the
    parameters) are all-reduced, not overlapped with the backward pass (Megatron-LM's default of its time).
+   ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
+   sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
+   and steps its 1 / dp of the parameters. The gradients are reduce-scattered and the updated parameters
+   all-gathered (1, 2: the all-reduce's volume); with 3 each block's parameters are all-gathered before its
+   forward and again before its backward, its gradients reduce-scattered after it, and a GPU holds two gathered
+   blocks at a time (the current one and the prefetched next). None of it is overlapped with compute.
 
 Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
 in each direction, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one direction of the device's
@@ -42,7 +48,7 @@ from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
 __all__ = ["Parallelism", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "allreduce_ms",
-           "p2p_ms"]
+           "allgather_ms", "p2p_ms"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
 # costs a few microseconds of launch and synchronisation. Public characteristics, not fitted here.
@@ -89,6 +95,12 @@ def allreduce_ms(nbytes: float, n: int, device: Device) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (2 * (n - 1) / n * nbytes / _link_bytes_per_s(device) + 2 * (n - 1) * HOP_LATENCY_S) * 1e3
+
+
+def allgather_ms(nbytes: float, n: int, device: Device) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` GPUs: (n - 1) / n x bytes, n - 1 steps
+    (half an all-reduce, which is a reduce-scatter followed by an all-gather)."""
+    return allreduce_ms(nbytes, n, device) / 2
 
 
 def p2p_ms(nbytes: float, device: Device) -> float:
@@ -253,8 +265,9 @@ class ParallelPrediction:
     seq_len: int | None
     parallelism: Parallelism
     latency_ms: float
-    parts: dict[str, float]              # compute, tp_comm, pp_p2p, pp_bubble, dp_allreduce, embedding_allreduce,
-                                         # optimizer (ms)
+    parts: dict[str, float]              # compute, tp_comm, pp_p2p, pp_bubble, dp_allreduce (the gradients'
+                                         # all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's parameter
+                                         # all-gathers), embedding_allreduce, optimizer (ms)
     stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms
     per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
     roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
@@ -289,7 +302,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
-                     **trace_kwargs: Any) -> ParallelPrediction:
+                     zero: int = 0, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -298,7 +311,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     tensor-parallel shard, with that stage's share of the weights, gradients and optimizer state and the activations of
     min(microbatches, pp) micro-batches in flight on the first stage (1F1B), each holding 1 / pp of the layers.
 
-    ``tf32`` as in :func:`neusight.predict`. ``megatron=True`` forecasts a Megatron-LM training step as its
+    ``zero`` (0-3): the ZeRO stage of the data-parallel replicas (module docstring, item 3); 3 is also FSDP's
+    full sharding. ``tf32`` as in :func:`neusight.predict`. ``megatron=True`` forecasts a Megatron-LM training step as its
     ``train_step`` runs it: Megatron's kernels
     (:mod:`neusight.graph.megatron`), zeroing of the gradient buffer, the loss, gradient clipping to norm 1.0
     (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
@@ -321,6 +335,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                          f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
     micro = batch_size // (dp * microbatches)
     training = mode == "training"
+    _check_zero(zero, par, training)
     if megatron and trace_kwargs.get("gradient_checkpointing"):
         raise InputError("gradient_checkpointing=True is Hugging Face's activation checkpointing; Megatron-LM's own "
                          "activation recompute is not modelled (megatron=True). Fix: leave one of them out")
@@ -347,24 +362,90 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
-    parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
+    units = _unit_parameter_bytes(g, index) if zero == 3 else []
+    if zero == 3:   # per block (and the rest): gather before forward and backward, reduce-scatter the gradients
+        grad_share = grad_bytes / max(sum(units), 1.0)
+        parts["dp_allreduce"] = sum(allgather_ms(u * grad_share, dp, device) for u in units)
+        parts["dp_gather"] = sum(2 * allgather_ms(u, dp, device) for u in units)
+    elif zero:      # reduce-scatter the gradients, all-gather the updated parameters
+        parts["dp_allreduce"] = allgather_ms(grad_bytes, dp, device)
+        parts["dp_gather"] = allgather_ms(sum(t.numel * t.itemsize for t in g.params) * share, dp, device)
+    else:
+        parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
+        parts["dp_gather"] = 0.0
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
-    parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * share
-    roofline_ms = (sum(roofline.values()) + parts["dp_allreduce"] + parts["embedding_allreduce"]
-                   + float(k.loc[opt, "roofline_ms"].sum()) * share)
+    stepped = share / dp if zero else share               # with ZeRO each GPU steps its 1 / dp of the parameters
+    parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
+    roofline_ms = (sum(roofline.values()) + parts["dp_allreduce"] + parts["dp_gather"] + parts["embedding_allreduce"]
+                   + float(k.loc[opt, "roofline_ms"].sum()) * stepped)
     breakdown = None
     if memory:
         from neusight.memory import estimate_memory
 
-        b = estimate_memory(g, device).breakdown
+        report = estimate_memory(g, device)
+        b = _zero_breakdown(report, zero, dp, units) if zero else report.breakdown
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
         breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
+    if zero:
+        what = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and weights")[zero - 1]
+        notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
+                  "data-parallel replicas; its collectives are not overlapped with compute (an upper bound on their "
+                  "time)",)
     return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
                               one, roofline_ms, notes, breakdown)
+
+
+def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0 (plain data parallelism), 1 (optimizer state "
+                         "sharded), 2 (and gradients) or 3 (and weights: FSDP's full sharding)")
+    if not zero:
+        return
+    if par.dp == 1:
+        raise InputError(f"zero={zero} shards over data-parallel replicas; dp=1 has none. Fix: dp > 1, or zero=0")
+    if not training:
+        raise InputError(f"zero={zero} shards a training step's state; this run is inference. Fix: mode='training', "
+                         "or zero=0")
+    if par.pp > 1:
+        raise InputError(f"zero={zero} with pipeline stages (pp={par.pp}) is not modelled. Fix: pp=1, or zero=0")
+
+
+def _zero_breakdown(report: Any, zero: int, dp: int, units: list[float]) -> dict[str, float]:
+    """The memory breakdown of one GPU under ZeRO stage ``zero`` over ``dp`` replicas, from the unsharded run's
+    timeline: at every op the sharded categories count 1 / dp (optimizer state from stage 1, gradients from 2,
+    weights at 3), so do the optimizer step's temporaries (it steps 1 / dp of the parameters); the peak is taken
+    again over the ops. Stage 3 adds two gathered blocks (the running one and the prefetched next, less the shard
+    already counted). The allocator slack and the framework's fixed costs are the unsharded run's."""
+    from neusight.memory import CATEGORIES
+
+    t = report.timeline
+    sharded = {"weights": zero >= 3, "gradients": zero >= 2, "optimizer": zero >= 1}
+    cols = {c: t[c].astype(float) / (dp if sharded.get(c) else 1) for c in CATEGORIES}
+    cols["workspace"] = cols["workspace"].where(t["phase"] != "optimizer", cols["workspace"] / dp)
+    i = sum(cols.values()).idxmax()
+    out = {c: float(cols[c][i]) for c in CATEGORIES}
+    if zero == 3 and units:
+        out["weights"] += sum(sorted(units)[-2:]) * (dp - 1) / dp
+    out.update({k: float(v) for k, v in report.breakdown.items() if k not in CATEGORIES})
+    return out
+
+
+def _unit_parameter_bytes(g: Any, index: dict[str, float]) -> list[float]:
+    """Parameter bytes of each unit FSDP wraps (every transformer block) and of the rest of the model (embeddings,
+    final norm, head) as one more unit; the whole model as one unit without parameter names."""
+    sizes = [t.numel * t.itemsize for t in g.params]
+    if not g.param_names:
+        return [float(sum(sizes))]
+    units: dict[str, float] = {}
+    for name, size in zip(g.param_names, sizes):
+        m = _BLOCK.match(name)
+        key = m.group(1) if m and m.group(1) in index else ""
+        units[key] = units.get(key, 0.0) + size
+    return [u for u in units.values() if u > 0]
 
 
 def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,

@@ -1,10 +1,10 @@
 """Multi-GPU forecasts of one training step, several ways of splitting it. Writes docs/parallel.md.
 
-    python scripts/parallel_examples.py            # ~2 min on 2 cores
+    python scripts/parallel_examples.py            # ~3 min on 2 cores
     python scripts/parallel_examples.py --out /tmp/parallel.md
 
 GPT-3 2.7B (seq 2048, global batch 16, AdamW, FP32) on 8 GPUs of two kinds, split by data, tensor and pipeline
-parallelism (``neusight.predict_parallel``), next to one GPU running the same batch. These are forecasts of a
+parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running the same batch. These are forecasts of a
 model no measurement could check (no multi-GPU labels were available): they show what the composition does, not
 how accurate it is.
 """
@@ -25,8 +25,8 @@ from neusight.util import atomic_write_text
 REPO = Path(__file__).resolve().parents[1]
 MODEL, SEQ, BATCH = "gpt3-2.7b", 2048, 16
 GPUS = ("a100-sxm4-40gb", "h100-sxm5-80gb")
-SPLITS = [dict(), dict(dp=8), dict(tp=8), dict(pp=8, microbatches=16), dict(dp=2, tp=4),
-          dict(dp=2, tp=2, pp=2, microbatches=4)]
+SPLITS = [dict(), dict(dp=8), dict(dp=8, zero=1), dict(dp=8, zero=2), dict(dp=8, zero=3), dict(tp=8),
+          dict(pp=8, microbatches=16), dict(dp=2, tp=4), dict(dp=2, tp=2, pp=2, microbatches=4)]
 
 
 def main() -> None:
@@ -41,6 +41,7 @@ def main() -> None:
             p = predict_parallel(MODEL, gpu, BATCH, SEQ, "training", optimizer="adamw", **split)
             par = p.parallelism
             rows.append({"gpu": gpu, "dp x tp x pp (micro-batches)": f"{par.dp} x {par.tp} x {par.pp} ({par.microbatches})",
+                         "ZeRO": split.get("zero", 0),
                          "GPUs": par.gpus, "step ms": p.latency_ms,
                          **{f"{k} ms": v for k, v in p.parts.items()},
                          "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no"})

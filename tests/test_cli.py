@@ -56,6 +56,8 @@ BAD = {
     "predict-unknown-dtype": (("neusight-predict", "model=gpt2", "device=t4", "dtype=float8"), "dtype='float8'"),
     "predict-unknown-tf32": (("neusight-predict", "model=gpt2", "device=a100-pcie-40gb", "tf32=fast"), "tf32='fast'"),
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
+    "predict-zero-without-replicas": (("neusight-predict", "model=gpt2", "device=t4", "mode=training", "zero=2"),
+                                      "dp=1 has none"),
     "predict-max-batch-over-stages": (("neusight-predict", "model=gpt2", "device=t4", "pp=2", "find_max_batch=true"),
                                       "find_max_batch on several GPUs is available for data and tensor parallelism"),
     "predict-checkpointing-inference": (("neusight-predict", "model=gpt2", "device=t4", "gradient_checkpointing=true"),

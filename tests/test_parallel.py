@@ -4,6 +4,7 @@ the bad inputs, and multi-GPU label runs through the evaluation protocol."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -136,6 +137,48 @@ def test_blocks_that_are_not_llama_style_are_refused(model_type):
     """OLMo 2 normalizes the whole query width, Phi-3 fuses its projections: neither splits by projections alone."""
     with pytest.raises(ModelError, match="Llama-style blocks"):
         neusight.trace({"model_type": model_type, **_TINY_DECODER}, batch_size=2, seq_len=8, tensor_parallel=2)
+
+
+def test_zero_stages_shard_the_state_and_trade_collectives():
+    """ZeRO over 4 replicas: stage 1 holds 1/4 of the optimizer state and steps 1/4 of the parameters, 2 also 1/4 of
+    the gradients, 3 also 1/4 of the weights (plus two gathered blocks); the reduce-scatter and all-gather of stages
+    1-2 move what the all-reduce moves, stage 3 gathers the parameters twice more (1.5x in all); compute is the
+    same. Memory per GPU falls with every stage."""
+    kw = dict(batch_size=8, seq_len=128, mode="training", dp=4, optimizer="adamw")
+    runs = {z: predict_parallel("gpt2", "a100-sxm4-40gb", zero=z, **kw) for z in (0, 1, 2, 3)}
+    base = runs[0]
+    g = base.per_gpu.graph
+    state = sum(t.numel * t.itemsize for t in g.optimizer_state)
+    peaks = [runs[z].memory_peak_bytes for z in (0, 1, 2, 3)]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
+    for z in (1, 2, 3):
+        p = runs[z]
+        assert p.parts["compute"] == base.parts["compute"]
+        assert p.parts["optimizer"] == pytest.approx(base.parts["optimizer"] / 4)
+        assert p.memory_breakdown["optimizer"] == pytest.approx(state / 4)
+        assert any(f"ZeRO stage {z}" in n for n in p.notes)
+    for z in (1, 2):
+        assert runs[z].parts["dp_allreduce"] + runs[z].parts["dp_gather"] == pytest.approx(base.parts["dp_allreduce"])
+    assert runs[3].parts["dp_allreduce"] + runs[3].parts["dp_gather"] > 1.5 * base.parts["dp_allreduce"]
+    assert runs[3].parts["dp_gather"] == pytest.approx(2 * runs[3].parts["dp_allreduce"], rel=1e-9)
+    weights = sum(t.numel * t.itemsize for t in g.params)
+    # a shard, and the two largest units gathered less their shards: GPT-2's embeddings and final norm (wte 50257 x
+    # 768, wpe 1024 x 768, 2 x 768) and one block (7,087,872 parameters), FP32
+    gathered = (50257 * 768 + 1024 * 768 + 2 * 768 + 7_087_872) * 4 * 3 / 4
+    assert runs[3].memory_breakdown["weights"] == pytest.approx(weights / 4 + gathered)
+    assert runs[2].memory_breakdown["weights"] == pytest.approx(weights)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(zero=4, dp=2), "zero=4 is not a ZeRO stage"),
+    (dict(zero=1, dp=1), "dp=1 has none"),
+    (dict(zero=2, dp=2, mode="inference"), "this run is inference"),
+    (dict(zero=1, dp=2, pp=2), "with pipeline stages (pp=2)"),
+])
+def test_bad_zero_runs_say_what_to_change(kw, fragment):
+    kw = {"mode": "training", **kw}
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        predict_parallel("gpt2", "a100-sxm4-40gb", batch_size=4, seq_len=32, **kw)
 
 
 def test_one_gpu_is_the_single_gpu_forecast():

@@ -62,6 +62,7 @@ class PredictConfig:
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
+    zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
@@ -468,7 +469,7 @@ def _app(cfg: PredictConfig) -> float:
     _check_counts(cfg)
     if cfg.new_tokens is not None:
         return _generation(cfg)
-    if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron:
+    if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron or cfg.zero:
         return _parallel(cfg)
     reference = _anchor_device(cfg)
     preds = forecast(cfg, extra=reference)
@@ -527,7 +528,7 @@ def _generation(cfg: PredictConfig) -> float:
 
     other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
-                          "total_tokens", "total_samples", "anchor_ms") if getattr(cfg, k)]
+                          "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
@@ -567,10 +568,10 @@ def _parallel(cfg: PredictConfig) -> float:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
                          "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
-    if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron):
+    if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron or cfg.zero):
         raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp), where "
-                         "every GPU holds one replica's shard; pp / microbatches / megatron=true spread it otherwise. "
-                         "Fix: leave it out, or use dp and tp only")
+                         "every GPU holds one replica's shard; pp / microbatches / megatron=true / zero spread it "
+                         "otherwise. Fix: leave it out, or use dp and tp only")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
@@ -579,7 +580,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
+                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         if _wants_run(cfg):
             print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
