@@ -370,7 +370,7 @@ def fixed_costs(device: Any, graph: Graph) -> dict[str, int]:
 
 
 def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode: str = "inference",
-                   max_batch: int = 1 << 16, **trace_kwargs: Any) -> int:
+                   max_batch: int = 1 << 16, zero: int = 0, dp: int = 1, **trace_kwargs: Any) -> int:
     """Largest batch size whose forecast :attr:`MemoryReport.peak_bytes` fits on ``device``.
 
     Doubles the batch from 1 until a trace does not fit, then bisects between the last fit and the first
@@ -383,6 +383,9 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     device : str or Device
     max_batch : int
         Upper end of the search; returned if it still fits.
+    zero, dp : int
+        With ``zero`` = 1-3, the batch of one of ``dp`` data-parallel replicas whose state ZeRO shards
+        (:func:`neusight.parallel.predict_parallel`'s memory of one GPU); the global batch is ``dp`` times it.
 
     Returns
     -------
@@ -392,16 +395,17 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
     return _largest_fit(lambda b: dict(batch_size=b, seq_len=seq_len), "batch_size", max_batch, model, device, mode,
-                        trace_kwargs)
+                        trace_kwargs, zero, dp)
 
 
 def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str = "inference",
-                     max_seq_len: int | None = None, step: int = 64, **trace_kwargs: Any) -> int:
+                     max_seq_len: int | None = None, step: int = 64, zero: int = 0, dp: int = 1,
+                     **trace_kwargs: Any) -> int:
     """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
 
     The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
     model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
-    tokens do not fit.
+    tokens do not fit. ``zero`` / ``dp`` as in :func:`find_max_batch` (``batch_size`` is then one replica's).
     """
     from neusight.graph.models import build_model
 
@@ -415,27 +419,30 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     if cap < step:
         return 0
     return step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
-                               model, device, mode, trace_kwargs)
+                               model, device, mode, trace_kwargs, zero, dp)
 
 
 def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,
-                 trace_kwargs: dict) -> int:
+                 trace_kwargs: dict, zero: int = 0, dp: int = 1) -> int:
     """Largest n in [1, hi_cap] whose trace ``shape(n)`` (trace keywords; ``key`` the one searched) fits in
     ``device``'s memory, 0 when n = 1 does not: doubling from 1, then bisection between the last fit and the
-    first miss."""
+    first miss. With ``zero``, the memory of one GPU of ``dp`` replicas under that ZeRO stage."""
     from neusight.devices import load_device
     from neusight.graph.tracer import trace
+    from neusight.parallel import Parallelism, _check_zero, zero_memory_peak
 
     device = load_device(device)
+    _check_zero(zero, Parallelism(dp=dp), mode == "training")
     cache: dict[int, bool] = {}
 
     def fits(n: int) -> bool:
         if n not in cache:
             kw = shape(n)
-            r = estimate_memory(trace(model, mode=mode, device=device, **kw, **trace_kwargs), device)
-            cache[n] = bool(r.fits)
-            log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], r.peak_gib, device.memory_gib,
-                     "fits" if r.fits else "does not fit")
+            g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
+            peak = zero_memory_peak(g, device, zero, dp) if zero else float(estimate_memory(g, device).peak_bytes)
+            cache[n] = peak <= device.memory_bytes
+            log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], peak / 2**30, device.memory_gib,
+                     "fits" if cache[n] else "does not fit")
         return cache[n]
 
     if not fits(1):

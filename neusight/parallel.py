@@ -414,6 +414,15 @@ def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
         raise InputError(f"zero={zero} with pipeline stages (pp={par.pp}) is not modelled. Fix: pp=1, or zero=0")
 
 
+def zero_memory_peak(g: Any, device: Device, zero: int, dp: int) -> float:
+    """Peak bytes on one GPU of trace ``g`` run by ``dp`` data-parallel replicas under ZeRO stage ``zero``
+    (:func:`_zero_breakdown`), as :func:`predict_parallel` forecasts it with ``pp=1``."""
+    from neusight.memory import estimate_memory
+
+    units = _unit_parameter_bytes(g, _block_index(g.kernels)) if zero == 3 else []
+    return float(sum(_zero_breakdown(estimate_memory(g, device), zero, dp, units).values()))
+
+
 def _zero_breakdown(report: Any, zero: int, dp: int, units: list[float]) -> dict[str, float]:
     """The memory breakdown of one GPU under ZeRO stage ``zero`` over ``dp`` replicas, from the unsharded run's
     timeline: at every op the sharded categories count 1 / dp (optimizer state from stage 1, gradients from 2,

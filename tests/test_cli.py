@@ -204,14 +204,14 @@ def test_largest_batch_on_data_and_tensor_parallel_gpus(tmp_path):
     """find_max_batch=true with dp and tp: the search runs on one GPU's shard, the global batch is dp times its."""
     from neusight.memory import find_max_batch
 
-    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2-large", "device=t4", "batch_size=4", "seq_len=1024",
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=p4", "batch_size=4", "seq_len=256",
                         "mode=training", "dp=2", "tp=2", "find_max_batch=true", f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    per_replica = find_max_batch("gpt2-large", "t4", seq_len=1024, mode="training", tensor_parallel=2)
-    whole = find_max_batch("gpt2-large", "t4", seq_len=1024, mode="training")
-    assert per_replica > whole                       # half the weights, gradients and optimizer state per GPU
-    assert (f"largest global batch that fits on 4 x NVIDIA T4 (dp 2, tp 2): {2 * per_replica} "
+    per_replica = find_max_batch("gpt2", "p4", seq_len=256, mode="training", tensor_parallel=2)
+    whole = find_max_batch("gpt2", "p4", seq_len=256, mode="training")
+    assert per_replica > whole >= 1                  # half of every layer's weights, state and activations per GPU
+    assert (f"largest global batch that fits on 4 x NVIDIA Tesla P4 (dp 2, tp 2): {2 * per_replica} "
             f"({per_replica} per replica)") in r.stdout
 
 

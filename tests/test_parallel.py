@@ -294,3 +294,18 @@ def test_megatron_step_has_its_kernels_clipping_fused_adam_and_per_stage_paramet
     wte = 50257 * 768 * 4
     assert two.parts["embedding_allreduce"] == pytest.approx(allreduce_ms(wte, 2, load_device("a100-sxm4-40gb")))
     assert meg.parts["embedding_allreduce"] == 0           # one stage holds the only copy
+
+
+def test_largest_batch_under_zero_is_where_the_parallel_forecast_stops_fitting():
+    """find_max_batch(zero=3, dp=4): one replica's batch B such that predict_parallel fits at the global batch 4 B
+    and not at 4 (B + 1); sharding the state lets a replica hold more than without ZeRO (GPT-2 on an 8 GB P4)."""
+    from neusight.memory import find_max_batch
+
+    kw = dict(seq_len=256, mode="training", optimizer="adamw")
+    plain = find_max_batch("gpt2", "p4", **kw)
+    sharded = find_max_batch("gpt2", "p4", zero=3, dp=4, **kw)
+    assert sharded > plain >= 1
+    fit, miss = (predict_parallel("gpt2", "p4", 4 * b, dp=4, zero=3, **kw) for b in (sharded, sharded + 1))
+    assert fit.memory_fits and not miss.memory_fits
+    with pytest.raises(InputError, match="dp=1 has none"):
+        find_max_batch("gpt2", "p4", zero=1, **kw)

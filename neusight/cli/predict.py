@@ -568,9 +568,9 @@ def _parallel(cfg: PredictConfig) -> float:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
                          "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
-    if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron or cfg.zero):
-        raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp), where "
-                         "every GPU holds one replica's shard; pp / microbatches / megatron=true / zero spread it "
+    if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron):
+        raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp, zero), "
+                         "where every GPU holds one replica's shard; pp / microbatches / megatron=true spread it "
                          "otherwise. Fix: leave it out, or use dp and tp only")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
@@ -603,8 +603,9 @@ def _parallel_searches(cfg: PredictConfig, device: Any) -> None:
     from neusight.memory import find_max_batch, find_max_seq_len
 
     kw = dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-              dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, **_step_options(cfg))
-    gpus = f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, tp {cfg.tp})"
+              dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, zero=cfg.zero, dp=cfg.dp, **_step_options(cfg))
+    gpus = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, tp {cfg.tp}"
+            + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")"))
     if cfg.find_max_batch:
         best = find_max_batch(cfg.model, device, seq_len=cfg.seq_len, image_size=cfg.image_size,
                               kv_cache=cfg.kv_cache, **kw)
