@@ -1061,3 +1061,12 @@ def test_bad_generation_runs_are_refused(model, kw, fragment):
     kw = {"seq_len": 1, **kw}
     with pytest.raises(InputError, match=re.escape(fragment)):
         neusight.trace(model, batch_size=1, **kw)
+
+
+def test_a_downloaded_models_directory_is_read_through_its_config(tmp_path):
+    model = tmp_path / "my-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", **_SMALL_LM}))
+    g = neusight.trace(str(model), batch_size=1, seq_len=8)
+    assert g.model == "my-llama"
+    assert g.kernels.equals(neusight.trace({"model_type": "llama", **_SMALL_LM}, batch_size=1, seq_len=8).kernels)

@@ -108,9 +108,10 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                        rms_norm_eps=1e-6),
     "gemma-2-9b": ("gemma2", dict(architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
                                   num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                                  vocab_size=256000, max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh",
-                                  query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-                                  final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+                                  vocab_size=256000, max_position_embeddings=8192,
+                                  hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                                  sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                  rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "phi-3-mini": _llama(3072, 8192, 32, 32, 32, 32064, 4096, "phi3"),
     # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", and its model card): Mistral-7B's layout with 8 SwiGLU
     # experts per layer, 2 chosen per token (traced under balanced routing, neusight.graph.moe).
@@ -150,10 +151,11 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "gpt2-small": "gpt2", "opt-1b3": "opt-1.3b", "switch-4": "switch-xl-4",
                   "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
                   "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
-                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b",
-                  "llama2-70b": "llama-2-70b", "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b",
-                  "qwen2.5-7b-instruct": "qwen2.5-7b", "phi-3-mini-4k": "phi-3-mini", "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b",
-                  "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b", "vit-b-16": "vit-base", "vit-l-16": "vit-large", "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
+                  "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "llama2-70b": "llama-2-70b",
+                  "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b", "phi-3-mini-4k": "phi-3-mini",
+                  "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+                  "mixtral-8x22b-v0.1": "mixtral-8x22b", "vit-b-16": "vit-base", "vit-l-16": "vit-large",
+                  "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
 
 HEADS = ("causal-lm", "sequence-classification", "pretraining", "masked-lm", "seq2seq", "image-classification")
 
@@ -244,8 +246,8 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     path = Path(name).expanduser()
     if path.suffix == ".json" or path.exists():
         cfg = _read_config_json(path)
-        return _hf(path.stem, cfg.pop("model_type"), cfg, head, attn_implementation, dtype, image_size, moe_kernels,
-                   grouped_gemm)
+        return _hf(path.name if path.is_dir() else path.stem, cfg.pop("model_type"), cfg, head, attn_implementation,
+                   dtype, image_size, moe_kernels, grouped_gemm)
     if MODULE_REF.match(name):
         return _from_module(_import_module_ref(name), input_shapes, dtype)
     cached = _cached_hub_config(name)
@@ -342,6 +344,8 @@ def _import_module_ref(ref: str) -> nn.Module:
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
+    if path.is_dir() and (path / "config.json").is_file():   # a downloaded model's directory
+        path = path / "config.json"
     if not path.is_file():
         raise ModelError(f"model config {str(path)!r} does not exist; pass a preset name or the path of a config.json")
     try:
