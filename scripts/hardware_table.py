@@ -48,6 +48,11 @@ RUNS = [
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16")),
     ("ViT-Base/16 training, batch 128, 224 x 224, FP32 (TF32 patch convolution where the GPU has it), AdamW",
      "vit-base", dict(batch_size=128, mode="training")),
+    # on several GPUs (neusight.predict_parallel): memory is one GPU's
+    ("Llama-3-70B decode step on 8 GPUs (tensor parallel), batch 8, context 2048, bf16", "llama-3-70b",
+     dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16", tp=8)),
+    ("Llama-2-7B full fine-tuning on 8 GPUs (FSDP / ZeRO-3), global batch 32, seq 1024, bf16, AdamW", "llama-2-7b",
+     dict(batch_size=32, seq_len=1024, mode="training", dtype="bfloat16", dp=8, zero=3)),
 ]
 
 
@@ -57,8 +62,16 @@ def forecast() -> pd.DataFrame:
     from neusight.graph.tracer import trace
     from neusight.memory import estimate_memory
 
+    from neusight.parallel import predict_parallel
+
     rows = []
     for label, model, kw in RUNS:
+        if {"tp", "dp"} & set(kw):   # several GPUs: a forecast per GPU type (the split traces per device)
+            for key in GPUS:
+                p = predict_parallel(model, key, optimizer="adamw" if kw["mode"] == "training" else None, **kw)
+                rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": p.memory_peak_bytes / 2**30,
+                             "fits": bool(p.memory_fits)})
+            continue
         g = trace(model, **kw)
         for key in GPUS:
             dev = load_device(key)
@@ -82,7 +95,8 @@ def render(df: pd.DataFrame, seconds: float) -> str:
         base = float(d["ms"].iloc[0])
         cells = [f"{r.ms:,.1f} ({base / r.ms:.2f}x)" + ("" if r.fits else " (does not fit)") for r in d.itertuples()]
         t = pd.DataFrame([cells], columns=list(d["gpu"]))
-        mem = f"memory forecast on {d['gpu'].iloc[0]}: {d['GiB'].iloc[0]:,.1f} GiB"
+        per = " per GPU" if "GPUs" in str(run) else ""
+        mem = f"memory forecast on {d['gpu'].iloc[0]}{per}: {d['GiB'].iloc[0]:,.1f} GiB"
         lines += [f"## {run}", "", f"{mem}.", "", markdown_table(t, index=False), ""]
     return "\n".join(lines)
 
