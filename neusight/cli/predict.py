@@ -443,9 +443,14 @@ def print_library(models: bool, devices: bool) -> None:
     from neusight.graph.models import list_models
 
     if models:
+        import textwrap
+
         names = list_models()
-        print(f"model presets ({len(names)}; or pass a Hugging Face config.json path, or an nn.Module in Python):")
-        print("  " + ", ".join(names))
+        print(f"model presets ({len(names)}; or pass a Hugging Face config.json path or model directory, a Hub id "
+              "such as meta-llama/Llama-2-7b-chat-hf, 'package.module:Class' with input_shapes, or an nn.Module in "
+              "Python):")
+        print(textwrap.fill(", ".join(names), width=116, initial_indent="  ", subsequent_indent="  ",
+                            break_on_hyphens=False))
     if devices:
         table = pd.DataFrame(device_rows()).set_index("key")
         table.columns = ["name", "vendor", "arch", "SMs", "FP32 TFLOP/s", "GB/s", "GiB", "L2 MiB", "W"]
