@@ -466,7 +466,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                         grouped_gemm=grouped_gemm_runs(device, torch_dtype))
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
     amp_t = amp_dtype(amp)
-    _check_kv_cache(built, kv_cache, mode, seq_len, tensor_parallel)
+    _check_kv_cache(built, kv_cache, mode, seq_len)
     if amp_t is not None and torch_dtype != torch.float32:
         dt = str(torch_dtype).removeprefix("torch.")
         raise InputError(f"amp={amp!r} casts an FP32 model's operations, but dtype={dt!r}. Fix: dtype='float32' with "
@@ -628,7 +628,7 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
     return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
 
 
-def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | None, tensor_parallel: int) -> None:
+def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | None) -> None:
     """``kv_cache=`` needs an inference pass of a decoder-only causal LM whose positions hold cache + new tokens."""
     if kv_cache is None or kv_cache is False:
         return
