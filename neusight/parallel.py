@@ -34,6 +34,7 @@ kernels attributed outside any block (some of an encoder-decoder's) go to the la
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -117,8 +118,8 @@ def _link_bytes_per_s(device: Device) -> float:
 
 # Llama-style blocks: q / k / v / o projections in "<name>Attention", gate / up / down in "<name>MLP", attention
 # reshaped by head_dim. Each was checked to halve every layer GEMM and attention product at tp=2
-# (tests/test_parallel.py); blocks that normalize the whole query width (OLMo 2 / 3) or fuse projections (Phi-3,
-# GLM) are not Llama-style in this sense and are refused.
+# (tests/test_parallel.py); blocks that normalize the whole query width (OLMo 2 / 3) or fuse projections (GLM)
+# are not Llama-style in this sense and are refused; Phi-3's fused projections have entries of their own below.
 _LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3",
                 "Ministral", "Granite", "Cohere", "Olmo", "Helium", "Ernie4_5", "Arcee", "Exaone4", "SeedOss",
                 "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2")
@@ -137,9 +138,17 @@ _SPLITS = {
     **{(f"{m}MLP", p): "col" for m in _LLAMA_STYLE for p in ("gate_proj", "up_proj")},
     **{(f"{m}MLP", "down_proj"): "row" for m in _LLAMA_STYLE},
     ("Starcoder2MLP", "c_fc"): "col", ("Starcoder2MLP", "c_proj"): "row",
+    # Phi-3 fuses q, k and v into one projection and gate and up into another: a column split keeps every part's
+    # share (each GPU: heads / tp queries, kv heads / tp keys and values; gate and up halves that chunk(2) finds),
+    # with the attention's own head counts divided (_OWN_HEADS)
+    ("Phi3Attention", "qkv_proj"): "col", ("Phi3Attention", "o_proj"): "row",
+    ("Phi3MLP", "gate_up_proj"): "col", ("Phi3MLP", "down_proj"): "row",
 }
+# attention blocks that slice a fused projection by head counts read from their config: each gets a copy of the
+# config with the counts divided by tp (and the module attribute of the same name divided)
+_OWN_HEADS = {"Phi3Attention": ("num_attention_heads", "num_key_value_heads")}
 # blocks whose head counts live in their config: (query heads, key/value heads) must divide by tp
-_CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in _LLAMA_STYLE}
+_CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in (*_LLAMA_STYLE, "Phi3")}
 # attributes that hold a width a split divides: GPT-2 splits the fused QKV output by ``split_size``
 _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
            "OPTAttention": ("embed_dim",)}
@@ -150,7 +159,8 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
     """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
 
     Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT and the Llama-style blocks of
-    ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too). Raises
+    ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too) and Phi-3's fused
+    projections. Raises
     ModelError for a model without any of them, InputError when heads or widths do not divide by ``tp``.
     """
     if tp == 1:
@@ -173,6 +183,13 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             if isinstance(heads, int) and heads % tp:
                 raise InputError(f"tp={tp} does not divide the {heads} {attr} of {cls}. Fix: choose a tp that "
                                  f"divides {heads}")
+        if cls in _OWN_HEADS and getattr(parent, "config", None) is not None:
+            own = copy.copy(parent.config)
+            for attr in _OWN_HEADS[cls]:
+                setattr(own, attr, getattr(own, attr) // tp)
+                if isinstance(getattr(parent, attr, None), int):
+                    setattr(parent, attr, getattr(parent, attr) // tp)
+            parent.config = own
         for (owner, attr), how in _SPLITS.items():
             if cls == owner and isinstance(getattr(parent, attr, None), nn.Module):
                 setattr(parent, attr, _split(getattr(parent, attr), how, tp, f"{cls}.{attr}"))
@@ -182,8 +199,8 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             found += 1
     if not found:
         raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT "
-                         f"and Llama-style blocks ({', '.join(_LLAMA_STYLE)}); {type(module).__name__} has none. Fix: "
-                         "use tp=1 (dp and pp work for any model)")
+                         f"and Llama-style blocks ({', '.join(_LLAMA_STYLE)}, Phi3); {type(module).__name__} has "
+                         "none. Fix: use tp=1 (dp and pp work for any model)")
     _split_vocab(module, tp)
     return module
 

@@ -112,7 +112,7 @@ _TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "qwen3_moe", "granite", "cohere", "starcoder2",
-                                        "ministral"])
+                                        "ministral", "phi3"])
 def test_other_llama_style_blocks_halve_every_layer_product(model_type):
     """Each block's projections, MLP (or experts) and attention products halve at tp=2; only routers stay whole."""
     import transformers
@@ -132,9 +132,9 @@ def test_other_llama_style_blocks_halve_every_layer_product(model_type):
     assert half.unmodeled == []
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "phi3"])
+@pytest.mark.parametrize("model_type", ["olmo2", "glm"])
 def test_blocks_that_are_not_llama_style_are_refused(model_type):
-    """OLMo 2 normalizes the whole query width, Phi-3 fuses its projections: neither splits by projections alone."""
+    """OLMo 2 normalizes the whole query width, GLM fuses gate and up in a block otherwise its own: neither is split."""
     with pytest.raises(ModelError, match="Llama-style blocks"):
         neusight.trace({"model_type": model_type, **_TINY_DECODER}, batch_size=2, seq_len=8, tensor_parallel=2)
 

@@ -1034,7 +1034,8 @@ def test_generation_costs_grow_with_the_context_and_the_cache_is_held_in_memory(
 def test_a_tensor_parallel_decode_step_holds_its_share_of_the_cache():
     """tp=2: each GPU attends with half the heads over its half of the cache (GPT-2: 12 heads; Llama-style grouped
     query attention: half the key / value heads), and its GEMMs have half the width."""
-    for model, kv_heads in (("gpt2", 12), ({"model_type": "llama", **_SMALL_LM, "num_key_value_heads": 2}, 2)):
+    for model, kv_heads in (("gpt2", 12), ({"model_type": "llama", **_SMALL_LM, "num_key_value_heads": 2}, 2),
+                            ({"model_type": "phi3", **_SMALL_LM, "num_key_value_heads": 2, "pad_token_id": 0}, 2)):
         whole, half = (neusight.trace(model, batch_size=2, seq_len=1, kv_cache=15, tensor_parallel=tp) for tp in (1, 2))
         cache = [{t.shape for t in g.held if len(t.shape) == 4 and t.shape[2] == 16} for g in (whole, half)]
         assert {s[1] for s in cache[0]} == {kv_heads} and {s[1] for s in cache[1]} == {kv_heads // 2}
