@@ -330,8 +330,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     ``zero`` (0-3): the ZeRO stage of the data-parallel replicas (module docstring, item 3); 3 is also FSDP's
     full sharding. ``tf32`` as in :func:`neusight.predict`. ``megatron=True`` forecasts a Megatron-LM training
-    step as its ``train_step`` runs it: Megatron's kernels (:mod:`neusight.graph.megatron`), zeroing of the gradient buffer, the loss, gradient clipping to norm 1.0
-    (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
+    step as its ``train_step`` runs it: Megatron's kernels (:mod:`neusight.graph.megatron`), zeroing of the
+    gradient buffer, the loss, gradient clipping to norm 1.0 (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
     stage stepping its own parameters (with pipeline stages and tied embeddings the last stage holds a copy of
     the word embeddings, whose gradients the first and the last stage all-reduce).
 

@@ -413,22 +413,7 @@ def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
         if cfg.plot:
             files = p.plot(_out_path(cfg.plot), prefix=f"{p.device.key}_")
             print(f"pictures: {', '.join(str(f) for f in files if str(f).endswith('.png'))}")
-        if cfg.find_max_batch:
-            from neusight.memory import find_max_batch
-
-            best = find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len, mode=cfg.mode, head=cfg.head,
-                                  optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-                                  image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
-                                  **_step_options(cfg))
-            print(f"largest batch that fits on {p.device.name}: {best}" + ("" if best else " (batch 1 does not fit)"))
-        if cfg.find_max_seq_len:
-            from neusight.memory import find_max_seq_len
-
-            longest = find_max_seq_len(cfg.model, p.device, batch_size=cfg.batch_size, mode=cfg.mode, head=cfg.head,
-                                       optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-                                       dtype=cfg.dtype, amp=cfg.amp, **_step_options(cfg))
-            print(f"longest sequence that fits on {p.device.name} at batch {cfg.batch_size}: {longest}"
-                  + ("" if longest else " (64 tokens do not fit)"))
+        _memory_searches(cfg, p.device)
 
 
 def _asks_for_list(value: Any) -> bool:
@@ -591,8 +576,7 @@ def _parallel(cfg: PredictConfig) -> float:
             print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
-        if searches:
-            _parallel_searches(cfg, p.device)
+        _memory_searches(cfg, p.device)
         records.append({"device": p.device.key, "gpus": p.parallelism.gpus, "latency_ms": p.latency_ms,
                         **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
                         "memory_fits": p.memory_fits})
@@ -601,27 +585,30 @@ def _parallel(cfg: PredictConfig) -> float:
     return float(records[0]["latency_ms"])
 
 
-def _parallel_searches(cfg: PredictConfig, device: Any) -> None:
-    """find_max_batch / find_max_seq_len on dp x tp GPUs: every GPU holds one tensor-parallel shard of one replica
-    and that replica's share of the batch, so the search runs on the shard and a batch found is per replica."""
+def _memory_searches(cfg: PredictConfig, device: Any) -> None:
+    """find_max_batch / find_max_seq_len, on one GPU or on dp x tp GPUs (with ZeRO): every GPU holds one
+    tensor-parallel shard of one replica and that replica's share of the batch, so the search runs on the shard
+    and a batch it finds is per replica."""
     from neusight.errors import InputError
     from neusight.memory import find_max_batch, find_max_seq_len
 
     kw = dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
               dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, zero=cfg.zero, dp=cfg.dp, **_step_options(cfg))
-    gpus = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, tp {cfg.tp}"
-            + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")"))
+    several = cfg.dp * cfg.tp > 1 or bool(cfg.zero)
+    where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, tp {cfg.tp}"
+             + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")")) if several else device.name
+    glob = "global " if several else ""
     if cfg.find_max_batch:
         best = find_max_batch(cfg.model, device, seq_len=cfg.seq_len, image_size=cfg.image_size,
                               kv_cache=cfg.kv_cache, **kw)
-        print(f"largest global batch that fits on {gpus}: {cfg.dp * best}"
+        print(f"largest {glob}batch that fits on {where}: {cfg.dp * best}"
               + (f" ({best} per replica)" if cfg.dp > 1 and best else "") + ("" if best else " (batch 1 does not fit)"))
     if cfg.find_max_seq_len:
         if cfg.batch_size % cfg.dp:
             raise InputError(f"batch_size={cfg.batch_size} does not split into dp={cfg.dp} replicas. Fix: a multiple "
                              f"of {cfg.dp}")
         longest = find_max_seq_len(cfg.model, device, batch_size=cfg.batch_size // cfg.dp, **kw)
-        print(f"longest sequence that fits on {gpus} at global batch {cfg.batch_size}: {longest}"
+        print(f"longest sequence that fits on {where} at {glob}batch {cfg.batch_size}: {longest}"
               + ("" if longest else " (64 tokens do not fit)"))
 
 
