@@ -21,9 +21,14 @@ communication between GPUs over the device's interconnect:
    all-gathered (1, 2: the all-reduce's volume); with 3 each block's parameters are all-gathered before its
    forward and again before its backward, its gradients reduce-scattered after it, and a GPU holds two gathered
    blocks at a time (the current one and the prefetched next). None of it is overlapped with compute.
+4. EP (mixture-of-experts models): groups of ``ep`` data-parallel replicas share each experts layer's experts,
+   1 / ep per GPU (:func:`shard_expert_parallel`), as DeepSpeed-MoE and Megatron-LM's expert parallelism do. Every
+   call of an experts layer sends its token rows to the GPUs of their experts and gets the results back: two
+   all-to-alls, two more in the backward pass. Routing is balanced, so a GPU's experts receive as many rows as its
+   own tokens make. The experts' gradients are all-reduced over the dp / ep replicas holding the same experts.
 
 Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
-in each direction, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one direction of the device's
+in each direction, an all-to-all (n - 1) / n x b, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one direction of the device's
 ``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
@@ -48,8 +53,8 @@ from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
-__all__ = ["Parallelism", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "allreduce_ms",
-           "allgather_ms", "p2p_ms"]
+__all__ = ["Parallelism", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "shard_expert_parallel",
+           "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
 # costs a few microseconds of launch and synchronisation. Public characteristics, not fitted here.
@@ -63,18 +68,24 @@ _BLOCK = re.compile(r"^(.*?\.(?:h|layer|layers|block)\.\d+)(?:\.|$)")
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How many GPUs split the step, and how: ``dp x tp x pp`` GPUs, ``microbatches`` per replica."""
+    """How many GPUs split the step, and how: ``dp x tp x pp`` GPUs, ``microbatches`` per replica; ``ep`` of the
+    ``dp`` replicas share each mixture-of-experts layer's experts (expert parallelism)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "microbatches"):
+        for name in ("dp", "tp", "pp", "microbatches", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name}={v!r} must be a positive integer. Fix: e.g. {name}=1")
+        if self.dp % self.ep:
+            raise InputError(f"ep={self.ep} does not divide dp={self.dp}: the experts are spread over groups of ep "
+                             f"data-parallel replicas. Fix: an ep that divides {self.dp} (ep={self.dp}: every replica "
+                             "holds its own share of the experts)")
 
     @property
     def gpus(self) -> int:
@@ -102,6 +113,14 @@ def allgather_ms(nbytes: float, n: int, device: Device) -> float:
     """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` GPUs: (n - 1) / n x bytes, n - 1 steps
     (half an all-reduce, which is a reduce-scatter followed by an all-gather)."""
     return allreduce_ms(nbytes, n, device) / 2
+
+
+def alltoall_ms(nbytes: float, n: int, device: Device) -> float:
+    """All-to-all over ``n`` GPUs, each sending ``nbytes`` in all: (n - 1) / n of them leave the GPU (to the n - 1
+    others, at once), n - 1 exchanges' latency."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return ((n - 1) / n * nbytes / _link_bytes_per_s(device) + (n - 1) * HOP_LATENCY_S) * 1e3
 
 
 def p2p_ms(nbytes: float, device: Device) -> float:
@@ -239,6 +258,49 @@ def _split_experts(mod: nn.Module, tp: int, where: str) -> None:
         setattr(mod, name, nn.Parameter(torch.empty(shape, dtype=w.dtype, device="meta"), requires_grad=w.requires_grad))
 
 
+def shard_expert_parallel(module: nn.Module, ep: int) -> nn.Module:
+    """Turn ``module`` (on the meta device) into one GPU's share of an ``ep``-way expert-parallel mixture of experts,
+    in place: every experts layer keeps 1 / ep of its experts, which take the token rows of all ``ep`` GPUs.
+
+    Routed top-k experts (Mixtral, Qwen-MoE, DeepSeek, ...; :func:`neusight.graph.moe.is_routed_experts`) keep the
+    first experts / ep of their stacked weights; under balanced routing a GPU's experts receive as many token-expert
+    pairs as its own tokens make, so the per-expert share grows ep-fold. Switch Transformers' fixed-capacity layers
+    keep experts / ep experts, each with an ep-fold buffer. Routers, shared experts, attention and everything else
+    stay whole. Raises ModelError for a model without experts layers, InputError when ``ep`` does not divide a
+    layer's experts.
+    """
+    if ep == 1:
+        return module
+    found = 0
+    for name, mod in module.named_modules():
+        if is_routed_experts(mod):
+            n_exp = int(mod.num_experts)
+            _check_experts(n_exp, ep, name or type(mod).__name__)
+            for attr, w in list(mod.named_parameters(recurse=False)):
+                if w.dim() >= 1 and w.shape[0] == n_exp:
+                    shape = (n_exp // ep, *w.shape[1:])
+                    setattr(mod, attr, nn.Parameter(torch.empty(shape, dtype=w.dtype, device="meta"),
+                                                    requires_grad=w.requires_grad))
+            mod.num_experts = n_exp // ep
+            found += 1
+        elif hasattr(mod, "neusight_capacity") and isinstance(getattr(mod, "experts", None), nn.ModuleDict):
+            keys = list(mod.experts.keys())
+            _check_experts(len(keys), ep, name or type(mod).__name__)
+            mod.experts = nn.ModuleDict({k: mod.experts[k] for k in keys[:len(keys) // ep]})
+            mod.neusight_capacity *= ep
+            found += 1
+    if not found:
+        raise ModelError(f"expert parallelism (ep={ep}) spreads a mixture of experts' experts over GPUs; "
+                         f"{type(module).__name__} has no experts layers (routed top-k experts or Switch Transformers' "
+                         "sparse MLPs). Fix: ep=1")
+    return module
+
+
+def _check_experts(n_exp: int, ep: int, where: str) -> None:
+    if n_exp % ep:
+        raise InputError(f"ep={ep} does not divide the {n_exp} experts of {where}. Fix: an ep that divides {n_exp}")
+
+
 # Megatron-LM pads the vocabulary to a multiple of 128 x tp (its make-vocab-size-divisible-by default), so each
 # GPU holds the same number of rows.
 VOCAB_MULTIPLE = 128
@@ -282,9 +344,9 @@ class ParallelPrediction:
     seq_len: int | None
     parallelism: Parallelism
     latency_ms: float
-    parts: dict[str, float]              # compute, tp_comm, pp_p2p, pp_bubble, dp_allreduce (the gradients'
-                                         # all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's parameter
-                                         # all-gathers), embedding_allreduce, optimizer (ms)
+    parts: dict[str, float]              # compute, tp_comm, ep_alltoall, pp_p2p, pp_bubble, dp_allreduce (the
+                                         # gradients' all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's
+                                         # parameter all-gathers), embedding_allreduce, optimizer (ms)
     stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms
     per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
     roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
@@ -304,7 +366,8 @@ class ParallelPrediction:
         par = self.parallelism
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}"
                  + (f", seq {self.seq_len}" if self.seq_len else "")
-                 + f" on {par.gpus} x {self.device.name} (dp {par.dp}, tp {par.tp}, pp {par.pp}, "
+                 + f" on {par.gpus} x {self.device.name} (dp {par.dp}, "
+                   + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}, pp {par.pp}, "
                    f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
                  f"total: {self.latency_ms:,.2f} ms"]
         lines.append("parts: " + " | ".join(f"{k} {v:,.2f} ms" for k, v in self.parts.items() if v > 0))
@@ -319,7 +382,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
-                     zero: int = 0, **trace_kwargs: Any) -> ParallelPrediction:
+                     zero: int = 0, ep: int = 1, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -329,7 +392,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     min(microbatches, pp) micro-batches in flight on the first stage (1F1B), each holding 1 / pp of the layers.
 
     ``zero`` (0-3): the ZeRO stage of the data-parallel replicas (module docstring, item 3); 3 is also FSDP's
-    full sharding. ``tf32`` as in :func:`neusight.predict`. ``megatron=True`` forecasts a Megatron-LM training
+    full sharding. ``ep``: expert parallelism of a mixture-of-experts model over groups of ``ep`` of the ``dp``
+    replicas (item 4). ``tf32`` as in :func:`neusight.predict`. ``megatron=True`` forecasts a Megatron-LM training
     step as its ``train_step`` runs it: Megatron's kernels (:mod:`neusight.graph.megatron`), zeroing of the
     gradient buffer, the loss, gradient clipping to norm 1.0 (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
     stage stepping its own parameters (with pipeline stages and tied embeddings the last stage holds a copy of
@@ -344,7 +408,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     from neusight.api import predict_graph
     from neusight.graph.tracer import trace
 
-    par = Parallelism(dp, tp, pp, microbatches)
+    par = Parallelism(dp, tp, pp, microbatches, ep)
     device = load_device(device)
     if batch_size % (dp * microbatches):
         raise InputError(f"batch_size={batch_size} does not split into dp={dp} replicas x {microbatches} "
@@ -352,6 +416,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     micro = batch_size // (dp * microbatches)
     training = mode == "training"
     _check_zero(zero, par, training)
+    if ep > 1 and megatron:
+        raise InputError(f"ep={ep} with megatron=True is not modelled (the Megatron-LM kernels are GPT-2's, without "
+                         "experts). Fix: leave one of them out")
     if megatron and trace_kwargs.get("gradient_checkpointing"):
         raise InputError("gradient_checkpointing=True is Hugging Face's activation checkpointing; Megatron-LM's own "
                          "activation recompute is not modelled (megatron=True). Fix: leave one of them out")
@@ -362,7 +429,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
     g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
-              tensor_parallel=tp, device=device, **trace_kwargs)
+              tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
     one = predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32)
     k = one.kernels
     index = _block_index(k)
@@ -373,11 +440,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     n = int(block.max()) + 1 if block.notna().any() else 0       # blocks are numbered 0 .. n - 1
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
-    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device)
-    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device)
+    ep_ms = _expert_alltoall_ms(g, index, n, par, training, device)
+    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, ep_ms)
+    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device, ep_ms)
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
+    expert_share = _expert_parameter_share(g) if ep > 1 else 0.0
     units = _unit_parameter_bytes(g, index) if zero == 3 else []
     if zero == 3:   # per block (and the rest): gather before forward and backward, reduce-scatter the gradients
         grad_share = grad_bytes / max(sum(units), 1.0)
@@ -386,8 +455,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     elif zero:      # reduce-scatter the gradients, all-gather the updated parameters
         parts["dp_allreduce"] = allgather_ms(grad_bytes, dp, device)
         parts["dp_gather"] = allgather_ms(sum(t.numel * t.itemsize for t in g.params) * share, dp, device)
-    else:
-        parts["dp_allreduce"] = allreduce_ms(grad_bytes, dp, device) if training else 0.0
+    else:   # the experts' gradients over the dp / ep replicas that hold the same experts
+        parts["dp_allreduce"] = (allreduce_ms(grad_bytes * (1 - expert_share), dp, device)
+                                 + allreduce_ms(grad_bytes * expert_share, dp // ep, device)) if training else 0.0
         parts["dp_gather"] = 0.0
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
@@ -406,6 +476,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
+    if ep > 1:
+        n_layers = len({path for path, _, _ in g.expert_dispatch})
+        notes += (f"expert parallelism: each of {ep} GPUs holds 1/{ep} of the experts of the {n_layers} experts "
+                  f"layer{'s' if n_layers != 1 else ''} and runs them on the token rows of all {ep}, sent and returned "
+                  "by an all-to-all each (two more per layer in the backward pass); routing balanced, all-to-alls not "
+                  "overlapped with compute",)
     if zero:
         what = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and weights")[zero - 1]
         notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
@@ -428,6 +504,8 @@ def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
                          "or zero=0")
     if par.pp > 1:
         raise InputError(f"zero={zero} with pipeline stages (pp={par.pp}) is not modelled. Fix: pp=1, or zero=0")
+    if par.ep > 1:
+        raise InputError(f"zero={zero} with expert parallelism (ep={par.ep}) is not modelled. Fix: ep=1, or zero=0")
 
 
 def zero_memory_peak(g: Any, device: Device, zero: int, dp: int) -> float:
@@ -474,8 +552,10 @@ def _unit_parameter_bytes(g: Any, index: dict[str, float]) -> list[float]:
 
 
 def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,
-             training: bool, act_bytes: float, device: Device) -> tuple[dict[str, float], pd.DataFrame]:
-    """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule."""
+             training: bool, act_bytes: float, device: Device,
+             ep_ms: list[float] | None = None) -> tuple[dict[str, float], pd.DataFrame]:
+    """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule;
+    ``ep_ms``: each stage's expert-parallel all-to-alls of one micro-batch."""
     rows = []
     for s, n_blocks in enumerate(blocks_per_stage):
         mine = k[stage == s]
@@ -485,9 +565,10 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
                      "forward_ms": float(mine.loc[mine["phase"].isin(("forward", "loss")), column].sum()),
                      "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
                      "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device),
+                     "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
                      "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device) * (s < par.pp - 1)})
     stages = pd.DataFrame(rows)
-    slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "p2p_ms"]].sum(axis=1)
+    slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
     m = par.microbatches
     # 1F1B (and GPipe): the first micro-batch crosses every stage forward and back, the other m - 1 follow at
@@ -495,12 +576,43 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
     # m micro-batches (compute, tensor-parallel all-reduces), every hand-off between stages, and the bubble: the
     # other stages' work while the first micro-batch fills and drains the pipeline ((pp - 1) slots when the
     # stages are balanced).
-    work = stages[["forward_ms", "backward_ms", "tp_comm_ms"]].sum(axis=1)
+    work = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms"]].sum(axis=1)
     parts = {"compute": m * float(slowest["forward_ms"] + slowest["backward_ms"]),
              "tp_comm": m * float(slowest["tp_comm_ms"]),
+             "ep_alltoall": m * float(slowest["ep_comm_ms"]),
              "pp_p2p": float(stages["p2p_ms"].sum() + (m - 1) * slowest["p2p_ms"]),
              "pp_bubble": float(work.sum() - work.loc[slowest.name])}
     return parts, stages
+
+
+def _expert_alltoall_ms(g: Any, index: dict[str, float], n: int, par: Parallelism, training: bool,
+                        device: Device) -> list[float]:
+    """Each pipeline stage's expert-parallel all-to-alls of one micro-batch (ms): per call of an experts layer one
+    to send its token rows to the experts' GPUs and one to bring the results back; in training two more for the
+    gradients of every forward call (a checkpointed layer's recomputation dispatches again)."""
+    out = [0.0] * par.pp
+    if par.ep == 1:
+        return out
+    for path, phase, nbytes in g.expert_dispatch:
+        m = _BLOCK.match(path)
+        b = index.get(m.group(1)) if m else None
+        s = int(b) * par.pp // n if b is not None and n else par.pp - 1
+        calls = 4 if training and phase == "forward" else 2
+        out[s] += calls * alltoall_ms(nbytes, par.ep, device)
+    return out
+
+
+def _expert_parameter_share(g: Any) -> float:
+    """Share of the traced parameter bytes that belong to experts layers (what expert parallelism spreads)."""
+    layers = {path for path, _, _ in g.expert_dispatch}
+    if not layers or not g.param_names:
+        return 0.0
+    sizes = [t.numel * t.itemsize for t in g.params]
+    total = float(sum(sizes)) or 1.0
+    # a routed experts module's own parameters, or a Switch sparse MLP's experts (not its router)
+    mine = sum(size for name, size in zip(g.param_names, sizes)
+               if any(name.startswith(f"{p}.experts.") or name.rpartition(".")[0] == p for p in layers))
+    return mine / total
 
 
 def _block_index(k: pd.DataFrame) -> dict[str, float]:

@@ -56,6 +56,8 @@ BAD = {
     "predict-unknown-dtype": (("neusight-predict", "model=gpt2", "device=t4", "dtype=float8"), "dtype='float8'"),
     "predict-unknown-tf32": (("neusight-predict", "model=gpt2", "device=a100-pcie-40gb", "tf32=fast"), "tf32='fast'"),
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
+    "predict-ep-not-dividing-dp": (("neusight-predict", "model=mixtral-8x7b", "device=h100-sxm5-80gb", "dp=4", "ep=3"),
+                                   "ep=3 does not divide dp=4"),
     "predict-zero-without-replicas": (("neusight-predict", "model=gpt2", "device=t4", "mode=training", "zero=2"),
                                       "dp=1 has none"),
     "predict-max-batch-over-stages": (("neusight-predict", "model=gpt2", "device=t4", "pp=2", "find_max_batch=true"),

@@ -12,7 +12,7 @@ import neusight
 from neusight.devices import load_device
 from neusight.errors import InputError, ModelError
 from neusight.evaluate import find_labels, predict_label
-from neusight.parallel import Parallelism, allreduce_ms, p2p_ms, predict_parallel
+from neusight.parallel import Parallelism, allreduce_ms, alltoall_ms, p2p_ms, predict_parallel
 from tests.conftest import DATASET, need_shared
 
 
@@ -39,6 +39,9 @@ def test_collectives_follow_the_ring_formulas():
     assert allreduce_ms(1e9, 1, h100) == 0.0
     # point to point: 1e9 / 360e9 s = 2.7778 ms + 5 us
     assert p2p_ms(1e9, h100) == pytest.approx(2.7778 + 0.005, rel=1e-4)
+    # all-to-all of 1 GB per GPU over 4 GPUs: 3/4 of it leaves, 2.0833 ms, + 3 exchanges x 5 us
+    assert alltoall_ms(1e9, 4, h100) == pytest.approx(2.08333 + 0.015, rel=1e-4)
+    assert alltoall_ms(1e9, 1, h100) == 0.0
 
 
 def test_tensor_parallel_shard_halves_the_gemm_work():
@@ -90,6 +93,72 @@ def test_mixtral_splits_attention_and_every_expert_like_a_megatron_mlp(tmp_path)
         neusight.trace(str(odd), batch_size=1, seq_len=8, mode="inference", tensor_parallel=4)
     p = predict_parallel(str(cfg), "h100-sxm5-80gb", batch_size=2, seq_len=32, mode="training", tp=2)
     assert p.parts["tp_comm"] > 0 and p.latency_ms > 0
+
+
+def _expert_gemms(g):
+    k = g.kernels
+    return k[k["module"].str.contains(r"\.experts\b") & k["family"].isin(["linear", "bmm"])]
+
+
+def test_expert_parallel_spreads_the_experts_and_keeps_their_work(tmp_path):
+    """ep=2 of dp=2: each GPU holds 2 of the 4 experts, which run on the token rows of both GPUs (balanced routing),
+    so the experts' GEMM work per GPU is unchanged in half as many GEMMs; the router stays whole. Per experts layer
+    call two all-to-alls of its token rows, two more in the backward pass; the experts' gradients are not all-reduced
+    (no other replica holds the same experts), the rest over both replicas."""
+    cfg = tmp_path / "mixtral.json"
+    cfg.write_text(json.dumps(_TINY_MIXTRAL))
+    kw = dict(batch_size=4, seq_len=32, mode="training", dp=2, optimizer="adamw", moe_kernels="loop")
+    whole = predict_parallel(str(cfg), "h100-sxm5-80gb", **kw)
+    spread = predict_parallel(str(cfg), "h100-sxm5-80gb", ep=2, **kw)
+    gw, gs = whole.per_gpu.graph, spread.per_gpu.graph
+    assert _expert_gemms(gw)["flops"].sum() > 0
+    assert _expert_gemms(gs)["flops"].sum() == pytest.approx(_expert_gemms(gw)["flops"].sum(), rel=1e-12)
+    forward = lambda g: int((_expert_gemms(g)["phase"] == "forward").sum())  # noqa: E731
+    assert forward(gw) == 2 * forward(gs) == 2 * 2 * 4                      # 2 layers, 2 projections per expert
+    shapes = {tuple(p.shape) for p in gs.params}
+    assert (2, 2 * 96, 64) in shapes and (2, 64, 96) in shapes and (4, 64) in shapes   # gate_up, down, router
+    assert _gemm_flops(gs) == pytest.approx(_gemm_flops(gw), rel=1e-12)
+    # each of 2 layers: one call in the forward pass; 2 x 32 tokens x top-2 rows of 64 FP32 values
+    assert gs.expert_dispatch == [(f"model.layers.{i}.mlp.experts", "forward", 2 * 32 * 2 * 64 * 4.0) for i in (0, 1)]
+    h100 = load_device("h100-sxm5-80gb")
+    assert spread.parts["ep_alltoall"] == pytest.approx(2 * 4 * alltoall_ms(2 * 32 * 2 * 64 * 4.0, 2, h100))
+    assert whole.parts["ep_alltoall"] == 0
+    experts = sum(t.numel * t.itemsize for n, t in zip(gs.param_names, gs.params) if ".experts." in n)
+    total = sum(t.numel * t.itemsize for t in gs.params)
+    assert spread.parts["dp_allreduce"] == pytest.approx(allreduce_ms(total - experts, 2, h100))
+    assert whole.memory_breakdown["weights"] - spread.memory_breakdown["weights"] == pytest.approx(experts)
+    assert spread.memory_peak_bytes < whole.memory_peak_bytes
+    assert "ep 2" in spread.summary() and any("expert parallelism" in n for n in spread.notes)
+
+
+def test_expert_parallel_dispatches_again_for_a_recomputed_layer_and_splits_switch_experts():
+    # a checkpointed layer runs its forward again in the backward pass: two more all-to-alls per layer (6 vs 4)
+    kw = dict(batch_size=4, seq_len=32, mode="training", dp=2, ep=2, optimizer=None, memory=False)
+    plain = predict_parallel(_TINY_MIXTRAL, "a100-sxm4-40gb", **kw)
+    ckpt = predict_parallel(_TINY_MIXTRAL, "a100-sxm4-40gb", gradient_checkpointing=True, **kw)
+    assert [ph for _, ph, _ in ckpt.per_gpu.graph.expert_dispatch] == ["forward", "backward"] * 2   # per layer
+    assert ckpt.parts["ep_alltoall"] == pytest.approx(1.5 * plain.parts["ep_alltoall"])
+    # Switch Transformers: 2 of 4 experts per GPU, each with twice the fixed capacity
+    one = neusight.trace("switch-base-4", batch_size=2, seq_len=64, mode="inference")
+    two = neusight.trace("switch-base-4", batch_size=2, seq_len=64, mode="inference", expert_parallel=2)
+    assert _expert_gemms(one)["flops"].sum() > 0
+    assert _expert_gemms(two)["flops"].sum() == pytest.approx(_expert_gemms(one)["flops"].sum(), rel=1e-12)
+    assert len(_expert_gemms(two)) == len(_expert_gemms(one)) // 2
+    assert [b for _, _, b in two.expert_dispatch] == [b for _, _, b in one.expert_dispatch]
+
+
+@pytest.mark.parametrize("kw, error, fragment", [
+    (dict(dp=4, ep=3), InputError, "ep=3 does not divide dp=4"),
+    (dict(dp=8, ep=8), InputError, "ep=8 does not divide the 4 experts of model.layers.0.mlp.experts"),
+    (dict(dp=2, ep=2, zero=1), InputError, "with expert parallelism (ep=2)"),
+    (dict(dp=2, ep=2, megatron=True), InputError, "ep=2 with megatron=True"),
+    (dict(dp=2, ep=2, lora_rank=4), InputError, "expert parallelism (ep=2) is not modelled"),
+    (dict(dp=2, ep=2, model="gpt2"), ModelError, "GPT2LMHeadModel has no experts layers"),
+])
+def test_bad_expert_parallel_runs_say_what_to_change(kw, error, fragment):
+    model = kw.pop("model", _TINY_MIXTRAL)
+    with pytest.raises(error, match=re.escape(fragment)):
+        predict_parallel(model, "a100-sxm4-40gb", batch_size=8, seq_len=16, mode="training", **kw)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])

@@ -63,6 +63,7 @@ class PredictConfig:
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
+    ep: int = 1                          # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep each
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
@@ -501,7 +502,7 @@ def _check_counts(cfg: PredictConfig) -> None:
     from neusight.errors import InputError
     from neusight.parallel import Parallelism
 
-    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches)   # its own checks: positive integers
+    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, cfg.ep)   # its own checks: positive integers, ep | dp
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -519,7 +520,7 @@ def _generation(cfg: PredictConfig) -> float:
     other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
-    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches") if getattr(cfg, k) != 1]
+    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep") if getattr(cfg, k) != 1]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
@@ -570,7 +571,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, **_step_options(cfg))
+                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=cfg.ep, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         if _wants_run(cfg):
             print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
@@ -593,9 +594,11 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
     from neusight.memory import find_max_batch, find_max_seq_len
 
     kw = dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-              dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, zero=cfg.zero, dp=cfg.dp, **_step_options(cfg))
+              dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=cfg.ep, zero=cfg.zero, dp=cfg.dp,
+              **_step_options(cfg))
     several = cfg.dp * cfg.tp > 1 or bool(cfg.zero)
-    where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, tp {cfg.tp}"
+    where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if cfg.ep > 1 else "")
+             + f"tp {cfg.tp}"
              + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")")) if several else device.name
     glob = "global " if several else ""
     if cfg.find_max_batch:

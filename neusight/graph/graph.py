@@ -44,6 +44,9 @@ class Graph:
     gradient_checkpointing: bool | int = False   # layers recompute their forward in backward (n: every n-th)
     lora_rank: int | None = None   # LoRA fine-tuning: the adapters' rank (base weights frozen), else None
     model_kind: str = ""   # how the model was built: "hf" (transformers), "vision" (CNN presets), "module" (nn.Module)
+    # every call of a mixture-of-experts layer: (its module path, "forward" or "backward" (a checkpointed layer's
+    # recomputation), bytes of the token rows it hands to its experts), what expert parallelism all-to-alls
+    expert_dispatch: list[tuple[str, str, float]] = field(default_factory=list)
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

@@ -27,11 +27,27 @@ def _fixed_capacity_forward(self: nn.Module, hidden_states: torch.Tensor) -> tor
     n_buf = batch * self.neusight_capacity
     # A fixed gather pattern stands in for the routing decision: buffer slot i holds token i mod B*T.
     idx = torch.arange(n_buf, device=flat.device) % flat.shape[0]  # (B*C,)
+    record_dispatch(self, n_buf * len(self.experts), flat)
     for expert in self.experts.values():
         x = flat.index_select(0, idx)                             # (B*C, h) gather
         y = expert(x) * weights.index_select(0, idx)              # (B*C, h)
         out = out.index_add(0, idx, y)                            # scatter back
     return out.reshape(batch, seq, hidden)
+
+
+def record_dispatch(mod: nn.Module, rows: int, hidden_states: torch.Tensor) -> None:
+    """Remember, for expert parallelism, the bytes one call of an experts layer hands to its experts: ``rows`` token
+    rows of ``hidden_states``' width and dtype. Under expert parallelism an all-to-all sends them to the GPUs that
+    hold the chosen experts and another brings the results back (:func:`neusight.parallel.predict_parallel`); with
+    balanced routing each GPU sends as many rows as its own experts receive. Read back by :func:`dispatch_calls`."""
+    calls = mod.__dict__.setdefault("neusight_dispatch", [])
+    calls.append(float(rows * hidden_states.shape[-1] * hidden_states.element_size()))
+
+
+def dispatch_calls(model: nn.Module) -> dict[str, list[float]]:
+    """Module path -> bytes of every call :func:`record_dispatch` saw so far, in call order."""
+    return {name: list(m.__dict__["neusight_dispatch"]) for name, m in model.named_modules()
+            if m.__dict__.get("neusight_dispatch")}
 
 
 def fix_switch_capacity(model: nn.Module, config: Any) -> str:
@@ -85,6 +101,7 @@ def _balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     pairs, active, share, (gated, transposed, up_w, up_b, down_w, down_b) = _balanced_plan(
         self, hidden_states.shape[0], top_k)
     weights = top_k_weights.reshape(-1)                            # (T*k,)
+    record_dispatch(self, pairs, hidden_states)
     with torch.no_grad():                                          # the eager loop's routing mask
         nn.functional.one_hot(top_k_index, num_classes=int(self.num_experts) + 1).permute(2, 1, 0).sum(dim=(-1, -2))
     out = torch.zeros_like(hidden_states)
@@ -146,6 +163,7 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     pairs, active, share, (gated, transposed, up_w, up_b, down_w, down_b) = _balanced_plan(self, tokens, top_k)
     rows = active * share                                          # >= pairs: the last expert's share is padded
     device = hidden_states.device
+    record_dispatch(self, pairs, hidden_states)
     torch.sort(top_k_index.reshape(-1))                            # the pairs' expert order (values unused here)
     pair = torch.arange(rows, device=device) % pairs               # a fixed stand-in for that order
     x = hidden_states.index_select(0, torch.div(pair, top_k, rounding_mode="floor"))   # (rows, hidden)

@@ -367,6 +367,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
+          expert_parallel: int = 1,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
@@ -403,6 +404,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tensor_parallel : int
         Trace one GPU's share of a Megatron-style tensor-parallel model over this many GPUs
         (:func:`neusight.parallel.shard_tensor_parallel`); 1 = the whole model.
+    expert_parallel : int
+        Trace one GPU's share of a mixture-of-experts model whose experts are spread over this many GPUs
+        (:func:`neusight.parallel.shard_expert_parallel`): each GPU holds 1 / expert_parallel of every experts layer's
+        experts, which receive the token rows of all those GPUs (balanced routing); 1 = every expert.
     lora_rank, lora_targets
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
@@ -452,7 +457,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     20
     """
     torch_dtype = model_dtype(dtype)
-    from neusight.graph.moe import check_moe_kernels, grouped_gemm_runs
+    from neusight.graph.moe import check_moe_kernels, dispatch_calls, grouped_gemm_runs
     from neusight.graph.ssm import check_ssm_kernels, fused_calls, ssm_note
 
     check_moe_kernels(moe_kernels)
@@ -480,9 +485,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     module = built.module
     adapted: list[str] = []
     if lora_rank is not None:
-        if tensor_parallel != 1:
-            raise InputError(f"lora_rank={lora_rank} with tensor parallelism (tp={tensor_parallel}) is not modelled. "
-                             "Fix: tp=1 (data or pipeline parallelism work), or leave lora_rank out")
+        if tensor_parallel != 1 or expert_parallel != 1:
+            what = f"tensor parallelism (tp={tensor_parallel})" if tensor_parallel != 1 else \
+                f"expert parallelism (ep={expert_parallel})"
+            raise InputError(f"lora_rank={lora_rank} with {what} is not modelled. Fix: tp=1 and ep=1 (data or pipeline "
+                             "parallelism work), or leave lora_rank out")
         from neusight.graph.lora import apply_lora
 
         adapted = apply_lora(module, lora_rank, lora_targets)
@@ -492,6 +499,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         from neusight.parallel import shard_tensor_parallel
 
         shard_tensor_parallel(module, tensor_parallel)
+    if expert_parallel != 1:
+        from neusight.parallel import shard_expert_parallel
+
+        shard_expert_parallel(module, expert_parallel)
     training = mode == "training"
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
@@ -511,6 +522,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx, ssm_ctx as fused_names:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
                 out = module(*args, **kwargs)
+                forward_calls = dispatch_calls(module)
                 held = _held_tensors(out)
                 if training:
                     rec.phase = "loss"
@@ -545,6 +557,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                 torch._foreach_zero_(grads)
         state = [TensorMeta.of(t) for st in opt.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+    dispatch = [(name, "forward" if i < len(forward_calls.get(name, ())) else "backward", b)
+                for name, calls in dispatch_calls(module).items() for i, b in enumerate(calls)]
     named = list(module.named_parameters())
     params = [TensorMeta.of(p) for _, p in named]
     grads = [TensorMeta.of(p.grad) for p in module.parameters() if p.grad is not None]
@@ -580,7 +594,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
-                 lora_rank=lora_rank if adapted else None, model_kind=built.kind)
+                 lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch)
 
 
 def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
