@@ -142,6 +142,8 @@ def _link_bytes_per_s(device: Device) -> float:
 _LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3",
                 "Ministral", "Granite", "Cohere", "Olmo", "Helium", "Ernie4_5", "Arcee", "Exaone4", "SeedOss",
                 "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2")
+# multi-head latent attention blocks (DeepSeek-V2 / V3)
+_MLA = ("DeepseekV2", "DeepseekV3")
 # (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features
 _SPLITS = {
     ("GPT2Attention", "c_attn"): "col", ("GPT2Attention", "c_proj"): "row",
@@ -162,12 +164,19 @@ _SPLITS = {
     # with the attention's own head counts divided (_OWN_HEADS)
     ("Phi3Attention", "qkv_proj"): "col", ("Phi3Attention", "o_proj"): "row",
     ("Phi3MLP", "gate_up_proj"): "col", ("Phi3MLP", "down_proj"): "row",
+    # DeepSeek's multi-head latent attention: the shared low-rank down projections (q_a, kv_a with the rotary key)
+    # stay whole on every GPU, the per-head up projections split by heads (column), the output by rows; its
+    # attention reshapes by head dims (-1 heads). Dense MLPs and shared experts split like Llama's
+    **{(f"{m}Attention", p): "col" for m in _MLA for p in ("q_proj", "q_b_proj", "kv_b_proj")},
+    **{(f"{m}Attention", "o_proj"): "row" for m in _MLA},
+    **{(f"{m}MLP", p): "col" for m in _MLA for p in ("gate_proj", "up_proj")},
+    **{(f"{m}MLP", "down_proj"): "row" for m in _MLA},
 }
 # attention blocks that slice a fused projection by head counts read from their config: each gets a copy of the
 # config with the counts divided by tp (and the module attribute of the same name divided)
 _OWN_HEADS = {"Phi3Attention": ("num_attention_heads", "num_key_value_heads")}
 # blocks whose head counts live in their config: (query heads, key/value heads) must divide by tp
-_CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in (*_LLAMA_STYLE, "Phi3")}
+_CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in (*_LLAMA_STYLE, *_MLA, "Phi3")}
 # attributes that hold a width a split divides: GPT-2 splits the fused QKV output by ``split_size``
 _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
            "OPTAttention": ("embed_dim",)}
@@ -178,8 +187,9 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
     """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
 
     Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT and the Llama-style blocks of
-    ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too) and Phi-3's fused
-    projections. Raises
+    ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too), Phi-3's fused
+    projections and DeepSeek-V2 / V3's multi-head latent attention (``_MLA``: the per-head up projections split,
+    the shared low-rank down projections whole). Raises
     ModelError for a model without any of them, InputError when heads or widths do not divide by ``tp``.
     """
     if tp == 1:
@@ -217,8 +227,9 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             _split_experts(parent, tp, cls)
             found += 1
     if not found:
-        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT "
-                         f"and Llama-style blocks ({', '.join(_LLAMA_STYLE)}, Phi3); {type(module).__name__} has "
+        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT, "
+                         f"Llama-style blocks ({', '.join(_LLAMA_STYLE)}, Phi3) and DeepSeek's latent attention "
+                         f"({', '.join(_MLA)}); {type(module).__name__} has "
                          "none. Fix: use tp=1 (dp and pp work for any model)")
     _split_vocab(module, tp)
     return module

@@ -95,6 +95,35 @@ def test_mixtral_splits_attention_and_every_expert_like_a_megatron_mlp(tmp_path)
     assert p.parts["tp_comm"] > 0 and p.latency_ms > 0
 
 
+_TINY_DEEPSEEK = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                      q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                      n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, vocab_size=512)
+
+
+def test_latent_attention_splits_its_heads_and_keeps_its_shared_down_projections():
+    """DeepSeek's multi-head latent attention at tp=2: the per-head up projections (q_b, kv_b) and the output
+    projection halve, the shared low-rank down projections (q_a, kv_a) stay whole on every GPU, so does the
+    attention's compressed KV cache, whose keys (the 16-wide latent) and values (the 8-wide rotary key) differ in
+    width; the dense MLP, shared and routed experts halve too."""
+    def gemm(g, pattern):
+        k = g.kernels
+        k = k[(k["phase"] == "forward") & k["family"].isin(["linear", "bmm"])]
+        return float(k.loc[k["module"].str.contains(pattern), "flops"].sum())
+
+    for kv_cache, seq in ((None, 32), (15, 1)):
+        whole, half = (neusight.trace(_TINY_DEEPSEEK, batch_size=2, seq_len=seq, mode="inference",
+                                      kv_cache=kv_cache, tensor_parallel=tp) for tp in (1, 2))
+        for part in (r"q_b_proj$", r"kv_b_proj$", r"o_proj$", r"self_attn$", r"mlp\.(?:gate|up|down)_proj$",
+                     r"shared_experts", r"experts$"):
+            assert gemm(whole, part) > 0, part
+            assert gemm(half, part) == pytest.approx(gemm(whole, part) / 2, rel=1e-12), part
+        for part in (r"q_a_proj$", r"kv_a_proj_with_mqa$"):
+            assert gemm(half, part) == gemm(whole, part) > 0, part
+    with pytest.raises(InputError, match="does not divide the 4 num_attention_heads of DeepseekV3Attention"):
+        neusight.trace(_TINY_DEEPSEEK, batch_size=1, seq_len=8, mode="inference", tensor_parallel=8)
+
+
 def _expert_gemms(g):
     k = g.kernels
     return k[k["module"].str.contains(r"\.experts\b") & k["family"].isin(["linear", "bmm"])]

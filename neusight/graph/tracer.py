@@ -672,7 +672,9 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     from transformers import DynamicCache
 
     hybrid = _hybrid_cache(module)
-    # one token through the model into an empty cache: each layer's (1, kv heads, 1, head_dim) keys and their dtype
+    # one token through the model into an empty cache: each layer's (1, kv heads, 1, head_dim) keys and values and
+    # their dtypes (values may differ from keys: DeepSeek's latent attention caches its 512-wide compressed keys and
+    # values as "keys" and the 64-wide rotary key as "values")
     probe = hybrid() if hybrid is not None else DynamicCache()
     with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
@@ -680,9 +682,9 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
         return {"cache": _grown_hybrid_cache(probe, batch, length), "use_cache": True}
     cache = DynamicCache()
     for i, layer in enumerate(probe.layers):
-        _, kv_heads, _, head_dim = layer.keys.shape
-        kv = torch.zeros(batch, kv_heads, length, head_dim, dtype=layer.keys.dtype, device="meta")
-        cache.update(kv, kv.clone(), i)
+        keys, values = (torch.zeros(batch, t.shape[1], length, t.shape[3], dtype=t.dtype, device="meta")
+                        for t in (layer.keys, layer.values))
+        cache.update(keys, values, i)
     return {"cache": cache, "use_cache": True}
 
 
