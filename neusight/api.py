@@ -387,6 +387,11 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
+    if k["family"].isin(GEMM_FAMILIES).any() and \
+            k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str).str.startswith("float8").any():
+        from neusight.graph.fp8 import check_fp8_device
+
+        check_fp8_device(device)
     math_dtype = tf32_dtypes(k, device, tf32)
     # convolutions off the tensor cores for their channels (FP16 / BF16, and FP32 ones TF32 would take): the latter
     # stay FP32; Predictor.predict puts the former at the FP32 rates

@@ -70,6 +70,7 @@ class Device:
     source: str  # the public documents the numbers come from
     tf32_tensor_tflops: float | None = None  # None before Ampere / CDNA3
     bf16_tensor_tflops: float | None = None  # None where BF16 math is not supported
+    fp8_tensor_tflops: float | None = None  # dense FP8 tensor peak, FP32 accumulate; None before Ada / Hopper / CDNA3
     infinity_cache_mib: float | None = None  # AMD memory-side cache
 
     @property
@@ -103,14 +104,21 @@ class Device:
         return self.peak_fp32_flops / self.mem_bandwidth_bytes_per_s
 
     def peak_flops(self, dtype: Any, tensor_cores: bool = True) -> float:
-        """Peak FLOP/s for `dtype` ("float32", "tf32", "float16", "bfloat16", short names or a torch.dtype).
+        """Peak FLOP/s for `dtype` ("float32", "tf32", "float16", "bfloat16", "float8", short names or a torch.dtype).
 
         float32: matrix-unit peak if `tensor_cores` (= vector peak on NVIDIA); tf32: float32 where unsupported
-        or without tensor cores; float16/bfloat16: tensor peak, else packed-vector min(2 x FP32, tensor peak).
+        or without tensor cores; float16/bfloat16: tensor peak, else packed-vector min(2 x FP32, tensor peak);
+        float8 (e4m3 / e5m2): the FP8 tensor peak, a DeviceError on a GPU without FP8 tensor cores.
         """
         kind = _DTYPES.get(str(dtype).lower().removeprefix("torch."))
         if kind is None:
             raise DeviceError(f"peak_flops: unknown dtype {dtype!r}. Fix: pass one of {sorted(_DTYPES)}.")
+        if kind == "float8":
+            if self.fp8_tensor_tflops is None:
+                raise DeviceError(f"{self.key} ({self.name}) has no FP8 tensor cores (fp8_tensor_tflops is not "
+                                  "given): FP8 matrix multiplies run on Ada, Hopper, Blackwell and CDNA3 GPUs. Fix: "
+                                  "choose such a GPU, or leave FP8 out")
+            return self.fp8_tensor_tflops * 1e12
         if kind == "tf32" and tensor_cores and self.tf32_tensor_tflops is not None:
             return self.tf32_tensor_tflops * 1e12
         tensor = {"float16": self.fp16_tensor_tflops, "bfloat16": self.bf16_tensor_tflops}.get(kind)
@@ -126,7 +134,8 @@ class Device:
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "tf32": "tf32",
            "tensorfloat32": "tf32", "float16": "float16", "fp16": "float16", "half": "float16",
-           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "float8": "float8", "fp8": "float8",
+           "float8_e4m3fn": "float8", "float8_e5m2": "float8"}
 
 # Accepted unit spellings per key-name suffix -> factor into the key's unit. NB: memory sizes are binary as
 # marketed ("80 GB" of HBM is 80 GiB, a "50 MB" L2 is 50 MiB), so GB and GiB mean the same here.
@@ -388,7 +397,7 @@ def device_rows() -> list[dict[str, Any]]:
 
 # What-if edits (modify_device): the peaks that follow the SM count and the clock when only those are changed.
 _SCALED_PEAKS = ("fp32_tflops", "fp32_matrix_tflops", "tf32_tensor_tflops", "fp16_tensor_tflops",
-                 "bf16_tensor_tflops")
+                 "bf16_tensor_tflops", "fp8_tensor_tflops")
 _FIXED = ("key", "name", "aliases", "source", "vendor")
 
 

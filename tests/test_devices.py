@@ -174,6 +174,12 @@ def test_peaks_are_ordered_sensibly(key: str):
         assert tensor is None or tensor >= d.fp32_tflops
     assert d.interconnect_gbps >= d.pcie_gbps
     assert d.architecture in ("maxwell", "pascal", "volta", "turing") or d.bf16_tensor_tflops is not None
+    # FP8 tensor cores from Ada, Hopper and CDNA3 on, at twice the FP16 rate (the RTX 6000 Ada's FP16 figure is
+    # its L40 twin's, at half rate, see its spec file)
+    assert (d.fp8_tensor_tflops is not None) == (d.architecture in ("ada", "hopper", "blackwell", "cdna3"))
+    if d.fp8_tensor_tflops is not None:
+        ratio = d.fp8_tensor_tflops / d.fp16_tensor_tflops
+        assert ratio == pytest.approx(4 if key == "rtx-6000-ada" else 2, rel=0.02)   # L40S: 733 / 362.05
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -230,6 +236,9 @@ def test_peak_flops_by_dtype():
     assert mi.peak_flops("float32", tensor_cores=False) == pytest.approx(23.1e12)
     with pytest.raises(DeviceError, match="int8"):
         h.peak_flops("int8")
+    assert h.peak_flops("float8_e4m3fn") == h.peak_flops("torch.float8_e5m2") == pytest.approx(1978.9e12)
+    with pytest.raises(DeviceError, match=r"v100-sxm2-16gb .* has no FP8 tensor cores"):
+        v.peak_flops("fp8")
 
 
 def test_device_is_frozen_and_round_trips_through_dict():
@@ -451,6 +460,7 @@ def test_modify_device_rescales_the_peaks_with_sms_and_clock_unless_given():
     half = modify_device(base, sm_count=base.sm_count // 2)
     for peak in ("fp32_tflops", "fp32_matrix_tflops", "tf32_tensor_tflops", "fp16_tensor_tflops", "bf16_tensor_tflops"):
         assert getattr(half, peak) == pytest.approx(getattr(base, peak) / 2)
+    assert modify_device("l4", sm_count=29).fp8_tensor_tflops == pytest.approx(242.5 / 2)   # L4: 58 SMs
     pinned = modify_device(base, boost_clock_mhz=2 * base.boost_clock_mhz, fp16_tensor_tflops=400)
     assert pinned.fp16_tensor_tflops == 400 and pinned.fp32_tflops == pytest.approx(2 * base.fp32_tflops)
     lanes = modify_device(base, fp32_cores_per_sm=128)        # twice the FP32 lanes: FP32 peaks only

@@ -30,6 +30,7 @@ class TraceConfig:
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
+    fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling)
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen

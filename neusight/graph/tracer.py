@@ -367,7 +367,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
-          expert_parallel: int = 1,
+          expert_parallel: int = 1, fp8: bool = False,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
@@ -412,6 +412,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
         architecture, e.g. the attention's query and value projections).
+    fp8 : bool
+        FP8 linear layers (:mod:`neusight.graph.fp8`): every ``nn.Linear`` but the LM head (and those whose features
+        are not multiples of 16) as FP8 GEMMs with dynamic per-tensor scaling, as torchao runs them: in training its
+        Float8Linear (weights, gradients and optimizer in the model's precision, FP8 casts in every pass), in
+        inference FP8 weights (one byte each) with each input cast per call. Needs a GPU with FP8 tensor cores.
     moe_kernels : {"auto", "loop", "grouped", "per-expert"}
         Routed mixture-of-experts layers (Mixtral, Qwen-MoE, ...; :mod:`neusight.graph.moe`, balanced routing):
         "loop" runs one GEMM pair per expert on its gathered tokens (transformers' eager experts), "grouped" one
@@ -503,6 +508,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         from neusight.parallel import shard_expert_parallel
 
         shard_expert_parallel(module, expert_parallel)
+    fp8_note = _fp8_layers(module, fp8, mode, amp_t, lora_rank, device)
     training = mode == "training"
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
@@ -571,6 +577,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     notes = tuple(built.notes)
     ssm = ssm_note(ssm_kernels, fused_names, [r.call.op for r in rec.ops])
     notes += (ssm,) if ssm else ()
+    notes += (fp8_note,) if fp8_note else ()
     if kv_cache:
         notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
     if amp_name:
@@ -595,6 +602,24 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
                  lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch)
+
+
+def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype | None, lora_rank: int | None,
+                device: Any) -> str | None:
+    """``fp8=True``: the model's linear layers as FP8 GEMMs (:func:`neusight.graph.fp8.apply_fp8`); its note."""
+    if fp8 is False or fp8 is None:
+        return None
+    if not isinstance(fp8, bool):
+        raise InputError(f"fp8={fp8!r} is not true or false. Fix: fp8=true (FP8 linear layers) or leave it out")
+    if amp is not None:
+        raise InputError("fp8=True with amp= is not modelled (FP8 layers keep their inputs' precision). Fix: a "
+                         "bfloat16 model (dtype='bfloat16') with fp8=True, or leave one of them out")
+    if lora_rank is not None:
+        raise InputError(f"fp8=True with lora_rank={lora_rank} is not modelled. Fix: leave one of them out")
+    from neusight.graph.fp8 import apply_fp8, check_fp8_device
+
+    check_fp8_device(device)
+    return apply_fp8(module, mode == "training")
 
 
 def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,

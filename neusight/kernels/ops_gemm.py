@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -44,6 +45,20 @@ def _addmm(c: OpCall) -> list[Kernel]:
     full_c = bias.numel == a.shape[0] * b.shape[1]
     return [formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True,
                           bias=not full_c, beta_c=full_c, name=f"addmm_{gemm_layout(a, b)}")]
+
+
+@register(aten._scaled_mm)
+def _scaled_mm(c: OpCall) -> list[Kernel]:
+    """FP8 (M x N) @ (N x K) with per-tensor or per-row scales (``torch._scaled_mm``, FP32 accumulate): the
+    operands are read in their FP8 bytes, the output written in ``out_dtype`` (an optional bias added in the
+    epilogue). The kernel's dtype is the operands' FP8 type, so it runs at the FP8 tensor peak."""
+    a, b, out = c.args[0], c.args[1], c.outputs[0]
+    bias = c.args[4] if len(c.args) > 4 else c.kwargs.get("bias")
+    k = formulas.gemm(1, a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, shared_b=True,
+                      bias=isinstance(bias, TensorMeta), name=f"scaled_mm_{gemm_layout(a, b)}")
+    nbytes = (a.numel * a.itemsize + b.numel * b.itemsize + out.numel * out.itemsize
+              + (bias.numel * bias.itemsize if isinstance(bias, TensorMeta) else 0))
+    return [dataclasses.replace(k, bytes=float(nbytes))]
 
 
 @register(aten.bmm)
