@@ -6,8 +6,8 @@
 Each run is traced once and predicted on every GPU with the shipped predictors (``neusight.predict_graph``; AMD GPUs
 by data/predictor-amd), memory included: a step that does not fit is marked. These are forecasts: the accuracy
 the method reaches where it could be measured is in docs/evaluation.md (FP32 training and inference of the
-NeuSight label models, CNN rows in FP32 / TF32 / AMP) and docs/unseen.md; mixed-precision transformers and
-generation have no measurement to check against.
+NeuSight label models, CNN rows in FP32 / TF32 / AMP) and docs/unseen.md; mixed-precision, FP8 and quantized
+transformers and generation have no measurement to check against.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ RUNS = [
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="float16")),
     ("Mixtral 8x7B (2 of 8 experts per token) decode step, batch 8, context 2048, bf16", "mixtral-8x7b",
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16")),
+    ("Llama-3-8B inference, batch 4, seq 1024, bf16 with FP8 linear layers, under torch.compile", "llama-3-8b",
+     dict(batch_size=4, seq_len=1024, mode="inference", dtype="bfloat16", fp8=True, fused=True)),
+    ("Llama-3-8B decode step with int4 weights (AWQ / GPTQ-style), batch 1, context 1024, bf16", "llama-3-8b",
+     dict(batch_size=1, seq_len=1, mode="inference", kv_cache=1023, dtype="bfloat16", weight_quant="int4")),
     ("ViT-Base/16 training, batch 128, 224 x 224, FP32 (TF32 patch convolution where the GPU has it), AdamW",
      "vit-base", dict(batch_size=128, mode="training")),
     # on several GPUs (neusight.predict_parallel): memory is one GPU's
@@ -72,10 +76,15 @@ def forecast() -> pd.DataFrame:
                 rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": p.memory_peak_bytes / 2**30,
                              "fits": bool(p.memory_fits)})
             continue
+        kw = dict(kw)
+        fused = kw.pop("fused", False)
         g = trace(model, **kw)
         for key in GPUS:
             dev = load_device(key)
-            p = predict_graph(g, dev)
+            if kw.get("fp8") and dev.fp8_tensor_tflops is None:
+                rows.append({"run": label, "gpu": key, "ms": float("nan"), "GiB": float("nan"), "fits": True})
+                continue
+            p = predict_graph(g, dev, fused=fused)
             mem = estimate_memory(g, dev)
             rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": mem.peak_bytes / 2**30,
                          "fits": bool(mem.fits)})
@@ -88,15 +97,17 @@ def render(df: pd.DataFrame, seconds: float) -> str:
              f"{seconds:.0f} s; regenerate it, do not edit it. Forecasts from spec sheets with the shipped predictors "
              "(data/predictor, trained on P4, P100, T4, V100 and A100-PCIE-40GB kernels; AMD: data/predictor-amd). "
              "How accurate such forecasts were where they could be measured: docs/evaluation.md and docs/unseen.md; "
-             "mixed-precision transformers and generation were never measured. Each cell: step time in ms and, in "
-             "brackets, the speed-up over the first GPU; `(does not fit)` when the memory forecast exceeds the GPU's "
-             "memory. V100 has no BF16 tensor cores: its bf16 runs are forecast at its FP32 rate.", ""]
+             "mixed-precision, FP8 and quantized transformers and generation were never measured. Each cell: step "
+             "time in ms and, in brackets, the speed-up over the first GPU that can run it; `(does not fit)` when the "
+             "memory forecast exceeds the GPU's memory. V100 has no BF16 tensor cores: its bf16 runs are forecast at its FP32 rate.", ""]
     for run, d in df.groupby("run", sort=False):
-        base = float(d["ms"].iloc[0])
-        cells = [f"{r.ms:,.1f} ({base / r.ms:.2f}x)" + ("" if r.fits else " (does not fit)") for r in d.itertuples()]
+        first = d.dropna(subset=["ms"]).iloc[0]    # the first GPU that can run it (FP8 needs FP8 tensor cores)
+        base = float(first["ms"])
+        cells = ["n/a (no FP8 tensor cores)" if pd.isna(r.ms) else
+                 f"{r.ms:,.1f} ({base / r.ms:.2f}x)" + ("" if r.fits else " (does not fit)") for r in d.itertuples()]
         t = pd.DataFrame([cells], columns=list(d["gpu"]))
         per = " per GPU" if "GPUs" in str(run) else ""
-        mem = f"memory forecast on {d['gpu'].iloc[0]}{per}: {d['GiB'].iloc[0]:,.1f} GiB"
+        mem = f"memory forecast on {first['gpu']}{per}: {first['GiB']:,.1f} GiB"
         lines += [f"## {run}", "", f"{mem}.", "", markdown_table(t, index=False), ""]
     return "\n".join(lines)
 

@@ -367,7 +367,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
-          expert_parallel: int = 1, fp8: bool = False,
+          expert_parallel: int = 1, fp8: bool = False, weight_quant: str | None = None,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
@@ -417,6 +417,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         are not multiples of 16) as FP8 GEMMs with dynamic per-tensor scaling, as torchao runs them: in training its
         Float8Linear (weights, gradients and optimizer in the model's precision, FP8 casts in every pass), in
         inference FP8 weights (one byte each) with each input cast per call. Needs a GPU with FP8 tensor cores.
+    weight_quant : {None, "int8", "int4"}
+        Weight-only quantized inference (:mod:`neusight.graph.quant`): every ``nn.Linear`` weight but the LM head's
+        stored in 8 or 4 bits (int4: groups of 128 inputs), each projection one GEMM that dequantizes as it loads
+        (Marlin / AWQ / GPTQ-style), computing in the model's dtype.
     moe_kernels : {"auto", "loop", "grouped", "per-expert"}
         Routed mixture-of-experts layers (Mixtral, Qwen-MoE, ...; :mod:`neusight.graph.moe`, balanced routing):
         "loop" runs one GEMM pair per expert on its gathered tokens (transformers' eager experts), "grouped" one
@@ -508,7 +512,15 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         from neusight.parallel import shard_expert_parallel
 
         shard_expert_parallel(module, expert_parallel)
-    fp8_note = _fp8_layers(module, fp8, mode, amp_t, lora_rank, device)
+    layers_note = _fp8_layers(module, fp8, mode, amp_t, lora_rank, device)
+    if weight_quant is not None:
+        from neusight.graph.quant import check_weight_quant
+
+        check_weight_quant(weight_quant, mode)
+        if layers_note or amp_t is not None or lora_rank is not None:
+            other = "fp8=True" if layers_note else f"amp={amp!r}" if amp_t is not None else f"lora_rank={lora_rank}"
+            raise InputError(f"weight_quant={weight_quant!r} with {other} is not modelled. Fix: leave one of them out "
+                             "(a quantized model computes in its dtype, e.g. dtype='bfloat16')")
     training = mode == "training"
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
@@ -516,6 +528,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t))
     tracker = ModuleTracker()
     rec = _Recorder(tracker, type(module).__name__)
+    if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
+        from neusight.graph.quant import apply_weight_quant
+
+        layers_note = apply_weight_quant(module, weight_quant, rec.fused_region)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
     # float16 training runs under torch.cuda.amp.GradScaler (bfloat16 has FP32's range and needs none)
     scaler = ({"scale": torch.full((), 65536.0, device="meta"), "found_inf": torch.zeros((), device="meta"),
@@ -577,7 +593,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     notes = tuple(built.notes)
     ssm = ssm_note(ssm_kernels, fused_names, [r.call.op for r in rec.ops])
     notes += (ssm,) if ssm else ()
-    notes += (fp8_note,) if fp8_note else ()
+    notes += (layers_note,) if layers_note else ()
     if kv_cache:
         notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
     if amp_name:

@@ -14,7 +14,7 @@ import pandas as pd
 
 from neusight.devices import Device
 from neusight.graph.fusion import FUSED_KERNEL
-from neusight.kernels.base import TC_CHANNEL_ALIGN, Family
+from neusight.kernels.base import EXACT_BYTES_GEMMS, TC_CHANNEL_ALIGN, Family
 from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
 from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of
@@ -230,7 +230,11 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     nbytes = np.maximum(d["bytes"].to_numpy(float), 1.0)
     algo = d["algo_flops"].to_numpy(float) if "algo_flops" in d else flops
     speedup = np.where(np.isfinite(algo) & (algo > 0), flops / np.where(algo > 0, algo, 1.0), 1.0)
-    t = gemm_tiles(b, m, n, k, table.gemm_candidates(fam, device), sizes_of(d["dtype"]), rates, speedup)
+    size = sizes_of(d["dtype"])
+    if "kernel" in d:   # operands stored narrower than the math: the kernel's own bytes per element moved
+        exact = d["kernel"].astype(str).str.startswith(EXACT_BYTES_GEMMS).to_numpy()
+        size = np.where(exact, nbytes / (b * (m * n + n * k + m * k)), size)
+    t = gemm_tiles(b, m, n, k, table.gemm_candidates(fam, device), size, rates, speedup)
     t.index = d.index
     t["elems_per_block"], t["threads_per_block"] = np.nan, np.nan
     t["log2_roofline"] = np.log2(t["roofline_ms"].to_numpy())

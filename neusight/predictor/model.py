@@ -19,6 +19,7 @@ import torch
 
 from neusight.devices import Device, load_device
 from neusight.errors import CheckpointError
+from neusight.kernels.base import EXACT_BYTES_GEMMS
 from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, CONV_BACKWARD_CLASSES,
                                          DEVICE_DESCRIPTORS, GRADIENT_KERNEL, LAYOUTS, MODEL_FAMILIES,
                                          backward_kernels, conv_backward_class, decompose, feature_names,
@@ -165,7 +166,8 @@ class Predictor:
         named = ["conv", "linear"] if self.layout_models_ else ["conv"]
         # a gradient softmax / layer norm is bounded without the forward's L2 re-reads (tiles.l2_reread_bytes)
         grad = backward_kernels(df) & work["family"].isin(list(ROW_REREADS)).to_numpy()
-        work["kernel"] = work["kernel"].where(work["family"].isin(named), "")
+        narrow = work["kernel"].astype(str).str.startswith(EXACT_BYTES_GEMMS)   # their bytes are their own
+        work["kernel"] = work["kernel"].where(work["family"].isin(named) | narrow, "")
         work.loc[grad, "kernel"] = GRADIENT_KERNEL
         for c in ("B", "M", "N", "K", "rows", "cols"):
             work[c] = pd.to_numeric(work[c], errors="coerce").fillna(-1.0)

@@ -1,0 +1,102 @@
+"""Weight-only quantized inference (``weight_quant="int8"`` / ``"int4"``): the model's ``nn.Linear`` weights stored
+in 8 or 4 bits, each projection one GEMM kernel that dequantizes its weight tiles as it loads them.
+
+That is how serving stacks run such checkpoints: Marlin, AWQ and GPTQ kernels (vLLM), TensorRT-LLM's weight-only
+GEMMs, torchao's int4 ``tinygemm`` (``_weight_int4pack_mm``) and its int8 weight-only linear under
+``torch.compile``. The GEMM computes in the activations' precision (BF16 / FP16 tensor cores) and reads the weight
+in its stored bytes: one per weight (int8, one scale per output channel) or a half (int4, a scale and a zero point
+per group of 128 input features), which is what makes small-batch decoding faster. Layers left in their
+precision: the output embedding (LM head), as AWQ / GPTQ checkpoints keep it, and for int4 every layer whose input
+features are not a multiple of the group size. Inference only; no measurement of these kernels was available, so
+their forecasts are unvalidated.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from neusight.errors import InputError
+from neusight.graph.records import TensorMeta
+from neusight.kernels.base import Family, Kernel
+
+WEIGHT_QUANT = ("int8", "int4")
+INT4_GROUP = 128            # input features per scale / zero-point pair (AWQ, GPTQ, torchao int4 defaults)
+QUANT_NOTE = ("weight-only {bits} quantization: {n} nn.Linear weights stored in {bits} ({per}), each projection one "
+              "GEMM that dequantizes its weights as it loads them, computing in {dtype} (Marlin / AWQ / GPTQ / "
+              "TensorRT-LLM-style kernels){skipped}; unvalidated: no measurement of such kernels was available")
+
+
+def check_weight_quant(value: Any, mode: str) -> None:
+    """Refuse an unknown ``weight_quant`` or one in training, naming the choices."""
+    if value not in WEIGHT_QUANT:
+        raise InputError(f"weight_quant={value!r} is not known. Fix: 'int8' or 'int4' (weight-only quantization), or "
+                         "leave it out")
+    if mode != "inference":
+        raise InputError(f"weight_quant={value!r} forecasts serving a quantized checkpoint, an inference run; "
+                         f"mode={mode!r}. Fix: mode='inference', or leave weight_quant out")
+
+
+def _weight_bytes(out_f: int, in_f: int, bits: str, act_size: int) -> float:
+    """Bytes of a quantized weight with its scales (and int4 zero points) in the activations' precision."""
+    if bits == "int8":
+        return out_f * in_f + out_f * act_size
+    return out_f * in_f / 2 + 2 * out_f * (in_f // INT4_GROUP) * act_size
+
+
+def _quantized_forward(region: Callable, bits: str) -> Callable:
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        m, in_f, out_f = math.prod(x.shape[:-1]), self.in_features, self.out_features
+        size = x.element_size()
+        nbytes = m * in_f * size + _weight_bytes(out_f, in_f, bits, size) + m * out_f * size
+
+        def make(name: str, inner: list[Kernel], ins: list[TensorMeta], outs: list[TensorMeta]) -> Kernel:
+            return Kernel(Family.LINEAR, name, (1, m, in_f, out_f), 2.0 * m * in_f * out_f, float(nbytes),
+                          str(x.dtype).removeprefix("torch."))
+
+        with region(f"{bits}_weight_gemm", (x, self.weight), {"make": make}) as outputs:
+            y = x.new_empty(*x.shape[:-1], out_f)        # the stand-in product; its kernel is ``make``'s
+            outputs.append(y)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+    return forward
+
+
+def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
+    """Store every eligible ``nn.Linear`` weight of ``module`` (on the meta device) in ``bits`` and run its projection
+    as one dequantizing GEMM, recorded through the tracer's ``region`` (module docstring), in place. Returns the note;
+    InputError when no layer is eligible."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    converted, misaligned, dtype = 0, 0, None
+    for mod in module.modules():
+        if type(mod) is not nn.Linear or mod is head:
+            continue
+        if bits == "int4" and mod.in_features % INT4_GROUP:
+            misaligned += 1
+            continue
+        out_f, in_f = mod.weight.shape
+        dtype = mod.weight.dtype
+        shape, stored = ((out_f, in_f), torch.int8) if bits == "int8" else ((out_f, in_f // 2), torch.uint8)
+        mod.weight = nn.Parameter(torch.empty(shape, dtype=stored, device="meta"), requires_grad=False)
+        scales = (out_f,) if bits == "int8" else (in_f // INT4_GROUP, out_f, 2)
+        mod.register_buffer("neusight_scales", torch.empty(scales, dtype=dtype, device="meta"))
+        mod.forward = types.MethodType(_quantized_forward(region, bits), mod)
+        converted += 1
+    if not converted:
+        raise InputError(f"weight_quant={bits!r} quantizes nn.Linear weights; {type(module).__name__} has none that "
+                         f"qualify ({misaligned} with input features that are not multiples of {INT4_GROUP}; the LM "
+                         "head and other layer types, such as GPT-2's Conv1D, stay as they are). Fix: a model built of "
+                         "nn.Linear layers (Llama, Mistral, OPT, ...), or leave weight_quant out")
+    skipped = []
+    if isinstance(head, nn.Linear):
+        skipped.append("the LM head")
+    if misaligned:
+        skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} whose input features are not a multiple "
+                       f"of {INT4_GROUP}")
+    per = "a scale per output channel" if bits == "int8" else f"a scale and a zero point per {INT4_GROUP} inputs"
+    return QUANT_NOTE.format(bits=bits, n=converted, per=per, dtype=str(dtype).removeprefix("torch."),
+                             skipped=f"; kept in the model's precision: {', '.join(skipped)}" if skipped else "")

@@ -1,0 +1,69 @@
+"""Weight-only quantized inference (weight_quant="int8" / "int4"): one dequantizing GEMM per projection, its bytes,
+the stored weights, the bound of a decode step, and the refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import neusight
+from neusight.errors import InputError
+
+# 2 layers of 7 projections each (q / o 128 -> 128, k / v 128 -> 64, gate / up 128 -> 256, down 256 -> 128)
+_TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+_PROJECTION_WEIGHTS = 2 * (128 * 128 * 2 + 128 * 64 * 2 + 128 * 256 * 3)
+
+
+def _gemms(g):
+    k = g.kernels
+    return k[k["family"] == "linear"]
+
+
+@pytest.mark.parametrize("bits, weight_bytes", [("int8", 1.0), ("int4", 0.5)])
+def test_each_projection_is_one_gemm_reading_its_weight_in_its_stored_bytes(bits, weight_bytes):
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16")
+    plain = neusight.trace(_TINY_LLAMA, **kw)
+    quant = neusight.trace(_TINY_LLAMA, weight_quant=bits, **kw)
+    q = _gemms(quant)
+    mine = q[q["kernel"] == f"{bits}_weight_gemm"]
+    assert len(mine) == 14 and set(mine["dtype"]) == {"bfloat16"}        # the math in the model's precision
+    assert q["flops"].sum() == _gemms(plain)["flops"].sum()               # the same work, the LM head unquantized
+    assert len(q) - len(mine) == 1
+    # q_proj, 64 tokens: BF16 input and output, the weight in its bytes, its scales (int8: one per output channel;
+    # int4: a scale and a zero point per 128 inputs) in BF16
+    scales = 128 * 2 if bits == "int8" else 2 * 128 * 1 * 2
+    row = mine[mine["dims"] == (1, 64, 128, 128)].iloc[0]
+    assert row["bytes"] == 64 * 128 * 2 + 128 * 128 * weight_bytes + scales + 64 * 128 * 2
+    stored = [p for p in quant.params if p.dtype in ("int8", "uint8")]
+    assert sum(p.numel * p.itemsize for p in stored) == _PROJECTION_WEIGHTS * weight_bytes
+    assert any(f"weight-only {bits} quantization: 14 nn.Linear" in n for n in quant.notes)
+
+
+def test_a_decode_step_reads_fewer_weight_bytes_and_is_bounded_lower():
+    kw = dict(batch_size=1, seq_len=1, mode="inference", dtype="bfloat16", kv_cache=63, memory=False)
+    roof = {bits: neusight.predict(_TINY_LLAMA, "h100-sxm5-80gb", weight_quant=bits, **kw).kernels
+            for bits in (None, "int8", "int4")}
+    proj = {b: k.loc[(k["family"] == "linear") & (k["dims"].map(lambda d: d[1]) == 1), "roofline_ms"].sum()
+            for b, k in roof.items()}
+    assert proj["int4"] < proj["int8"] < proj[None]
+
+
+def test_layers_whose_inputs_do_not_fill_int4_groups_stay_in_their_precision():
+    odd = dict(_TINY_LLAMA, intermediate_size=192)     # down: 192 inputs, not a multiple of 128
+    g = neusight.trace(odd, batch_size=1, seq_len=16, mode="inference", dtype="bfloat16", weight_quant="int4")
+    assert (_gemms(g)["kernel"] == "int4_weight_gemm").sum() == 12
+    assert any("2 layers whose input features are not a multiple of 128" in n for n in g.notes)
+
+
+@pytest.mark.parametrize("model, kw, fragment", [
+    (_TINY_LLAMA, dict(weight_quant="int3"), "weight_quant='int3' is not known"),
+    (_TINY_LLAMA, dict(mode="training"), "mode='training'"),
+    (_TINY_LLAMA, dict(fp8=True, device="h100-sxm5-80gb"), "with fp8=True is not modelled"),
+    ("gpt2", dict(), "GPT2LMHeadModel has none that qualify"),
+])
+def test_bad_weight_quant_runs_say_what_to_change(model, kw, fragment):
+    kw = {"batch_size": 1, "seq_len": 16, "mode": "inference", "dtype": "bfloat16", "weight_quant": "int4", **kw}
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.trace(model, **kw)
