@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from neusight.errors import InputError
+from neusight.graph.moe import is_routed_experts
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_MULTIPLE = 16     # torch._scaled_mm: both GEMM dims of the weight must be multiples of 16
@@ -115,6 +116,8 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     skipped = []
     if head is not None and isinstance(head, nn.Linear):
         skipped.append("the LM head")
+    if any(is_routed_experts(m) for m in module.modules()):
+        skipped.append("the routed experts (stacked 3-D weights, not nn.Linear layers)")
     if misaligned:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} with features not a multiple of "
                        f"{SCALED_MM_MULTIPLE}")

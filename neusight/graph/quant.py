@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from neusight.errors import InputError
+from neusight.graph.moe import is_routed_experts
 from neusight.graph.records import TensorMeta
 from neusight.kernels.base import Family, Kernel
 
@@ -94,6 +95,8 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     skipped = []
     if isinstance(head, nn.Linear):
         skipped.append("the LM head")
+    if any(is_routed_experts(m) for m in module.modules()):
+        skipped.append("the routed experts (stacked 3-D weights, not nn.Linear layers)")
     if misaligned:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} whose input features are not a multiple "
                        f"of {INT4_GROUP}")
