@@ -29,7 +29,9 @@ communication between GPUs over the device's interconnect:
 
 Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
 in each direction, an all-to-all (n - 1) / n x b, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one direction of the device's
-``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step.
+``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step. Beyond one node
+(``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs at the slower network link of each GPU
+(``internode_gbps``, :class:`Links`).
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -53,7 +55,7 @@ from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
-__all__ = ["Parallelism", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "shard_expert_parallel",
+__all__ = ["Parallelism", "Links", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "shard_expert_parallel",
            "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
@@ -102,34 +104,73 @@ class Parallelism:
         return cls(dp=int(m["dp"] or 1), tp=int(m["tp"] or 1))
 
 
-def allreduce_ms(nbytes: float, n: int, device: Device) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps."""
+def allreduce_ms(nbytes: float, n: int, device: Device, gbps: float | None = None) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps; over links
+    of ``gbps`` (bidirectional GB/s per GPU; None: the device's ``interconnect_gbps``)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (2 * (n - 1) / n * nbytes / _link_bytes_per_s(device) + 2 * (n - 1) * HOP_LATENCY_S) * 1e3
+    return (2 * (n - 1) / n * nbytes / _link_bytes_per_s(device, gbps) + 2 * (n - 1) * HOP_LATENCY_S) * 1e3
 
 
-def allgather_ms(nbytes: float, n: int, device: Device) -> float:
+def allgather_ms(nbytes: float, n: int, device: Device, gbps: float | None = None) -> float:
     """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` GPUs: (n - 1) / n x bytes, n - 1 steps
     (half an all-reduce, which is a reduce-scatter followed by an all-gather)."""
-    return allreduce_ms(nbytes, n, device) / 2
+    return allreduce_ms(nbytes, n, device, gbps) / 2
 
 
-def alltoall_ms(nbytes: float, n: int, device: Device) -> float:
+def alltoall_ms(nbytes: float, n: int, device: Device, gbps: float | None = None) -> float:
     """All-to-all over ``n`` GPUs, each sending ``nbytes`` in all: (n - 1) / n of them leave the GPU (to the n - 1
     others, at once), n - 1 exchanges' latency."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return ((n - 1) / n * nbytes / _link_bytes_per_s(device) + (n - 1) * HOP_LATENCY_S) * 1e3
+    return ((n - 1) / n * nbytes / _link_bytes_per_s(device, gbps) + (n - 1) * HOP_LATENCY_S) * 1e3
 
 
-def p2p_ms(nbytes: float, device: Device) -> float:
+def p2p_ms(nbytes: float, device: Device, gbps: float | None = None) -> float:
     """One point-to-point transfer of ``nbytes`` to a neighbour GPU."""
-    return (nbytes / _link_bytes_per_s(device) + HOP_LATENCY_S) * 1e3 if nbytes > 0 else 0.0
+    return (nbytes / _link_bytes_per_s(device, gbps) + HOP_LATENCY_S) * 1e3 if nbytes > 0 else 0.0
 
 
-def _link_bytes_per_s(device: Device) -> float:
-    return device.interconnect_gbps / 2 * 1e9 * LINK_EFFICIENCY     # bidirectional GB/s -> one way, achieved
+def _link_bytes_per_s(device: Device, gbps: float | None = None) -> float:
+    link = device.interconnect_gbps if gbps is None else gbps
+    return link / 2 * 1e9 * LINK_EFFICIENCY     # bidirectional GB/s -> one way, achieved
+
+
+# Several nodes: GPUs_PER_NODE GPUs share a node's NVLink / Infinity Fabric; between nodes each GPU has its own
+# network link (DGX / HGX H100: one 400 Gb/s InfiniBand NDR port per GPU = 100 GB/s bidirectional; A100 systems:
+# 200 Gb/s HDR = 50). A collective whose group spans nodes runs at the slower of the two (NCCL's rings and trees
+# cross nodes through those ports).
+GPUS_PER_NODE = 8
+INTERNODE_GBPS = 100.0
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bidirectional GB/s per GPU that each kind of group's collectives run at, from where its GPUs sit: ranks
+    ordered as Megatron-LM orders them (tensor-parallel innermost, then data-parallel, pipeline stages outermost;
+    expert-parallel groups are runs of ``ep`` data-parallel ranks), ``gpus_per_node`` consecutive ranks per node."""
+
+    tp: float
+    dp: float
+    ep: float
+    pp: float
+    nodes: int
+
+    @classmethod
+    def of(cls, par: "Parallelism", device: Device, gpus_per_node: int = GPUS_PER_NODE,
+           internode_gbps: float = INTERNODE_GBPS) -> "Links":
+        for name, v in (("gpus_per_node", gpus_per_node), ("internode_gbps", internode_gbps)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or \
+                    (name == "gpus_per_node" and not isinstance(v, int)):
+                raise InputError(f"{name}={v!r} must be a positive {'integer' if name == 'gpus_per_node' else 'number'}"
+                                 f". Fix: e.g. {name}={GPUS_PER_NODE if name == 'gpus_per_node' else INTERNODE_GBPS:g}")
+        intra = device.interconnect_gbps
+
+        def over(span: int) -> float:   # a group whose ranks span more than a node crosses the network
+            return intra if span <= gpus_per_node else min(intra, float(internode_gbps))
+
+        return cls(tp=over(par.tp), dp=over(par.tp * par.dp), ep=over(par.tp * par.ep), pp=over(par.gpus),
+                   nodes=math.ceil(par.gpus / gpus_per_node))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -393,7 +434,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
-                     zero: int = 0, ep: int = 1, **trace_kwargs: Any) -> ParallelPrediction:
+                     zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
+                     internode_gbps: float = INTERNODE_GBPS, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -421,6 +463,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     par = Parallelism(dp, tp, pp, microbatches, ep)
     device = load_device(device)
+    links = Links.of(par, device, gpus_per_node, internode_gbps)
     if batch_size % (dp * microbatches):
         raise InputError(f"batch_size={batch_size} does not split into dp={dp} replicas x {microbatches} "
                          f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
@@ -451,9 +494,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     n = int(block.max()) + 1 if block.notna().any() else 0       # blocks are numbered 0 .. n - 1
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
-    ep_ms = _expert_alltoall_ms(g, index, n, par, training, device)
-    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, ep_ms)
-    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device, ep_ms)
+    ep_ms = _expert_alltoall_ms(g, index, n, par, training, device, links.ep)
+    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, links, ep_ms)
+    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device, links, ep_ms)
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
@@ -461,16 +504,16 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     units = _unit_parameter_bytes(g, index) if zero == 3 else []
     if zero == 3:   # per block (and the rest): gather before forward and backward, reduce-scatter the gradients
         grad_share = grad_bytes / max(sum(units), 1.0)
-        parts["dp_allreduce"] = sum(allgather_ms(u * grad_share, dp, device) for u in units)
-        parts["dp_gather"] = sum(2 * allgather_ms(u, dp, device) for u in units)
+        parts["dp_allreduce"] = sum(allgather_ms(u * grad_share, dp, device, links.dp) for u in units)
+        parts["dp_gather"] = sum(2 * allgather_ms(u, dp, device, links.dp) for u in units)
     elif zero:      # reduce-scatter the gradients, all-gather the updated parameters
-        parts["dp_allreduce"] = allgather_ms(grad_bytes, dp, device)
-        parts["dp_gather"] = allgather_ms(sum(t.numel * t.itemsize for t in g.params) * share, dp, device)
+        parts["dp_allreduce"] = allgather_ms(grad_bytes, dp, device, links.dp)
+        parts["dp_gather"] = allgather_ms(sum(t.numel * t.itemsize for t in g.params) * share, dp, device, links.dp)
     else:   # the experts' gradients over the dp / ep replicas that hold the same experts
-        parts["dp_allreduce"] = (allreduce_ms(grad_bytes * (1 - expert_share), dp, device)
-                                 + allreduce_ms(grad_bytes * expert_share, dp // ep, device)) if training else 0.0
+        parts["dp_allreduce"] = (allreduce_ms(grad_bytes * (1 - expert_share), dp, device, links.dp)
+                                 + allreduce_ms(grad_bytes * expert_share, dp // ep, device, links.dp)) if training else 0.0
         parts["dp_gather"] = 0.0
-    parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device) if training and pp > 1 else 0.0
+    parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device, links.pp) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
     stepped = share / dp if zero else share               # with ZeRO each GPU steps its 1 / dp of the parameters
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
@@ -487,6 +530,15 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
+    if links.nodes > 1:
+        crossing = [name for name, v in (("tensor-parallel", links.tp), ("data-parallel", links.dp),
+                                         ("expert-parallel", links.ep), ("pipeline", links.pp))
+                    if v < device.interconnect_gbps and (name != "expert-parallel" or ep > 1)]
+        notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
+                  + (f"the {', '.join(crossing)} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
+                     "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "
+                     "stays within a node, or the network is as fast as the GPUs' own links)")
+                  + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
     if ep > 1:
         n_layers = len({path for path, _, _ in g.expert_dispatch})
         notes += (f"expert parallelism: each of {ep} GPUs holds 1/{ep} of the experts of the {n_layers} experts "
@@ -563,7 +615,7 @@ def _unit_parameter_bytes(g: Any, index: dict[str, float]) -> list[float]:
 
 
 def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,
-             training: bool, act_bytes: float, device: Device,
+             training: bool, act_bytes: float, device: Device, links: Links | None = None,
              ep_ms: list[float] | None = None) -> tuple[dict[str, float], pd.DataFrame]:
     """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule;
     ``ep_ms``: each stage's expert-parallel all-to-alls of one micro-batch."""
@@ -575,9 +627,9 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
         rows.append({"stage": s, "blocks": n_blocks,
                      "forward_ms": float(mine.loc[mine["phase"].isin(("forward", "loss")), column].sum()),
                      "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
-                     "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device),
+                     "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device, links and links.tp),
                      "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
-                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device) * (s < par.pp - 1)})
+                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device, links and links.pp) * (s < par.pp - 1)})
     stages = pd.DataFrame(rows)
     slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
@@ -597,7 +649,7 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
 
 
 def _expert_alltoall_ms(g: Any, index: dict[str, float], n: int, par: Parallelism, training: bool,
-                        device: Device) -> list[float]:
+                        device: Device, gbps: float | None = None) -> list[float]:
     """Each pipeline stage's expert-parallel all-to-alls of one micro-batch (ms): per call of an experts layer one
     to send its token rows to the experts' GPUs and one to bring the results back; in training two more for the
     gradients of every forward call (a checkpointed layer's recomputation dispatches again)."""
@@ -609,7 +661,7 @@ def _expert_alltoall_ms(g: Any, index: dict[str, float], n: int, par: Parallelis
         b = index.get(m.group(1)) if m else None
         s = int(b) * par.pp // n if b is not None and n else par.pp - 1
         calls = 4 if training and phase == "forward" else 2
-        out[s] += calls * alltoall_ms(nbytes, par.ep, device)
+        out[s] += calls * alltoall_ms(nbytes, par.ep, device, gbps)
     return out
 
 

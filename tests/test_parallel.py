@@ -279,6 +279,32 @@ def test_bad_zero_runs_say_what_to_change(kw, fragment):
         predict_parallel("gpt2", "a100-sxm4-40gb", batch_size=4, seq_len=32, **kw)
 
 
+def test_groups_that_span_nodes_run_at_the_network_links():
+    """Ranks as Megatron-LM orders them (tensor-parallel innermost, pipeline outermost), 8 per node: with dp=4 x
+    tp=4 the tensor-parallel groups stay in a node, the data-parallel ones span two; their all-reduce then runs at
+    the network's 100 GB/s per GPU instead of NVLink's 900."""
+    from neusight.parallel import Links
+
+    h100 = load_device("h100-sxm5-80gb")
+    links = Links.of(Parallelism(dp=4, tp=4), h100)
+    assert (links.tp, links.dp, links.pp, links.nodes) == (900, 100, 100, 2)
+    assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(900, 900, 900, 900, 1)
+    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == 100
+    assert Links.of(Parallelism(dp=4, tp=4), load_device("l4")).dp == load_device("l4").interconnect_gbps  # PCIe
+    kw = dict(batch_size=16, seq_len=128, mode="training", dp=4, tp=4, memory=False)
+    two = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
+    one = predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=16, **kw)
+    assert two.parts["tp_comm"] == one.parts["tp_comm"] and two.parts["compute"] == one.parts["compute"]
+    grads = sum(t.numel * t.itemsize for t in two.per_gpu.graph.grads)
+    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, gbps=100))
+    assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100))
+    assert any("2 nodes of 8 GPUs" in n and "data-parallel" in n for n in two.notes)
+    with pytest.raises(InputError, match="gpus_per_node=0"):
+        predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=0, **kw)
+    with pytest.raises(InputError, match="internode_gbps=-1"):
+        predict_parallel("gpt2", "h100-sxm5-80gb", internode_gbps=-1, **kw)
+
+
 def test_one_gpu_is_the_single_gpu_forecast():
     one = predict_parallel("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128)
     single = neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", optimizer=None,

@@ -64,6 +64,8 @@ class PredictConfig:
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
     ep: int = 1                          # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep each
+    gpus_per_node: int = 8               # GPUs per node sharing NVLink; groups spanning nodes use the network
+    internode_gbps: float = 100.0        # per-GPU network link between nodes, bidirectional GB/s (400 Gb/s IB = 100)
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
@@ -575,7 +577,8 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=cfg.ep, **_step_options(cfg))
+                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=cfg.ep,
+                             gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         if _wants_run(cfg):
             print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
