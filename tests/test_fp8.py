@@ -100,3 +100,29 @@ def test_a_trace_with_fp8_gemms_is_refused_on_a_gpu_without_fp8_tensor_cores():
     assert predict_graph(g, "l4").latency_ms > 0
     with pytest.raises(InputError, match="v100-pcie-32gb"):
         predict_graph(g, "v100-pcie-32gb")
+
+
+_TINY_MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     vocab_size=512)
+
+
+@pytest.mark.parametrize("moe_kernels", ["loop", "grouped", "per-expert"])
+def test_routed_experts_serve_fp8_weights_as_grouped_gemms_and_train_in_precision(moe_kernels):
+    kw = dict(batch_size=2, seq_len=32, dtype="bfloat16", moe_kernels=moe_kernels)
+    plain = neusight.trace(_TINY_MIXTRAL, mode="inference", **kw)
+    fp8 = neusight.trace(_TINY_MIXTRAL, mode="inference", fp8=True, **kw)
+    k = fp8.kernels
+    grouped = k[k["kernel"] == "scaled_grouped_mm"]
+    # per layer: the gate-up and the down projection over the 4 experts, 2 x 32 tokens x top-2 / 4 = 32 rows each
+    assert len(grouped) == 4 and set(grouped["dtype"]) == {"float8_e4m3fn"}
+    assert set(grouped["dims"]) == {(4, 32, 64, 2 * 96), (4, 32, 96, 64)}
+    gemm = lambda g: g.kernels.loc[g.kernels["family"].isin(["linear", "bmm"]), "flops"].sum()  # noqa: E731
+    assert gemm(fp8) == pytest.approx(gemm(plain), rel=1e-12)
+    experts = [p for n, p in zip(fp8.param_names, fp8.params) if ".experts." in n]
+    assert experts and {p.dtype for p in experts} == {"float8_e4m3fn"}
+    assert any("routed experts of 2 layers hold FP8 weights" in n for n in fp8.notes)
+    train = neusight.trace(_TINY_MIXTRAL, mode="training", fp8=True, **kw)
+    assert not (train.kernels["kernel"] == "scaled_grouped_mm").any()
+    assert {p.dtype for n, p in zip(train.param_names, train.params) if ".experts." in n} == {"bfloat16"}
+    assert any("kept in the model's precision: the LM head, the routed experts" in n for n in train.notes)

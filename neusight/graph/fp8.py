@@ -6,7 +6,9 @@ FP32 accumulate) with dynamic per-tensor scaling, as torchao runs them in eager 
   output gradient to e5m2 and the saved (high-precision) input and weight to e4m3 again, then runs the input
   gradient and the weight gradient as FP8 GEMMs too, with the transposed copies their operand layouts need.
 - Inference: FP8 weights, quantized once and stored in one byte per value (as FP8 checkpoints are served); each
-  call casts its input to e4m3.
+  call casts its input to e4m3. A mixture of experts' routed experts hold FP8 weights too, each projection one FP8
+  grouped GEMM over the experts (``torch._scaled_grouped_mm``, as serving stacks' FP8 MoE kernels run them); in
+  training they stay in the model's precision.
 
 A cast is the eager sequence of torchao's dynamic scaling: max |x| (two kernels), the scale, the tensor scaled in
 FP32, saturated and cast (memory-bound kernels that ``fused=True``, i.e. ``torch.compile``, merges as it does for
@@ -93,6 +95,9 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     eligible."""
     get_head = getattr(module, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    routed = [m for m in module.modules() if is_routed_experts(m)]
+    if routed and not training:
+        _fp8_experts(routed)
     converted, misaligned = 0, 0
     for mod in module.modules():
         if type(mod) is not nn.Linear or mod is head:
@@ -116,14 +121,31 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     skipped = []
     if head is not None and isinstance(head, nn.Linear):
         skipped.append("the LM head")
-    if any(is_routed_experts(m) for m in module.modules()):
+    if routed and training:
         skipped.append("the routed experts (stacked 3-D weights, not nn.Linear layers)")
     if misaligned:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} with features not a multiple of "
                        f"{SCALED_MM_MULTIPLE}")
     how = "torchao Float8Linear, tensorwise" if training else "FP8 weights, inputs cast per call"
-    return FP8_NOTE.format(how=how, n=converted, skipped=f"; kept in the model's precision: {', '.join(skipped)}"
+    note = FP8_NOTE.format(how=how, n=converted, skipped=f"; kept in the model's precision: {', '.join(skipped)}"
                            if skipped else "")
+    if routed and not training:
+        note += (f"; the routed experts of {len(routed)} layers hold FP8 weights too, each projection one FP8 grouped "
+                 "GEMM over the experts (torch._scaled_grouped_mm, as serving stacks' FP8 MoE kernels run them)")
+    return note
+
+
+def _fp8_experts(routed: list[nn.Module]) -> None:
+    """Inference: routed experts' stacked weights stored in e4m3, their projections as FP8 grouped GEMMs
+    (:func:`neusight.graph.moe._fp8_grouped_mm`), whatever experts implementation the model had."""
+    from neusight.graph.moe import _grouped_experts_forward
+
+    for mod in routed:
+        for name in ("gate_up_proj", "up_proj", "down_proj"):
+            w = getattr(mod, name, None)
+            if isinstance(w, nn.Parameter) and w.dim() == 3:
+                setattr(mod, name, nn.Parameter(torch.empty(w.shape, dtype=E4M3, device="meta"), requires_grad=False))
+        mod.forward = types.MethodType(_grouped_experts_forward, mod)
 
 
 def check_fp8_device(device: Any) -> None:

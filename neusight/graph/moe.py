@@ -174,7 +174,9 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         if active < w.shape[0]:            # only the experts that run (slicing them all would add a gradient copy)
             w = w[:active]
         w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)
-        if grouped:
+        if w.dtype == torch.float8_e4m3fn:  # FP8 experts (fp8=True, inference): one FP8 grouped GEMM
+            y = _fp8_grouped_mm(h, w, share)
+        elif grouped:
             y = torch.bmm(h.view(active, share, h.shape[-1]), w).view(rows, w.shape[-1])
         else:                              # in the weights' dtype, as transformers casts it (grouped_mm: no autocast)
             y = _PerExpertMM.apply(h.to(w.dtype), w, share)
@@ -192,6 +194,20 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     back = torch.arange(pairs, device=device)                      # the inverse permutation (row of each pair)
     y = y.index_select(0, back).view(tokens, top_k, hidden).sum(dim=1)
     return y.to(hidden_states.dtype)
+
+
+def _fp8_grouped_mm(h: torch.Tensor, w: torch.Tensor, share: int) -> torch.Tensor:
+    """FP8 experts (:func:`neusight.graph.fp8.apply_fp8` in inference): the rows cast to e4m3 (dynamic scaling), then
+    one grouped GEMM over the experts' FP8 weights ``w`` (experts, in, out), ``share`` rows each, with per-row and
+    per-output-channel scales, as serving stacks' FP8 MoE kernels run them (``torch._scaled_grouped_mm``)."""
+    from neusight.graph.fp8 import E4M3, _cast
+
+    x8, _ = _cast(h, E4M3)
+    experts, rows = w.shape[0], h.shape[0]
+    offs = (torch.arange(1, experts + 1, device=h.device, dtype=torch.int32) * share)
+    scale_a = torch.ones(rows, device=h.device, dtype=torch.float32)
+    scale_b = torch.ones(experts, w.shape[-1], device=h.device, dtype=torch.float32)
+    return torch._scaled_grouped_mm(x8, w, scale_a, scale_b, offs=offs, out_dtype=h.dtype)
 
 
 def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

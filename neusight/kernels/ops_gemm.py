@@ -61,6 +61,20 @@ def _scaled_mm(c: OpCall) -> list[Kernel]:
     return [dataclasses.replace(k, bytes=float(nbytes))]
 
 
+@register(aten._scaled_grouped_mm)
+def _scaled_grouped_mm(c: OpCall) -> list[Kernel]:
+    """FP8 grouped GEMM of a mixture of experts' layer: rows (sum over the groups) x in @ experts x (in x out),
+    traced with equal groups (balanced routing), so a batched GEMM of (experts x rows / experts x in) @ (in x out);
+    FP8 operands, the output in ``out_dtype``."""
+    a, b, out = c.args[0], c.args[1], c.outputs[0]
+    groups = b.shape[0]
+    rows = a.shape[0] // groups
+    k = formulas.gemm(groups, rows, a.shape[1], b.shape[2], dtype=a.dtype, family=Family.BMM,
+                      name="scaled_grouped_mm")
+    nbytes = a.numel * a.itemsize + b.numel * b.itemsize + out.numel * out.itemsize
+    return [dataclasses.replace(k, bytes=float(nbytes))]
+
+
 @register(aten.bmm)
 def _bmm(c: OpCall) -> list[Kernel]:
     """(B x M x N) @ (B x N x K)."""
