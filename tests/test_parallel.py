@@ -167,6 +167,9 @@ def test_expert_parallel_dispatches_again_for_a_recomputed_layer_and_splits_swit
     ckpt = predict_parallel(_TINY_MIXTRAL, "a100-sxm4-40gb", gradient_checkpointing=True, **kw)
     assert [ph for _, ph, _ in ckpt.per_gpu.graph.expert_dispatch] == ["forward", "backward"] * 2   # per layer
     assert ckpt.parts["ep_alltoall"] == pytest.approx(1.5 * plain.parts["ep_alltoall"])
+    # a decode step: one call per layer (the KV-cache probe's forward is not counted), one token x top-2 rows each
+    decode = neusight.trace(_TINY_MIXTRAL, batch_size=2, seq_len=1, mode="inference", kv_cache=7, expert_parallel=2)
+    assert decode.expert_dispatch == [(f"model.layers.{i}.mlp.experts", "forward", 2 * 2 * 64 * 4.0) for i in (0, 1)]
     # Switch Transformers: 2 of 4 experts per GPU, each with twice the fixed capacity
     one = neusight.trace("switch-base-4", batch_size=2, seq_len=64, mode="inference")
     two = neusight.trace("switch-base-4", batch_size=2, seq_len=64, mode="inference", expert_parallel=2)

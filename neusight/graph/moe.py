@@ -44,6 +44,12 @@ def record_dispatch(mod: nn.Module, rows: int, hidden_states: torch.Tensor) -> N
     calls.append(float(rows * hidden_states.shape[-1] * hidden_states.element_size()))
 
 
+def clear_dispatch(model: nn.Module) -> None:
+    """Forget the calls :func:`record_dispatch` saw (a KV-cache probe's forward is not part of the trace)."""
+    for m in model.modules():
+        m.__dict__.pop("neusight_dispatch", None)
+
+
 def dispatch_calls(model: nn.Module) -> dict[str, list[float]]:
     """Module path -> bytes of every call :func:`record_dispatch` saw so far, in call order."""
     return {name: list(m.__dict__["neusight_dispatch"]) for name, m in model.named_modules()

@@ -466,7 +466,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     20
     """
     torch_dtype = model_dtype(dtype)
-    from neusight.graph.moe import check_moe_kernels, dispatch_calls, grouped_gemm_runs
+    from neusight.graph.moe import check_moe_kernels, clear_dispatch, dispatch_calls, grouped_gemm_runs
     from neusight.graph.ssm import check_ssm_kernels, fused_calls, ssm_note
 
     check_moe_kernels(moe_kernels)
@@ -526,6 +526,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     args, kwargs = built.make_inputs(batch_size, seq_len)
     if kv_cache:
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t))
+        clear_dispatch(module)    # the cache probe's experts calls are not the trace's
     tracker = ModuleTracker()
     rec = _Recorder(tracker, type(module).__name__)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
