@@ -28,10 +28,10 @@ communication between GPUs over the device's interconnect:
    own tokens make. The experts' gradients are all-reduced over the dp / ep replicas holding the same experts.
 
 Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
-in each direction, an all-to-all (n - 1) / n x b, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one direction of the device's
-``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step. Beyond one node
-(``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs at the slower network link of each GPU
-(``internode_gbps``, :class:`Links`).
+in each direction, an all-to-all (n - 1) / n x b, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one
+direction of the device's ``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step.
+Beyond one node (``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs at the slower network link of
+each GPU (``internode_gbps``, :class:`Links`).
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -55,8 +55,8 @@ from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
-__all__ = ["Parallelism", "Links", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel", "shard_expert_parallel",
-           "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms"]
+__all__ = ["Parallelism", "Links", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
+           "shard_expert_parallel", "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
 # costs a few microseconds of launch and synchronisation. Public characteristics, not fitted here.
@@ -511,7 +511,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         parts["dp_gather"] = allgather_ms(sum(t.numel * t.itemsize for t in g.params) * share, dp, device, links.dp)
     else:   # the experts' gradients over the dp / ep replicas that hold the same experts
         parts["dp_allreduce"] = (allreduce_ms(grad_bytes * (1 - expert_share), dp, device, links.dp)
-                                 + allreduce_ms(grad_bytes * expert_share, dp // ep, device, links.dp)) if training else 0.0
+                                 + allreduce_ms(grad_bytes * expert_share, dp // ep, device, links.dp)
+                                 if training else 0.0)
         parts["dp_gather"] = 0.0
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device, links.pp) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
@@ -629,7 +630,8 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
                      "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
                      "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device, links and links.tp),
                      "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
-                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device, links and links.pp) * (s < par.pp - 1)})
+                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device, links and links.pp)
+                     * (s < par.pp - 1)})
     stages = pd.DataFrame(rows)
     slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
