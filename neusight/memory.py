@@ -432,14 +432,15 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
     from neusight.parallel import Parallelism, _check_zero, zero_memory_peak
 
     device = load_device(device)
-    _check_zero(zero, Parallelism(dp=dp), mode == "training")
+    ep = int(trace_kwargs.get("expert_parallel", 1) or 1)
+    _check_zero(zero, Parallelism(dp=dp, ep=ep), mode == "training")
     cache: dict[int, bool] = {}
 
     def fits(n: int) -> bool:
         if n not in cache:
             kw = shape(n)
             g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
-            peak = zero_memory_peak(g, device, zero, dp) if zero else float(estimate_memory(g, device).peak_bytes)
+            peak = zero_memory_peak(g, device, zero, dp, ep) if zero else float(estimate_memory(g, device).peak_bytes)
             cache[n] = peak <= device.memory_bytes
             log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], peak / 2**30, device.memory_gib,
                      "fits" if cache[n] else "does not fit")

@@ -502,13 +502,18 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
     expert_share = _expert_parameter_share(g) if ep > 1 else 0.0
     units = _unit_parameter_bytes(g, index) if zero == 3 else []
+
+    def sharded_ms(nbytes: float) -> float:   # ZeRO's reduce-scatter or all-gather: experts over dp / ep replicas
+        return (allgather_ms(nbytes * (1 - expert_share), dp, device, links.dp)
+                + allgather_ms(nbytes * expert_share, dp // ep, device, links.dp))
+
     if zero == 3:   # per block (and the rest): gather before forward and backward, reduce-scatter the gradients
         grad_share = grad_bytes / max(sum(units), 1.0)
-        parts["dp_allreduce"] = sum(allgather_ms(u * grad_share, dp, device, links.dp) for u in units)
-        parts["dp_gather"] = sum(2 * allgather_ms(u, dp, device, links.dp) for u in units)
+        parts["dp_allreduce"] = sum(sharded_ms(u * grad_share) for u in units)
+        parts["dp_gather"] = sum(2 * sharded_ms(u) for u in units)
     elif zero:      # reduce-scatter the gradients, all-gather the updated parameters
-        parts["dp_allreduce"] = allgather_ms(grad_bytes, dp, device, links.dp)
-        parts["dp_gather"] = allgather_ms(sum(t.numel * t.itemsize for t in g.params) * share, dp, device, links.dp)
+        parts["dp_allreduce"] = sharded_ms(grad_bytes)
+        parts["dp_gather"] = sharded_ms(sum(t.numel * t.itemsize for t in g.params) * share)
     else:   # the experts' gradients over the dp / ep replicas that hold the same experts
         parts["dp_allreduce"] = (allreduce_ms(grad_bytes * (1 - expert_share), dp, device, links.dp)
                                  + allreduce_ms(grad_bytes * expert_share, dp // ep, device, links.dp)
@@ -516,7 +521,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         parts["dp_gather"] = 0.0
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device, links.pp) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
-    stepped = share / dp if zero else share               # with ZeRO each GPU steps its 1 / dp of the parameters
+    shards = _zero_shards(dp, ep, expert_share)
+    stepped = share / shards if zero else share           # with ZeRO each GPU steps its 1 / dp of the parameters
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
     roofline_ms = (sum(roofline.values()) + parts["dp_allreduce"] + parts["dp_gather"] + parts["embedding_allreduce"]
                    + float(k.loc[opt, "roofline_ms"].sum()) * stepped)
@@ -525,7 +531,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         from neusight.memory import estimate_memory
 
         report = estimate_memory(g, device)
-        b = _zero_breakdown(report, zero, dp, units) if zero else report.breakdown
+        b = _zero_breakdown(report, zero, shards, units) if zero else report.breakdown
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
         breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
@@ -549,8 +555,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if zero:
         what = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and weights")[zero - 1]
         notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
-                  "data-parallel replicas; its collectives are not overlapped with compute (an upper bound on their "
-                  "time)",)
+                  + (f"data-parallel replicas (the experts' over the {dp // ep} holding the same experts)"
+                     if ep > 1 else "data-parallel replicas")
+                  + "; its collectives are not overlapped with compute (an upper bound on their time)",)
     return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
                               one, roofline_ms, notes, breakdown)
 
@@ -568,21 +575,28 @@ def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
                          "or zero=0")
     if par.pp > 1:
         raise InputError(f"zero={zero} with pipeline stages (pp={par.pp}) is not modelled. Fix: pp=1, or zero=0")
-    if par.ep > 1:
-        raise InputError(f"zero={zero} with expert parallelism (ep={par.ep}) is not modelled. Fix: ep=1, or zero=0")
 
 
-def zero_memory_peak(g: Any, device: Device, zero: int, dp: int) -> float:
+def zero_memory_peak(g: Any, device: Device, zero: int, dp: int, ep: int = 1) -> float:
     """Peak bytes on one GPU of trace ``g`` run by ``dp`` data-parallel replicas under ZeRO stage ``zero``
-    (:func:`_zero_breakdown`), as :func:`predict_parallel` forecasts it with ``pp=1``."""
+    (:func:`_zero_breakdown`; ``ep``: the experts' expert-parallel degree), as :func:`predict_parallel` forecasts it
+    with ``pp=1``."""
     from neusight.memory import estimate_memory
 
     units = _unit_parameter_bytes(g, _block_index(g.kernels)) if zero == 3 else []
-    return float(sum(_zero_breakdown(estimate_memory(g, device), zero, dp, units).values()))
+    shards = _zero_shards(dp, ep, _expert_parameter_share(g) if ep > 1 else 0.0)
+    return float(sum(_zero_breakdown(estimate_memory(g, device), zero, shards, units).values()))
 
 
-def _zero_breakdown(report: Any, zero: int, dp: int, units: list[float]) -> dict[str, float]:
-    """The memory breakdown of one GPU under ZeRO stage ``zero`` over ``dp`` replicas, from the unsharded run's
+def _zero_shards(dp: int, ep: int, expert_share: float) -> float:
+    """How many ways ZeRO splits a GPU's state on average: the experts' share (``expert_share`` of the bytes) over
+    the dp / ep replicas that hold the same experts, the rest over all dp."""
+    return 1.0 / ((1 - expert_share) / dp + expert_share * ep / dp)
+
+
+def _zero_breakdown(report: Any, zero: int, dp: float, units: list[float]) -> dict[str, float]:
+    """The memory breakdown of one GPU under ZeRO stage ``zero`` over ``dp`` replicas (with expert parallelism the
+    average of the experts' and the other state's shard counts, :func:`_zero_shards`), from the unsharded run's
     timeline: at every op the sharded categories count 1 / dp (optimizer state from stage 1, gradients from 2,
     weights at 3), so do the optimizer step's temporaries (it steps 1 / dp of the parameters); the peak is taken
     again over the ops. Stage 3 adds two gathered blocks (the running one and the prefetched next, less the shard

@@ -179,10 +179,26 @@ def test_expert_parallel_dispatches_again_for_a_recomputed_layer_and_splits_swit
     assert [b for _, _, b in two.expert_dispatch] == [b for _, _, b in one.expert_dispatch]
 
 
+def test_zero_with_expert_parallelism_shards_the_experts_over_the_replicas_that_hold_them():
+    """dp=4, ep=2: each expert lives on 2 of the 4 replicas, so ZeRO splits the experts' optimizer state two ways
+    and the rest four ways; the optimizer steps that average share of the parameters."""
+    kw = dict(batch_size=8, seq_len=32, mode="training", dp=4, ep=2, optimizer="adamw")
+    plain = predict_parallel(_TINY_MIXTRAL, "h100-sxm5-80gb", **kw)
+    z1 = predict_parallel(_TINY_MIXTRAL, "h100-sxm5-80gb", zero=1, **kw)
+    g = plain.per_gpu.graph
+    sizes = {n: t.numel * t.itemsize for n, t in zip(g.param_names, g.params)}
+    f = sum(v for n, v in sizes.items() if ".experts." in n) / sum(sizes.values())
+    share = (1 - f) / 4 + f / 2
+    assert z1.memory_breakdown["optimizer"] == pytest.approx(plain.memory_breakdown["optimizer"] * share)
+    assert z1.parts["optimizer"] == pytest.approx(plain.parts["optimizer"] * share)
+    z3 = predict_parallel(_TINY_MIXTRAL, "h100-sxm5-80gb", zero=3, **kw)
+    assert z3.memory_peak_bytes < z1.memory_peak_bytes < plain.memory_peak_bytes
+    assert z3.parts["dp_gather"] > 0 and z3.parts["ep_alltoall"] == plain.parts["ep_alltoall"] > 0
+
+
 @pytest.mark.parametrize("kw, error, fragment", [
     (dict(dp=4, ep=3), InputError, "ep=3 does not divide dp=4"),
     (dict(dp=8, ep=8), InputError, "ep=8 does not divide the 4 experts of model.layers.0.mlp.experts"),
-    (dict(dp=2, ep=2, zero=1), InputError, "with expert parallelism (ep=2)"),
     (dict(dp=2, ep=2, megatron=True), InputError, "ep=2 with megatron=True"),
     (dict(dp=2, ep=2, lora_rank=4), InputError, "expert parallelism (ep=2) is not modelled"),
     (dict(dp=2, ep=2, model="gpt2"), ModelError, "GPT2LMHeadModel has no experts layers"),
