@@ -67,3 +67,29 @@ def test_bad_weight_quant_runs_say_what_to_change(model, kw, fragment):
     kw = {"batch_size": 1, "seq_len": 16, "mode": "inference", "dtype": "bfloat16", "weight_quant": "int4", **kw}
     with pytest.raises(InputError, match=re.escape(fragment)):
         neusight.trace(model, **kw)
+
+
+_TINY_MIXTRAL = dict(model_type="mixtral", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     vocab_size=512)
+
+
+@pytest.mark.parametrize("moe_kernels", ["loop", "grouped"])
+def test_routed_experts_are_stored_quantized_and_run_one_dequantizing_grouped_gemm(moe_kernels):
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16", moe_kernels=moe_kernels)
+    plain = neusight.trace(_TINY_MIXTRAL, **kw)
+    quant = neusight.trace(_TINY_MIXTRAL, weight_quant="int4", **kw)
+    k = quant.kernels
+    grouped = k[k["kernel"] == "int4_weight_grouped_gemm"]
+    # per layer: gate-up (128 -> 2 x 256) and down (256 -> 128) over the 4 experts, 2 x 32 x top-2 / 4 = 32 rows each
+    assert len(grouped) == 4 and set(grouped["family"]) == {"bmm"}
+    assert set(grouped["dims"]) == {(4, 32, 128, 512), (4, 32, 256, 128)}
+    gate_up = grouped[grouped["dims"] == (4, 32, 128, 512)].iloc[0]
+    # BF16 rows in, the 4 experts' 4-bit weights with a scale and a zero point per 128 inputs, BF16 rows out
+    assert gate_up["bytes"] == 128 * 128 * 2 + 4 * (512 * 128 / 2 + 2 * 512 * 1 * 2) + 128 * 512 * 2
+    gemm = lambda g: g.kernels.loc[g.kernels["family"].isin(["linear", "bmm"]), "flops"].sum()  # noqa: E731
+    assert gemm(quant) == pytest.approx(gemm(plain), rel=1e-12)
+    experts = [p for n, p in zip(quant.param_names, quant.params) if ".experts." in n]
+    assert {p.dtype for p in experts} == {"uint8"}
+    assert sum(p.numel for p in experts) == 2 * 4 * (128 * 512 + 256 * 128) // 2
+    assert any("routed experts of 2 layers are stored in int4" in n for n in quant.notes)

@@ -182,6 +182,8 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)
         if w.dtype == torch.float8_e4m3fn:  # FP8 experts (fp8=True, inference): one FP8 grouped GEMM
             y = _fp8_grouped_mm(h, w, share)
+        elif w.dtype in (torch.int8, torch.uint8):   # weight-only quantized experts (weight_quant=)
+            y = self.neusight_quantized_mm(h, w, share)
         elif grouped:
             y = torch.bmm(h.view(active, share, h.shape[-1]), w).view(rows, w.shape[-1])
         else:                              # in the weights' dtype, as transformers casts it (grouped_mm: no autocast)

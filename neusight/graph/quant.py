@@ -7,7 +7,8 @@ GEMMs, torchao's int4 ``tinygemm`` (``_weight_int4pack_mm``) and its int8 weight
 in its stored bytes: one per weight (int8, one scale per output channel) or a half (int4, a scale and a zero point
 per group of 128 input features), which is what makes small-batch decoding faster. Layers left in their
 precision: the output embedding (LM head), as AWQ / GPTQ checkpoints keep it, and for int4 every layer whose input
-features are not a multiple of the group size. Inference only; no measurement of these kernels was available, so
+features are not a multiple of the group size. A mixture of experts' routed experts are stored quantized too, each
+projection one dequantizing grouped GEMM over the experts (as vLLM's quantized MoE kernels run them). Inference only; no measurement of these kernels was available, so
 their forecasts are unvalidated.
 """
 
@@ -66,12 +67,62 @@ def _quantized_forward(region: Callable, bits: str) -> Callable:
     return forward
 
 
+def _quantized_grouped_mm(region: Callable, bits: str) -> Callable:
+    """The projection of quantized routed experts: ``h`` (experts x ``share`` rows, in) against the experts' packed
+    weights ``w`` (experts, stored in, out), one grouped GEMM that dequantizes as it loads (as vLLM's quantized MoE
+    kernels run it), recorded through the tracer's ``region`` as a batched GEMM of equal groups."""
+    def mm(h: torch.Tensor, w: torch.Tensor, share: int) -> torch.Tensor:
+        experts, in_f, out_f, size = w.shape[0], h.shape[-1], w.shape[-1], h.element_size()
+        nbytes = h.numel() * size + experts * _weight_bytes(out_f, in_f, bits, size) + h.shape[0] * out_f * size
+
+        def make(name: str, inner: list[Kernel], ins: list[TensorMeta], outs: list[TensorMeta]) -> Kernel:
+            return Kernel(Family.BMM, name, (experts, share, in_f, out_f), 2.0 * h.shape[0] * in_f * out_f,
+                          float(nbytes), str(h.dtype).removeprefix("torch."))
+
+        with region(f"{bits}_weight_grouped_gemm", (h, w), {"make": make}) as outputs:
+            y = h.new_empty(h.shape[0], out_f)
+            outputs.append(y)
+        return y
+    return mm
+
+
+def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable) -> int:
+    """Routed experts' stacked weights stored in ``bits`` (int4: two per byte along the input features) with their
+    scales, each projection one dequantizing grouped GEMM; the number of layers quantized (int4 needs every
+    projection's input features to fill groups of 128)."""
+    from neusight.graph.moe import _grouped_experts_forward
+
+    done = 0
+    for mod in routed:
+        transposed = bool(getattr(mod, "is_transposed", False))
+        weights = {n: w for n in ("gate_up_proj", "up_proj", "down_proj")
+                   if isinstance(w := getattr(mod, n, None), nn.Parameter) and w.dim() == 3}
+        ins = {n: w.shape[1 if transposed else 2] for n, w in weights.items()}
+        if bits == "int4" and any(i % INT4_GROUP for i in ins.values()):
+            continue
+        for name, w in weights.items():
+            shape = list(w.shape)
+            if bits == "int4":
+                shape[1 if transposed else 2] //= 2
+            stored = torch.int8 if bits == "int8" else torch.uint8
+            setattr(mod, name, nn.Parameter(torch.empty(shape, dtype=stored, device="meta"), requires_grad=False))
+            out_f = w.shape[2 if transposed else 1]
+            scales = (w.shape[0], out_f) if bits == "int8" else (w.shape[0], ins[name] // INT4_GROUP, out_f, 2)
+            mod.register_buffer(f"neusight_{name}_scales", torch.empty(scales, dtype=w.dtype, device="meta"))
+        mod.neusight_quantized_mm = _quantized_grouped_mm(region, bits)
+        mod.forward = types.MethodType(_grouped_experts_forward, mod)
+        done += 1
+    return done
+
+
 def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     """Store every eligible ``nn.Linear`` weight of ``module`` (on the meta device) in ``bits`` and run its projection
     as one dequantizing GEMM, recorded through the tracer's ``region`` (module docstring), in place. Returns the note;
     InputError when no layer is eligible."""
     get_head = getattr(module, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    routed = [m for m in module.modules() if is_routed_experts(m)]
+    experts_done = _quantize_experts(routed, bits, region)
     converted, misaligned, dtype = 0, 0, None
     for mod in module.modules():
         if type(mod) is not nn.Linear or mod is head:
@@ -95,11 +146,16 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     skipped = []
     if isinstance(head, nn.Linear):
         skipped.append("the LM head")
-    if any(is_routed_experts(m) for m in module.modules()):
-        skipped.append("the routed experts (stacked 3-D weights, not nn.Linear layers)")
+    if experts_done < len(routed):
+        skipped.append(f"the routed experts of {len(routed) - experts_done} layers (input features not a multiple of "
+                       f"{INT4_GROUP})")
     if misaligned:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} whose input features are not a multiple "
                        f"of {INT4_GROUP}")
     per = "a scale per output channel" if bits == "int8" else f"a scale and a zero point per {INT4_GROUP} inputs"
-    return QUANT_NOTE.format(bits=bits, n=converted, per=per, dtype=str(dtype).removeprefix("torch."),
+    note = QUANT_NOTE.format(bits=bits, n=converted, per=per, dtype=str(dtype).removeprefix("torch."),
                              skipped=f"; kept in the model's precision: {', '.join(skipped)}" if skipped else "")
+    if experts_done:
+        note += (f"; the routed experts of {experts_done} layers are stored in {bits} too, each projection one "
+                 "dequantizing grouped GEMM over the experts")
+    return note

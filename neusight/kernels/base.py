@@ -48,7 +48,7 @@ TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
 # GEMM kernels whose operands are stored narrower than their math (FP8 operands with a BF16 output; weights of 8 or
 # 4 bits dequantized in the kernel, neusight.graph.quant): their roofline takes their own byte count, not the
 # dtype's size times the operands' elements (kernel-name prefixes).
-EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_gemm", "int4_weight_gemm")
+EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_", "int4_weight_")
 
 
 def channel_alignment(c_in: int, c_out: int) -> int:
