@@ -50,6 +50,8 @@ RUNS = [
      dict(batch_size=4, seq_len=1024, mode="inference", dtype="bfloat16", fp8=True, fused=True)),
     ("Llama-3-8B decode step with int4 weights (AWQ / GPTQ-style), batch 1, context 1024, bf16", "llama-3-8b",
      dict(batch_size=1, seq_len=1, mode="inference", kv_cache=1023, dtype="bfloat16", weight_quant="int4")),
+    ("Mixtral 8x7B decode step with int4 weights (its experts too), batch 8, context 2048, bf16", "mixtral-8x7b",
+     dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16", weight_quant="int4")),
     ("ViT-Base/16 training, batch 128, 224 x 224, FP32 (TF32 patch convolution where the GPU has it), AdamW",
      "vit-base", dict(batch_size=128, mode="training")),
     # on several GPUs (neusight.predict_parallel): memory is one GPU's
