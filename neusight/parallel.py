@@ -538,11 +538,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
     if links.nodes > 1:
-        crossing = [name for name, v in (("tensor-parallel", links.tp), ("data-parallel", links.dp),
-                                         ("expert-parallel", links.ep), ("pipeline", links.pp))
-                    if v < device.interconnect_gbps and (name != "expert-parallel" or ep > 1)]
+        crossing = [name for name, v, n in (("tensor-parallel", links.tp, tp), ("data-parallel", links.dp, dp),
+                                            ("expert-parallel", links.ep, ep), ("pipeline", links.pp, pp))
+                    if v < device.interconnect_gbps and n > 1]
+        what = " and ".join([", ".join(crossing[:-1]), crossing[-1]] if len(crossing) > 1 else crossing)
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
-                  + (f"the {', '.join(crossing)} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
+                  + (f"the {what} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
                      "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
