@@ -131,7 +131,8 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
                            if skipped else "")
     if routed and not training:
         note += (f"; the routed experts of {len(routed)} layers hold FP8 weights too, each projection one FP8 grouped "
-                 "GEMM over the experts (torch._scaled_grouped_mm, as serving stacks' FP8 MoE kernels run them)")
+                 "GEMM over the experts (torch._scaled_grouped_mm, as serving stacks' FP8 MoE kernels run them, in "
+                 "place of the experts kernels named above)")
     return note
 
 

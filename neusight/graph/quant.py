@@ -30,7 +30,8 @@ WEIGHT_QUANT = ("int8", "int4")
 INT4_GROUP = 128            # input features per scale / zero-point pair (AWQ, GPTQ, torchao int4 defaults)
 QUANT_NOTE = ("weight-only {bits} quantization: {n} nn.Linear weights stored in {bits} ({per}), each projection one "
               "GEMM that dequantizes its weights as it loads them, computing in {dtype} (Marlin / AWQ / GPTQ / "
-              "TensorRT-LLM-style kernels){skipped}; unvalidated: no measurement of such kernels was available")
+              "TensorRT-LLM-style kernels){experts}{skipped}; unvalidated: no measurement of such kernels was "
+              "available")
 
 
 def check_weight_quant(value: Any, mode: str) -> None:
@@ -153,9 +154,8 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} whose input features are not a multiple "
                        f"of {INT4_GROUP}")
     per = "a scale per output channel" if bits == "int8" else f"a scale and a zero point per {INT4_GROUP} inputs"
-    note = QUANT_NOTE.format(bits=bits, n=converted, per=per, dtype=str(dtype).removeprefix("torch."),
+    experts = (f"; the routed experts of {experts_done} layers are stored in {bits} too, each projection one "
+               "dequantizing grouped GEMM over the experts (in place of the experts kernels named above)"
+               if experts_done else "")
+    return QUANT_NOTE.format(bits=bits, n=converted, per=per, dtype=str(dtype).removeprefix("torch."), experts=experts,
                              skipped=f"; kept in the model's precision: {', '.join(skipped)}" if skipped else "")
-    if experts_done:
-        note += (f"; the routed experts of {experts_done} layers are stored in {bits} too, each projection one "
-                 "dequantizing grouped GEMM over the experts")
-    return note
