@@ -65,6 +65,7 @@ RUNS = [
 def forecast() -> pd.DataFrame:
     from neusight.api import predict_graph
     from neusight.devices import load_device
+    from neusight.errors import InputError
     from neusight.graph.tracer import trace
     from neusight.memory import estimate_memory
 
@@ -83,10 +84,13 @@ def forecast() -> pd.DataFrame:
         g = trace(model, **kw)
         for key in GPUS:
             dev = load_device(key)
-            if kw.get("fp8") and dev.fp8_tensor_tflops is None:
+            try:
+                p = predict_graph(g, dev, fused=fused)
+            except InputError:   # FP8 GEMMs on a GPU without FP8 tensor cores (neusight.graph.fp8.check_fp8_device)
+                if not kw.get("fp8"):
+                    raise
                 rows.append({"run": label, "gpu": key, "ms": float("nan"), "GiB": float("nan"), "fits": True})
                 continue
-            p = predict_graph(g, dev, fused=fused)
             mem = estimate_memory(g, dev)
             rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": mem.peak_bytes / 2**30,
                          "fits": bool(mem.fits)})

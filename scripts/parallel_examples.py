@@ -21,7 +21,7 @@ import pandas as pd
 
 from neusight.cli.common import quiet_third_party_logs
 from neusight.e2e_eval import markdown_table
-from neusight.parallel import predict_parallel
+from neusight.parallel import GPUS_PER_NODE, predict_parallel
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
             par = p.parallelism
             rows.append({"gpu": gpu, "dp x tp x pp (micro-batches)": f"{par.dp} x {par.tp} x {par.pp} ({par.microbatches})",
                          "EP": par.ep, "ZeRO": split.get("zero", 0),
-                         "GPUs": par.gpus, "nodes": -(-par.gpus // 8), "step ms": p.latency_ms,
+                         "GPUs": par.gpus, "nodes": -(-par.gpus // GPUS_PER_NODE), "step ms": p.latency_ms,
                          **{f"{k} ms": v for k, v in p.parts.items()},
                          "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no"})
     table = pd.DataFrame(rows)

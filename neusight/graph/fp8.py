@@ -93,18 +93,15 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     """Run every eligible ``nn.Linear`` of ``module`` (on the meta device) as an FP8 layer, in place (module
     docstring); inference layers get FP8 weights. Returns the note for the forecast; InputError when no layer is
     eligible."""
-    get_head = getattr(module, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    from neusight.graph.quant import linear_layers
+
+    head, layers, misaligned = linear_layers(
+        module, lambda m: m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0)
     routed = [m for m in module.modules() if is_routed_experts(m)]
     if routed and not training:
         _fp8_experts(routed)
-    converted, misaligned = 0, 0
-    for mod in module.modules():
-        if type(mod) is not nn.Linear or mod is head:
-            continue
-        if mod.in_features % SCALED_MM_MULTIPLE or mod.out_features % SCALED_MM_MULTIPLE:
-            misaligned += 1
-            continue
+    converted = 0
+    for mod in layers:
         if training:
             mod.forward = types.MethodType(_training_forward, mod)
         else:
@@ -119,7 +116,7 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
                          "other layer types, such as GPT-2's Conv1D, are not converted). Fix: a model built of "
                          "nn.Linear layers (Llama, Mistral, OPT, BERT, ...), or leave fp8 out")
     skipped = []
-    if head is not None and isinstance(head, nn.Linear):
+    if isinstance(head, nn.Linear):
         skipped.append("the LM head")
     if routed and training:
         skipped.append("the routed experts (stacked 3-D weights, not nn.Linear layers)")

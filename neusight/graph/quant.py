@@ -34,6 +34,17 @@ QUANT_NOTE = ("weight-only {bits} quantization: {n} nn.Linear weights stored in 
               "available")
 
 
+def linear_layers(module: nn.Module,
+                  fits: Callable[[nn.Linear], bool]) -> tuple[nn.Module | None, list[nn.Linear], int]:
+    """What FP8 layers and weight-only quantization convert: (the output embedding, left out; the exact ``nn.Linear``
+    modules ``fits`` accepts; how many others it refused)."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    linears = [m for m in module.modules() if type(m) is nn.Linear and m is not head]
+    chosen = [m for m in linears if fits(m)]
+    return head, chosen, len(linears) - len(chosen)
+
+
 def check_weight_quant(value: Any, mode: str) -> None:
     """Refuse an unknown ``weight_quant`` or one in training, naming the choices."""
     if value not in WEIGHT_QUANT:
@@ -120,17 +131,11 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     """Store every eligible ``nn.Linear`` weight of ``module`` (on the meta device) in ``bits`` and run its projection
     as one dequantizing GEMM, recorded through the tracer's ``region`` (module docstring), in place. Returns the note;
     InputError when no layer is eligible."""
-    get_head = getattr(module, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head, layers, misaligned = linear_layers(module, lambda m: bits != "int4" or m.in_features % INT4_GROUP == 0)
     routed = [m for m in module.modules() if is_routed_experts(m)]
     experts_done = _quantize_experts(routed, bits, region)
-    converted, misaligned, dtype = 0, 0, None
-    for mod in module.modules():
-        if type(mod) is not nn.Linear or mod is head:
-            continue
-        if bits == "int4" and mod.in_features % INT4_GROUP:
-            misaligned += 1
-            continue
+    converted, dtype = 0, None
+    for mod in layers:
         out_f, in_f = mod.weight.shape
         dtype = mod.weight.dtype
         shape, stored = ((out_f, in_f), torch.int8) if bits == "int8" else ((out_f, in_f // 2), torch.uint8)
