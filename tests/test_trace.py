@@ -1072,3 +1072,36 @@ def test_a_downloaded_models_directory_is_read_through_its_config(tmp_path):
     g = neusight.trace(str(model), batch_size=1, seq_len=8)
     assert g.model == "my-llama"
     assert g.kernels.equals(neusight.trace({"model_type": "llama", **_SMALL_LM}, batch_size=1, seq_len=8).kernels)
+
+
+_MODULES_OF_A_TRACE = """
+import sys, neusight
+cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=512)
+for ckpt in (False, True):
+    k = neusight.trace(cfg, 1, 16, "training", optimizer=None, gradient_checkpointing=ckpt).kernels
+    print("|".join(k["module"].astype(str)))
+"""
+
+
+def test_kernels_go_to_the_same_modules_in_every_process():
+    """The module a kernel is attributed to (per-layer tables, pipeline stages) does not depend on the process's
+    string hashing: of equally deep modules the tracker is inside (a checkpointed layer's recomputation, a backward
+    pass, can leave the previous layer's entry behind) the one entered last is taken. With checkpointing every
+    layer of the 12 (one- and two-digit names alike) gets the same backward kernels, its recomputation included."""
+    runs = []
+    for seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", _MODULES_OF_A_TRACE], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONHASHSEED": seed})
+        assert r.returncode == 0, r.stderr
+        runs.append(r.stdout.splitlines())
+    assert runs[0] == runs[1]
+    g = neusight.trace(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512), 1, 16, "training",
+                       optimizer=None, gradient_checkpointing=True)
+    k = g.kernels
+    layer = k.loc[k["phase"] == "backward", "module"].str.extract(r"layers\.(\d+)\b")[0].dropna().astype(int)
+    counts = layer.value_counts()
+    # the middle layers alike; the first passes no gradient to a layer before it, the last also gets the norm's
+    assert len(counts) == 12 and counts.loc[list(range(1, 11))].nunique() == 1
+    assert abs(counts[0] - counts[1]) <= 2 and abs(counts[11] - counts[1]) <= 2

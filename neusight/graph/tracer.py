@@ -64,6 +64,20 @@ _PLAIN_BATCH = {torch.ops.aten.all: True, torch.ops.aten.any: False}
 _SCALAR_READ = torch.ops.aten._local_scalar_dense
 
 
+class _EnteredModules(dict):
+    """The set of modules a ModuleTracker is inside, kept in the order they were entered (a dict's key order)."""
+
+    def __init__(self, names: Any = ()) -> None:
+        super().__init__(dict.fromkeys(names))
+
+    def add(self, name: str) -> None:
+        self.pop(name, None)
+        self[name] = None
+
+    def remove(self, name: str) -> None:
+        del self[name]
+
+
 class _Recorder(TorchDispatchMode):
     """Private dispatch mode: appends an OpRecord per aten op that touches a meta tensor."""
 
@@ -106,7 +120,13 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(OpRecord(start, phase, module, call, [kernel], True))
 
     def _module(self) -> str:
-        deepest = max(self.tracker.parents, key=lambda p: (p.count("."), len(p)), default="Global")
+        parents = self.tracker.parents
+        if not isinstance(parents, _EnteredModules):   # the tracker resets it to a plain set after a backward pass
+            parents = self.tracker.parents = _EnteredModules(sorted(parents))
+        # the deepest module; of equally deep ones (a checkpointed layer's recomputation can leave the previous
+        # layer's entry behind) the one entered last, never the order of a set of strings, which varies by process
+        order = {p: i for i, p in enumerate(parents)}
+        deepest = max(parents, key=lambda p: (p.count("."), order[p]), default="Global")
         if deepest == "Global":
             return ""
         return deepest[len(self.root):] if deepest.startswith(self.root) else ("" if "." not in deepest else deepest)
@@ -528,6 +548,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t))
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
     tracker = ModuleTracker()
+    tracker.parents = _EnteredModules(["Global"])
     rec = _Recorder(tracker, type(module).__name__)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
         from neusight.graph.quant import apply_weight_quant
