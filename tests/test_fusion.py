@@ -43,6 +43,60 @@ def test_a_pointwise_chain_between_gemms_becomes_one_kernel_that_reads_and_write
     pd.testing.assert_frame_equal(gemms(eager), gemms(fused))
 
 
+class _SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the silu runs between the gate and up GEMMs, its product after both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(64, 256), nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_pointwise_op_fuses_with_its_consumer_across_a_gemm_that_does_not_read_it():
+    # Inductor schedules by dataflow, not program order: silu(gate) * up is one kernel, run after the up GEMM
+    g = neusight.trace(_SwiGLU(), batch_size=8, input_shapes=[(64,)], mode="inference")
+    fused = fused_kernels(g)
+    (row,) = fused[fused["kernel"] == FUSED_KERNEL].itertuples()
+    assert row.aten_op == "fused:silu+mul"
+    assert row.bytes == 3 * 8 * 256 * 4            # reads both GEMMs' outputs, writes the product, once each
+    # it runs after both GEMMs that feed it (gate, up) and before the one that reads it (down)
+    assert list(fused["kernel"]) == ["addmm_tn", "addmm_tn", FUSED_KERNEL, "addmm_tn"]
+
+
+class _ReadByGemm(nn.Module):
+    """y = relu(a(x)); b(y) + y: the GEMM b reads relu's output, so relu must run before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        return self.b(y) + y
+
+
+def test_a_group_a_gemm_reads_never_fuses_with_kernels_after_that_gemm():
+    g = neusight.trace(_ReadByGemm(), batch_size=8, input_shapes=[(64,)], mode="inference")
+    fused = fused_kernels(g)
+    assert not (fused["kernel"] == FUSED_KERNEL).any()
+    assert len(fused) == len(g.kernels)
+
+
+class _RMSNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_norm_over_one_row_is_one_kernel():
+    # at batch 1 the row's mean is a one-element tensor; it is data made by the trace and links the ops after it
+    g = neusight.trace(_RMSNorm(), batch_size=1, input_shapes=[(4096,)], mode="inference")
+    fused = fused_kernels(g)
+    assert len(g.kernels) >= 4 and len(fused) == 1
+    assert fused["bytes"].iloc[0] == 2 * 4096 * 4
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     return neusight.trace("gpt2", batch_size=2, seq_len=128, mode="inference")
@@ -95,3 +149,28 @@ def test_a_fusion_label_is_predicted_fused_next_to_its_eager_baseline():
     eager = predict_label(dataclasses.replace(run, option=None), None, cache)
     assert fused["predicted_ms"] < eager["predicted_ms"]
     assert fused["eager_error_pct"] == pytest.approx(eager["error_pct"])
+
+
+class _AmaxScale(nn.Module):
+    """x / amax(|x|) over a whole activation, as an FP8 cast scales its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 16384)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return y * torch.reciprocal(y.abs().max())
+
+
+def test_what_uses_a_whole_tensor_reduction_runs_in_a_later_kernel_and_reads_its_input_again():
+    g = neusight.trace(_AmaxScale(), batch_size=8, input_shapes=[(64,)], mode="inference")
+    fused = fused_kernels(g)
+    memory_bound = fused[fused["family"] != "linear"]
+    y = 8 * 16384 * 4
+    # the amax (with the abs feeding it) is one kernel; the reciprocal and the scaling another, which reads y again
+    assert list(memory_bound["aten_op"]) == ["fused:abs+max", "fused:reciprocal+mul"]
+    assert memory_bound["bytes"].iloc[1] >= 2 * y
+    # a row reduction is not split: a norm over rows of the same tensor stays one kernel with what uses it
+    small = neusight.trace(_RMSNorm(), batch_size=8, input_shapes=[(16384,)], mode="inference")
+    assert len(fused_kernels(small)) == 1

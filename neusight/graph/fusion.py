@@ -9,20 +9,27 @@ intermediate tensors never reach DRAM. That is the whole model here:
 1. Barriers: GEMM-like kernels (linear, bmm, conv) and phase changes split the program into segments.
 2. In a segment, memory-bound kernels joined by dataflow (one produces what the other reads) form a group
    (union-find over storages; a storage is re-versioned on every write, so a reused address or an in-place
-   update never links unrelated kernels).
+   update never links unrelated kernels). Inductor schedules by dataflow, not program order, so a group also
+   takes a kernel after a GEMM while nothing outside the group has read the group's outputs yet (in the same
+   phase): a SwiGLU's silu, run between its gate and up GEMMs in eager, fuses with the product after the up
+   GEMM. A group that a GEMM (or any kernel outside it) reads must run before that reader and stays closed.
 3. A group becomes one kernel: FLOPs summed; bytes = inputs read from outside the group (each storage version
    once, at most its size and at most what the reading kernel was traced to move) + outputs read after the
    group, kept alive at the end (the model's outputs) or never read in the trace (gradients).
-   Its family is the strongest reduction in it (softmax, then layer norm, then batch norm, reduction,
-   pooling), else elementwise; its dims are those of the group's biggest kernel of that family.
+   It runs at its first member after its last outside input is made. Its family is the strongest reduction in
+   it (softmax, then layer norm, then batch norm, reduction, pooling), else elementwise; its dims are those of
+   the group's biggest kernel of that family.
 
-NB: Inductor's own limits on what fuses (e.g. reductions over different axes in one kernel) are not modelled,
-so a group can be fused further than Inductor manages: the forecast leans fast. CUDA graphs are not used by the
-default mode. Inductor's attention pattern rewrite (matmul -> scale -> [+ mask] -> softmax -> matmul handed to
-scaled_dot_product_attention) is not modelled either: tried on the 8 ``-fusion`` labels (A100, L4; BERT Large,
-GPT-2 Large), rewriting every such chain of our traces into one memory-efficient attention kernel took the mean
-absolute error from 6.5 % to 10.6 % (A100 BERT improved from +8.5 / +9.8 % to -1.7 / -0.3 %, the rest got
-worse). The labels' GPT-2 masks its scores with ``torch.where``, which no pattern matches, while the
+One limit of Inductor's is kept: a reduction of a whole tensor into a few values (an FP8 cast's amax) is split
+over many thread blocks, so what uses its result runs in a later kernel (``_split_reduction``); such a
+reduction shares a kernel only with the pointwise ops that feed it, and a group one other group alone reads is
+inlined into that group. NB: Inductor's other limits on what fuses (e.g. row reductions over different axes in
+one kernel) are not modelled, so a group can be fused further than Inductor manages: the forecast leans fast.
+CUDA graphs are not used by the default mode. Inductor's attention pattern rewrite (matmul -> scale -> [+ mask] ->
+softmax -> matmul handed to scaled_dot_product_attention) is not modelled either: tried on the 8 ``-fusion`` labels
+(A100, L4; BERT Large, GPT-2 Large), rewriting every such chain of our traces into one memory-efficient attention
+kernel took the mean absolute error from 6.5 % to 10.6 % (A100 BERT improved from +8.5 / +9.8 % to -1.7 / -0.3 %,
+the rest got worse). The labels' GPT-2 masks its scores with ``torch.where``, which no pattern matches, while the
 transformers version traced here adds the mask, so the trace cannot tell which chains Inductor rewrote.
 """
 
@@ -40,6 +47,7 @@ FREE = frozenset({Family.VIEW.value})
 GROUP_FAMILY_ORDER = (Family.SOFTMAX.value, Family.LAYERNORM.value, Family.BATCHNORM.value, Family.REDUCTION.value,
                       Family.POOLING.value)
 FUSED_KERNEL = "fused"
+REDUCING = frozenset(GROUP_FAMILY_ORDER)
 
 
 def fused_kernels(g: Graph) -> pd.DataFrame:
@@ -64,6 +72,11 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
     readers: dict[tuple[int, int], set[int]] = {}
     parent: dict[int, int] = {}
     segment: dict[int, int] = {}
+    phase: dict[int, str] = {}
+    escaped: set[int] = set()                           # roots of groups something outside them has read
+    split: set[int] = set()                             # split reductions (_split_reduction)
+    reducing: set[int] = set()                          # roots of groups with a reduction (GROUP_FAMILY_ORDER)
+    level: dict[int, int] = {}                          # split reductions a kernel depends on, in a chain
     seg, last_phase = 0, None
 
     def find(i: int) -> int:
@@ -71,6 +84,14 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+            for flags in (escaped, reducing):
+                if ra in flags:
+                    flags.add(rb)
 
     for r in g.ops:
         fams = set(by_op[r.index]["family"]) - FREE if r.index in by_op else set()
@@ -94,7 +115,9 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
         for t in args:   # a storage of another size at a known address: a tenant we did not see
             if storage_bytes.get((t.storage, version.get(t.storage, 0)), t.nbytes) != t.nbytes:
                 version[t.storage] = version.get(t.storage, 0) + 1
-        ins = [(t.storage, version.get(t.storage, 0), min(t.view_nbytes, t.nbytes, cap)) for t in args if t.numel > 1]
+        # A one-element tensor made by a traced op (a row's mean at batch 1) is data, and links like any other.
+        ins = [(t.storage, version.get(t.storage, 0), min(t.view_nbytes, t.nbytes, cap)) for t in args
+               if t.numel > 1 or (t.numel == 1 and (t.storage, version.get(t.storage, 0)) in produced)]
         reads[r.index] = ins
         for s, v, _ in ins:
             readers.setdefault((s, v), set()).add(r.index)
@@ -107,18 +130,52 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
             outs.append((*key, t.view_nbytes))
         writes[r.index] = outs
         if fusible:
-            parent[r.index], segment[r.index] = r.index, seg
+            parent[r.index], segment[r.index], phase[r.index] = r.index, seg, r.phase
+            srcs = [src for s, v, _ in ins if (src := produced.get((s, v))) is not None and src in parent]
+            # a kernel that needs a split reduction's result runs after all of it: one level further
+            level[r.index] = max((level[src] + (src in split) for src in srcs), default=0)
+            if fams == {Family.REDUCTION.value} and _split_reduction(r.call):
+                split.add(r.index)
+            for src in srcs:
+                if level[src] == level[r.index] and src not in split and (
+                        segment[src] == seg or (phase[src] == r.phase and find(src) not in escaped)) and not (
+                        r.index in split and find(src) in reducing):   # a split reduction takes pointwise only
+                    union(r.index, src)
+            if fams & REDUCING:
+                reducing.add(find(r.index))
+            # a group this kernel reads without joining it must run first: it can no longer join later kernels
             for s, v, _ in ins:
                 src = produced.get((s, v))
-                if src is not None and src in parent and segment[src] == seg:
-                    parent[find(r.index)] = find(src)
+                if src is not None and src in parent and find(src) != find(r.index):
+                    escaped.add(find(src))
         else:
-            seg += 1                                      # nothing fuses across a GEMM
+            for s, v, _ in ins:                           # a GEMM reads these groups' outputs: they run before it
+                src = produced.get((s, v))
+                if src is not None and src in parent:
+                    escaped.add(find(src))
+            seg += 1                                      # nothing fuses across a GEMM that reads the group
     held = {(t.storage, version.get(t.storage, 0)) for t in g.held}
 
     groups: dict[int, list[int]] = {}
     for i in parent:
         groups.setdefault(find(i), []).append(i)
+    # A group whose outputs one other group of its phase alone reads (nothing kept at the end) is inlined into it,
+    # as Inductor inlines a pointwise producer into its only consumer: the upcast before a split amax's scale
+    # multiplies it, which the dependency levels above kept apart.
+    for root in sorted(groups, key=lambda r: max(groups[r])):
+        if root not in groups:
+            continue
+        members = set(groups[root])
+        outs = [(s, v) for i in members for s, v, _ in writes[i]]
+        if members & split or not outs or any(o in held or not readers.get(o) for o in outs):
+            continue
+        outside = {j for o in outs for j in readers[o]} - members
+        if not outside or not outside <= parent.keys() or len({find(j) for j in outside}) != 1:
+            continue
+        consumer = find(next(iter(outside)))
+        if phase[consumer] == phase[root]:
+            union(root, consumer)
+            groups[consumer] = groups.pop(consumer) + groups.pop(root)
 
     rows, replaced = [], set()
     # 3: one row per group of two or more kernels; everything else is kept as traced
@@ -136,21 +193,41 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
         # or the next step takes; the trace does not see those readers)
         written = sum(b for i in members for s, v, b in writes[i]
                       if (s, v) in held or readers.get((s, v), set()) - ops or not readers.get((s, v)))
-        rows.append(_group_row(pd.concat([by_op[i] for i in sorted(members)]), sum(read.values()) + written))
+        # it runs once its last outside input is made: at the first member after that input's producer
+        ready = max((src for key in read if (src := produced.get(key)) is not None), default=-1)
+        at = min((i for i in ops if i > ready), default=min(ops))
+        rows.append(_group_row(pd.concat([by_op[i] for i in sorted(members)]), sum(read.values()) + written, at))
     kept = k[~k["op_index"].isin(replaced)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
     out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
     return out.sort_values("op_index", kind="stable").reset_index(drop=True)
 
 
-def _group_row(members: pd.DataFrame, nbytes: float) -> dict:
-    """The fused kernel of one group of member kernel rows."""
+# A reduction of at least this many elements into each of at most SPLIT_OUTPUTS values (a whole tensor's amax or
+# sum) is split by Inductor over many thread blocks and finished by another kernel, so nothing that uses its
+# result shares a kernel with it or with what it reads. Row reductions (norms, softmax, a loss per token) are not.
+SPLIT_REDUCED = 1 << 16
+SPLIT_OUTPUTS = 1024
+
+
+def _split_reduction(call) -> bool:
+    """Whether the reduction ``call`` reduces SPLIT_REDUCED or more elements into each of at most SPLIT_OUTPUTS."""
+    outs = [t.numel for t in call.outputs if t.numel > 0]
+    ins = [t.numel for t in call.tensor_args()]
+    if not outs or not ins:
+        return False
+    produced_values = max(outs)
+    return produced_values <= SPLIT_OUTPUTS and max(ins) >= SPLIT_REDUCED * produced_values
+
+
+def _group_row(members: pd.DataFrame, nbytes: float, at: int) -> dict:
+    """The fused kernel of one group of member kernel rows, run at op index ``at``."""
     fams = set(members["family"])
     family = next((f for f in GROUP_FAMILY_ORDER if f in fams), Family.ELEMENTWISE.value)
     of_family = members[members["family"] == family]
     lead = (of_family if len(of_family) else members).sort_values("bytes", kind="stable").iloc[-1]
     dims = lead["dims"] if len(of_family) else (1, int(max(np.prod(d) for d in members["dims"])))
-    return {"op_index": int(members["op_index"].min()), "phase": lead["phase"], "module": lead["module"],
+    return {"op_index": int(at), "phase": lead["phase"], "module": lead["module"],
             "aten_op": "fused:" + "+".join(dict.fromkeys(members["kernel"])), "family": family, "kernel": FUSED_KERNEL,
             "dims": tuple(int(x) for x in dims), "dtype": lead["dtype"], "flops": float(members["flops"].sum()),
             "algo_flops": float(members["flops"].sum()), "bytes": float(nbytes),
