@@ -409,6 +409,56 @@ def test_sdpa_is_selectable():
     assert (eager.kernels["family"] == "softmax").sum() > (sdpa.kernels["family"] == "softmax").sum()
 
 
+_GQA_LM = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512}
+
+
+def _attention_ops(g) -> list[str]:
+    k = g.kernels
+    return list(k.loc[k["module"].astype(str).str.fullmatch(r"model\.layers\.0\.self_attn"), "aten_op"])
+
+
+def test_sdpa_takes_the_backend_pytorch_picks_on_the_gpu():
+    """Grouped-query attention under sdpa: flash attention (keys and values as they are) in BF16 on compute capability
+    8.0+; on an older NVIDIA GPU the math backend (repeated keys and values, materialized scores), since the
+    memory-efficient kernel does not take grouped-query attention; without a GPU the memory-efficient kernel."""
+    run = dict(batch_size=2, seq_len=1, kv_cache=255, attn_implementation="sdpa", dtype="bfloat16")
+    flash = neusight.trace(_GQA_LM, device="a100-sxm4-40gb", **run)
+    ops = _attention_ops(flash)
+    assert "aten._scaled_dot_product_flash_attention.default" in ops and "aten.clone.default" not in ops
+    (att,) = [r for r in flash.ops if r.call.op.startswith("aten._scaled_dot_product_flash")][:1]
+    assert att.call.args[1].shape[1] == 2                      # the keys' 2 heads, not 8
+    assert any("flash attention" in n and "a100-sxm4-40gb" in n for n in flash.notes)
+
+    math_ops = _attention_ops(neusight.trace(_GQA_LM, device="v100-sxm2-16gb", **{**run, "dtype": "float16"}))
+    assert "aten.bmm.default" in math_ops and not any("efficient" in o or "flash" in o for o in math_ops)
+    fp32 = _attention_ops(neusight.trace(_GQA_LM, device="h100-sxm5-80gb", **{**run, "dtype": "float32"}))
+    assert "aten.bmm.default" in fp32                           # flash takes 16-bit inputs only
+
+    legacy = neusight.trace(_GQA_LM, **run)                    # no GPU: the memory-efficient kernel, as before
+    ops = _attention_ops(legacy)
+    assert "aten._scaled_dot_product_efficient_attention.default" in ops and "aten.clone.default" in ops
+    assert not any("scaled_dot_product_attention on" in n for n in legacy.notes)
+    # multi-head attention in FP32 on a flash-capable GPU: the memory-efficient kernel
+    mha = neusight.trace({**_GQA_LM, "num_key_value_heads": 8}, device="a100-sxm4-40gb", **{**run, "dtype": "float32"})
+    assert "aten._scaled_dot_product_efficient_attention.default" in _attention_ops(mha)
+
+
+def test_the_cli_traces_again_for_a_gpu_with_other_attention_backends(tmp_path):
+    import json
+
+    from neusight.cli.predict import PredictConfig, forecast
+
+    cfg_path = tmp_path / "gqa.json"
+    cfg_path.write_text(json.dumps(_GQA_LM))
+    cfg = PredictConfig(model=str(cfg_path), device=["v100-sxm2-16gb", "a100-sxm4-40gb", "h100-sxm5-80gb"],
+                        batch_size=2, seq_len=1, kv_cache=255, dtype="float16", attn_implementation="sdpa",
+                        memory=False)
+    preds = forecast(cfg)
+    backends = [next(n for n in p.notes if "scaled_dot_product_attention on" in n) for p in preds]
+    assert "math backend" in backends[0] and "flash attention" in backends[1] and "flash attention" in backends[2]
+
+
 @pytest.mark.parametrize("cfg,head,cls", [
     ("gpt2_large.json", None, "GPT2LMHeadModel"),
     ("gpt3_xl.json", None, "GPT2LMHeadModel"),

@@ -335,18 +335,20 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     from neusight.devices import load_device
     from neusight.graph.amp import model_dtype
     from neusight.graph.moe import depends_on_gpu, grouped_gemm_runs
-    from neusight.graph.tracer import trace
+    from neusight.graph.tracer import SDPA_MARK, sdpa_path, trace
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
     predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
-    # one trace, and one more per software path of the GPUs (grouped GEMM kernel or not) when its experts depend on it
-    graphs: dict[bool, Any] = {}
+    # one trace, and one more per software path of the GPUs (grouped GEMM kernel or not, attention backends) when its
+    # experts or its attention depend on it
+    graphs: dict[tuple[bool, str], Any] = {}
     preds = []
     for dev in devices:
-        path = grouped_gemm_runs(dev, model_dtype(cfg.dtype))
-        if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
+        path = (grouped_gemm_runs(dev, model_dtype(cfg.dtype)), sdpa_path(dev))
+        first = next(iter(graphs.values()), None)
+        if first is not None and not (depends_on_gpu(first.notes) or any(SDPA_MARK in n for n in first.notes)):
             path = next(iter(graphs))
         if path not in graphs:
             graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,

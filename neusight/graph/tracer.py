@@ -41,6 +41,16 @@ KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} 
 AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
             "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
+SDPA_MARK = "scaled_dot_product_attention on"   # in the note of a trace whose attention backend depends on the GPU
+SDPA_NOTE = SDPA_MARK + " {device} as PyTorch dispatches it: {how}"
+SDPA_BACKENDS = {
+    "flash": "flash attention (FP16 / BF16 on compute capability 8.0+, no mask; grouped-query keys and values read "
+             "as they are)",
+    "math": "the math backend for grouped-query attention (the memory-efficient kernel does not take it and flash "
+            "attention does not apply): keys and values repeated per query head, scores materialized, softmax, "
+            "two GEMMs",
+    "efficient": "the memory-efficient fused kernel",
+}
 LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
              "weight gradient or optimizer state for it)")
 LAYERDROP_NOTE = ("LayerDrop off: every layer is traced, where a training step skips each with probability {p} "
@@ -195,7 +205,13 @@ def _metas(obj: Any) -> Any:
 
 
 class _CudaPaths(TorchFunctionMode):
-    """Route functions whose meta/CPU implementation differs from the CUDA one to the CUDA kernels."""
+    """Route functions whose meta/CPU implementation differs from the CUDA one to the CUDA kernels (of ``device``
+    where PyTorch picks them by the GPU: scaled_dot_product_attention's backend)."""
+
+    def __init__(self, device: Any = None) -> None:
+        super().__init__()
+        self.device = device
+        self.sdpa: set[str] = set()    # the backends its scaled_dot_product_attention calls took (SDPA_BACKENDS)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -209,7 +225,9 @@ class _CudaPaths(TorchFunctionMode):
                 return torch.zeros_like(x)
             return x
         if func is F.scaled_dot_product_attention:
-            return _efficient_attention(*args, **kwargs)
+            backend = _sdpa_backend(self.device, *args, **kwargs)
+            self.sdpa.add(backend)
+            return _sdpa(backend, *args, **kwargs)
         if func is torch.lstm and _cudnn_rnn_applies(args, kwargs, lstm=True):
             return _cudnn_style_rnn("lstm", *args)
         if func is torch.gru and _cudnn_rnn_applies(args, kwargs, lstm=False):
@@ -290,11 +308,71 @@ def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_bias
     return (out, torch.stack(hn), torch.stack(cn)) if lstm else (out, torch.stack(hn))
 
 
+# PyTorch's FlashAttention-2 backend: NVIDIA compute capability 8.0 and later, FP16 / BF16, head dims up to 256 in
+# multiples of 8, no attention mask. It is SDPA's first choice where it applies, and with the math backend the only one
+# that takes grouped-query attention (enable_gqa) without repeating the keys and values (the
+# scaled_dot_product_attention docstring of the installed torch).
+FLASH_MIN_CC = 8.0
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> bool:
+    """Whether CUDA's scaled_dot_product_attention dispatches these inputs to flash attention on ``device``."""
+    if device is None or device.vendor != "nvidia":
+        return False
+    try:
+        cc = float(device.compute_capability)
+    except (TypeError, ValueError):
+        return False
+    d = q.shape[-1]
+    return (cc >= FLASH_MIN_CC and attn_mask is None and q.dtype in FLASH_DTYPES and k.dtype == v.dtype == q.dtype
+            and k.shape[-1] == v.shape[-1] == d and d <= FLASH_MAX_HEAD_DIM and d % 8 == 0 and q.dim() == 4)
+
+
+def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> str:
+    """scaled_dot_product_attention's CUDA backend for these inputs, as PyTorch picks it. On a known NVIDIA GPU:
+    flash attention where it applies (grouped-query keys and values read as they are); else, for grouped-query
+    attention, the math backend (repeated keys and values, score GEMM, softmax, GEMM), since the memory-efficient
+    kernel does not take it; else the memory-efficient kernel. Without a GPU (or on AMD): the memory-efficient
+    kernel always, with repeated keys and values for grouped-query attention."""
+    if _flash_runs(device, q, k, v, attn_mask):
+        return "flash"
+    if enable_gqa and k.shape[-3] != q.shape[-3] and device is not None and device.vendor == "nvidia":
+        return "math"
+    return "efficient"
+
+
+def _sdpa(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+          enable_gqa: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention run as ``backend`` (:func:`_sdpa_backend`) runs it."""
+    if backend == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if backend == "math":
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                 scale=scale, enable_gqa=enable_gqa)[0]
+    return _efficient_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def sdpa_path(device: Any) -> str:
+    """Which set of scaled_dot_product_attention backends ``device`` (a Device or None) offers: traces of
+    attention for GPUs with the same path are the same."""
+    if device is None or device.vendor != "nvidia":
+        return "efficient"
+    try:
+        return "flash" if float(device.compute_capability) >= FLASH_MIN_CC else "no-flash"
+    except (TypeError, ValueError):
+        return "no-flash"
+
+
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                          enable_gqa: bool = False) -> torch.Tensor:
-    """scaled_dot_product_attention as CUDA runs it in FP32: the memory-efficient fused kernel
-    (flash attention needs 16-bit inputs); a boolean mask becomes an additive bias first."""
+    """scaled_dot_product_attention as the memory-efficient fused kernel (CUDA's choice for FP32, with a mask, or
+    before compute capability 8.0); a boolean mask becomes an additive bias first."""
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
@@ -562,8 +640,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
     ssm_ctx = fused_calls(module, ssm_kernels, rec.fused_region)
     rng_ctx, drop_ctx = _fixed_rng(), _layerdrop_off(module, training)
+    paths = _CudaPaths(device)
     try:
-        with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, _CudaPaths(), rec, recompute_ctx, ssm_ctx as fused_names:
+        with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, paths, rec, recompute_ctx, ssm_ctx as fused_names:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
                 out = module(*args, **kwargs)
                 forward_calls = dispatch_calls(module)
@@ -585,7 +664,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     state: list[TensorMeta] = []
     if opt is not None:
         _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
-        with tracker, _CudaPaths(), rec:
+        with tracker, _CudaPaths(device), rec:
             rec.phase = "optimizer"
             grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if scaler and (clip_grad_norm is not None or not isinstance(opt, _FusedAdam)):
@@ -633,6 +712,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         notes += (LAYERDROP_NOTE.format(p=p_text, names=", ".join(f"{n}={p:g}" for n, p in dropped), keep=keep),)
     if ckpt:
         notes += (CHECKPOINT_NOTE.format(which="every layer" if ckpt is True else f"one layer in {ckpt}"),)
+    if device is not None and paths.sdpa:
+        notes += (SDPA_NOTE.format(device=device.key, how="; ".join(SDPA_BACKENDS[b] for b in sorted(paths.sdpa))),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
