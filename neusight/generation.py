@@ -21,6 +21,13 @@ __all__ = ["GenerationForecast", "predict_generation"]
 
 # decode steps are forecast at this many context lengths, evenly spread (the cost is smooth in the context)
 SAMPLES = 3
+# the notes of the last decode step a generation forecast repeats (after how its cache takes new tokens): the
+# host-bound warning (decode steps are where it matters), collectives and the attention backend
+GENERATION_NOTES = ("kernel launches", "collectives", "scaled_dot_product_attention on")
+CACHE_NOTES = {False: "each decode step concatenates its keys and values onto the whole KV cache (transformers' "
+                      "DynamicCache, as eager generate() runs)",
+               True: "each decode step writes its keys and values in place into a KV cache sized for the run "
+                     "(static_cache: transformers' StaticCache, as compiled generation and serving engines do)"}
 
 
 @dataclass
@@ -75,9 +82,12 @@ class GenerationForecast:
 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
-                       *, predictor: Any = None, tp: int = 1, **trace_kwargs: Any) -> GenerationForecast:
+                       *, predictor: Any = None, tp: int = 1, static_cache: bool = False,
+                       **trace_kwargs: Any) -> GenerationForecast:
     """Forecast ``generate()`` of ``new_tokens`` tokens after a ``prompt_len``-token prompt (see the module
     docstring). ``trace_kwargs`` go to :func:`neusight.trace` (``dtype=``, ``amp=``, ``attn_implementation=``...).
+    ``static_cache`` writes each decode step's keys and values in place (:func:`neusight.trace`), as compiled
+    generation and serving engines do, instead of concatenating the whole cache every step.
     ``tp`` > 1 splits the model over that many GPUs (:func:`neusight.parallel.predict_parallel`: each GPU's share of
     every layer, its share of the KV cache's heads, and two all-reduces of the new tokens' activations per layer).
 
@@ -94,6 +104,8 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     if {"mode", "seq_len", "kv_cache"} & set(trace_kwargs):
         raise InputError("predict_generation sets mode, seq_len and kv_cache itself. Fix: give prompt_len and "
                          "new_tokens instead")
+    if not isinstance(static_cache, bool):
+        raise InputError(f"static_cache={static_cache!r} is not true or false. Fix: static_cache=True or leave it out")
     device = load_device(device)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
@@ -125,7 +137,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
         for c in cached:
             try:   # the last step holds the longest cache: its memory is the run's
-                p = forecast(1, memory=c == cached[-1], kv_cache=c)
+                p = forecast(1, memory=c == cached[-1], kv_cache=c, static_cache=static_cache)
             except InputError as e:
                 raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
                                  f"{e}") from None
@@ -139,7 +151,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     else:
         decode = 0.0
         peak = peak_of(forecast(prompt_len, memory=True))
-    # the host-bound warning of the last step forecast (decode steps are where it matters), if it has one
     return GenerationForecast(first.model, device, batch_size, prompt_len, new_tokens, first.latency_ms, decode,
-                              steps, tuple(n for n in notes if "kernel launches" in n or "collectives" in n), tp,
+                              steps, ((CACHE_NOTES[static_cache],) if steps else ())
+                              + tuple(n for n in notes if any(w in n for w in GENERATION_NOTES)), tp,
                               peak, None if peak is None else peak <= device.memory_bytes)

@@ -43,6 +43,8 @@ BAD = {
     "evaluate-unknown-option": (("neusight-evaluate", "labels.options=[dp4]", "cnn.enabled=false"), "'dp4'"),
     "predict-kv-cache-on-an-encoder": (("neusight-predict", "model=bert-base", "device=t4", "seq_len=8", "kv_cache=16"),
                                        "decoder-only causal language model"),
+    "predict-static-cache-without-a-cache": (("neusight-predict", "model=gpt2", "device=t4", "static_cache=true"),
+                                             "static_cache=True"),
     "predict-generation-training": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8", "mode=training"),
                                     "new_tokens=8"),
     "predict-unknown-amp": (("neusight-predict", "model=gpt2", "device=t4", "amp=float8"), "amp='float8'"),

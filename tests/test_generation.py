@@ -37,6 +37,15 @@ def test_totals_integrate_the_steps(gen):
     assert one.decode_ms == 0 and one.steps == [] and one.total_ms == gen.prefill_ms
 
 
+def test_a_static_cache_changes_the_decode_steps_only(gen):
+    static = neusight.predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=100, new_tokens=41,
+                                         static_cache=True)
+    assert static.prefill_ms == gen.prefill_ms             # the prompt fills an empty cache either way
+    step = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=1, mode="inference", kv_cache=120,
+                            memory=False, static_cache=True)
+    assert dict(static.steps)[120] == step.latency_ms <= dict(gen.steps)[120]   # small copies: both at the floor
+
+
 @pytest.mark.parametrize("kw, fragment", [
     (dict(new_tokens=0), "new_tokens=0"),
     (dict(prompt_len=1000, new_tokens=100), "prompt_len=1000 + new_tokens=100"),

@@ -1071,6 +1071,25 @@ def test_a_decode_step_attends_over_the_whole_cache_and_grows_it():
     assert {d for d in grow["dims"]} == {(2 * 12 * 64, 64)}     # (batch x heads x 64 positions, head_dim)
 
 
+def test_a_static_cache_writes_the_new_tokens_in_place_instead_of_growing_the_cache():
+    """static_cache=True: each layer copies its new token's keys and values into a buffer sized for the run (as
+    transformers' StaticCache does) and attends over the filled part; nothing concatenates the whole cache."""
+    grown, static = (neusight.trace("gpt2", batch_size=2, seq_len=1, kv_cache=63, static_cache=s) for s in (False, True))
+    attn = lambda g, op: g.kernels[g.kernels["aten_op"].str.startswith(op)  # noqa: E731
+                                   & g.kernels["module"].str.endswith("h.0.attn")]
+    assert len(attn(grown, "aten.cat")) == 2 and len(attn(static, "aten.cat")) == 0
+    writes = attn(static, "aten.copy_")
+    new_token = 2 * 12 * 1 * 64 * 4                              # batch x heads x 1 token x head_dim x FP32
+    assert len(writes) == 2 and (writes["bytes"] < 4 * new_token).all()
+    assert attn(static, "aten.bmm")["flops"].sum() == attn(grown, "aten.bmm")["flops"].sum()   # 64 positions each
+    assert any("written in place" in n for n in static.notes)
+    fast, slow = (neusight.predict("llama-3.2-1b", "l4", batch_size=8, seq_len=1, kv_cache=2047, dtype="bfloat16",
+                                   static_cache=s) for s in (True, False))
+    assert fast.latency_ms < slow.latency_ms and fast.memory.peak_bytes < slow.memory.peak_bytes
+    with pytest.raises(InputError, match="static_cache=True"):
+        neusight.trace("gpt2", batch_size=2, seq_len=8, static_cache=True)
+
+
 def test_generation_costs_grow_with_the_context_and_the_cache_is_held_in_memory():
     short, long = (neusight.predict("gpt2", "a100-80gb-pcie", batch_size=4, seq_len=1, kv_cache=n) for n in (64, 960))
     assert long.latency_ms > short.latency_ms

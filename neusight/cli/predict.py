@@ -72,6 +72,8 @@ class PredictConfig:
     fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling; Ada / Hopper / CDNA3)
     weight_quant: Optional[str] = None   # inference with int8 / int4 weights (weight-only, dequantized in the GEMM)
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
+    static_cache: bool = False           # generation: new tokens written in place (StaticCache, serving engines), not
+    #                                      concatenated onto the whole cache every step (eager DynamicCache)
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
@@ -276,7 +278,8 @@ def _step_options(cfg: Any) -> dict[str, Any]:
     targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
     out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets,
            "moe_kernels": getattr(cfg, "moe_kernels", "auto"), "ssm_kernels": getattr(cfg, "ssm_kernels", "fused"),
-           "fp8": getattr(cfg, "fp8", False), "weight_quant": getattr(cfg, "weight_quant", None)}
+           "fp8": getattr(cfg, "fp8", False), "weight_quant": getattr(cfg, "weight_quant", None),
+           "static_cache": getattr(cfg, "static_cache", False)}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
         from omegaconf import OmegaConf
@@ -537,7 +540,7 @@ def _generation(cfg: PredictConfig) -> float:
         f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
                                predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp, head=cfg.head,
                                attn_implementation=cfg.attn_implementation, tp=cfg.tp, fp8=cfg.fp8,
-                               weight_quant=cfg.weight_quant)
+                               weight_quant=cfg.weight_quant, static_cache=cfg.static_cache)
         print(("\n" if i else "") + f.summary())
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,

@@ -33,6 +33,7 @@ class TraceConfig:
     fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling)
     weight_quant: Optional[str] = None   # inference with int8 / int4 weights (weight-only, dequantized in the GEMM)
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
+    static_cache: bool = False           # generation: new tokens written in place (StaticCache), not concatenated
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)

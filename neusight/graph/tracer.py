@@ -11,6 +11,7 @@ nn.LSTM / nn.GRU / nn.RNN run one recurrent GEMM and one fused cell kernel per t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import random
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 MODES = ("inference", "training")
 KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} cached ones (transformers' "
            "DynamicCache, read by every layer and grown by concatenation, as eager generate() runs)")
+STATIC_KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} cached ones, written in place "
+                  "into a cache sized for the run (static_cache: transformers' StaticCache, as compiled generation and "
+                  "serving engines' paged caches write it) and read by every layer")
 AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
             "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
@@ -469,7 +473,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
-          ssm_kernels: str = "fused", device: Any = None) -> Graph:
+          ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -550,6 +554,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         after ``kv_cache`` tokens already in the cache, e.g. ``seq_len=1, kv_cache=2047`` for one decode step at
         context 2048. The cache (transformers' ``DynamicCache``, filled before the trace, so it counts as a model
         input) is read by every layer's attention and grown by ``seq_len``, as Hugging Face's eager generation does.
+    static_cache : bool
+        With ``kv_cache``: the cache is a buffer sized for the run, and each step writes its new tokens' keys and
+        values in place (one copy of their bytes), as transformers' ``StaticCache`` (compiled generation) and the
+        paged caches of serving engines do, instead of concatenating the whole cache again every step.
 
     Returns
     -------
@@ -579,6 +587,12 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
     amp_t = amp_dtype(amp)
     _check_kv_cache(built, kv_cache, mode, seq_len)
+    if not isinstance(static_cache, bool):
+        raise InputError(f"static_cache={static_cache!r} is not true or false. Fix: static_cache=True or leave it out")
+    if static_cache and not kv_cache:
+        raise InputError("static_cache=True is how a KV cache takes new tokens, and this run has none (kv_cache is not "
+                         "set). Fix: kv_cache=<cached tokens> with seq_len=<new tokens>, e.g. kv_cache=2047 seq_len=1, "
+                         "or leave static_cache out")
     if amp_t is not None and torch_dtype != torch.float32:
         dt = str(torch_dtype).removeprefix("torch.")
         raise InputError(f"amp={amp!r} casts an FP32 model's operations, but dtype={dt!r}. Fix: dtype='float32' with "
@@ -623,7 +637,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
     if kv_cache:
-        kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t))
+        kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0))
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
     tracker = ModuleTracker()
     tracker.parents = _EnteredModules(["Global"])
@@ -696,7 +710,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     notes += (ssm,) if ssm else ()
     notes += (layers_note,) if layers_note else ()
     if kv_cache:
-        notes += (KV_NOTE.format(n=kv_cache, t=seq_len),)
+        notes += ((STATIC_KV_NOTE if static_cache else KV_NOTE).format(n=kv_cache, t=seq_len),)
     if amp_name:
         notes += (AMP_NOTE.format(dtype=amp_name, scaler=" with GradScaler" if scaler else ""),)
     if adapted:
@@ -809,10 +823,12 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
                          f"{built.max_seq_len} positions. Fix: kv_cache + seq_len <= {built.max_seq_len}")
 
 
-def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torch.dtype | None) -> dict[str, Any]:
+def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torch.dtype | None,
+                     room: int = 0) -> dict[str, Any]:
     """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, shaped and
     typed as the model's own first step stores it (under autocast the dtype depends on the model: GPT-2 caches its
-    FP16 projections, Llama the FP32 result of its rotary embedding)."""
+    FP16 projections, Llama the FP32 result of its rotary embedding). ``room`` > 0: each attention layer is an
+    in-place layer (:func:`_in_place_layer_class`) with room for that many more tokens (``static_cache``)."""
     from transformers import DynamicCache
 
     hybrid = _hybrid_cache(module)
@@ -823,13 +839,53 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
     if hybrid is not None:
-        return {"cache": _grown_hybrid_cache(probe, batch, length), "use_cache": True}
-    cache = DynamicCache()
-    for i, layer in enumerate(probe.layers):
-        keys, values = (torch.zeros(batch, t.shape[1], length, t.shape[3], dtype=t.dtype, device="meta")
-                        for t in (layer.keys, layer.values))
-        cache.update(keys, values, i)
+        cache = _grown_hybrid_cache(probe, batch, length)
+    else:
+        cache = DynamicCache()
+        for i, layer in enumerate(probe.layers):
+            keys, values = (torch.zeros(batch, t.shape[1], length, t.shape[3], dtype=t.dtype, device="meta")
+                            for t in (layer.keys, layer.values))
+            cache.update(keys, values, i)
+    if room:
+        from transformers.cache_utils import DynamicLayer
+
+        for i, layer in enumerate(cache.layers):   # attention layers (not sliding-window or state-space ones)
+            if type(layer) is DynamicLayer and isinstance(getattr(layer, "keys", None), torch.Tensor):
+                cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room)
     return {"cache": cache, "use_cache": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _in_place_layer_class() -> type:
+    """The static (in-place) cache layer class (built on first use: transformers is imported only for a KV cache)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class InPlaceLayer(DynamicLayer):
+        """A cache layer whose keys and values sit in a buffer with room for the run's new tokens: an update copies
+        them in place and returns the filled part, as transformers' StaticCache (``index_copy_``) does."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+            super().__init__()
+            self.filled = keys.shape[-2]
+            self.keys, self.values = (torch.zeros(*t.shape[:-2], self.filled + room, t.shape[-1], dtype=t.dtype,
+                                                  device=t.device) for t in (keys, values))
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            n = key_states.shape[-2]
+            if self.filled + n > self.keys.shape[-2]:
+                raise TraceError(f"the static KV cache has room for {self.keys.shape[-2]} tokens; "
+                                 f"{self.filled + n} were written")
+            self.keys[..., self.filled:self.filled + n, :].copy_(key_states)
+            self.values[..., self.filled:self.filled + n, :].copy_(value_states)
+            self.filled += n
+            return self.keys[..., :self.filled, :], self.values[..., :self.filled, :]
+
+        def get_seq_length(self) -> int:
+            return self.filled
+
+    return InPlaceLayer
 
 
 def _hybrid_cache(module: torch.nn.Module) -> Any:
