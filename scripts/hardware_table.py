@@ -3,8 +3,10 @@
     python scripts/hardware_table.py                 # ~1 min on 2 cores
     python scripts/hardware_table.py --out /tmp/hardware.md
 
-Each run is traced once and predicted on every GPU with the shipped predictors (``neusight.predict_graph``; AMD GPUs
-by data/predictor-amd), memory included: a step that does not fit is marked. These are forecasts: the accuracy
+Each run is traced once, and again for a GPU on which the software stack takes another path (the experts' grouped
+GEMM, the attention backend: ``neusight.graph.tracer.software_path``), as ``neusight-predict`` does, and predicted on
+every GPU with the shipped predictors (``neusight.predict_graph``; AMD GPUs by data/predictor-amd), memory included: a
+step that does not fit is marked. These are forecasts: the accuracy
 the method reaches where it could be measured is in docs/evaluation.md (FP32 training and inference of the
 NeuSight label models, CNN rows in FP32 / TF32 / AMP) and docs/unseen.md; mixed-precision, FP8 and quantized
 transformers and generation have no measurement to check against.
@@ -52,6 +54,9 @@ RUNS = [
      dict(batch_size=1, seq_len=1, mode="inference", kv_cache=1023, dtype="bfloat16", weight_quant="int4")),
     ("Mixtral 8x7B decode step with int4 weights (its experts too), batch 8, context 2048, bf16", "mixtral-8x7b",
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16", weight_quant="int4")),
+    ("Llama-3-8B decode step as a server runs it (SDPA attention, static KV cache), batch 32, context 4096, bf16",
+     "llama-3-8b", dict(batch_size=32, seq_len=1, mode="inference", kv_cache=4095, dtype="bfloat16",
+                        attn_implementation="sdpa", static_cache=True)),
     ("ViT-Base/16 training, batch 128, 224 x 224, FP32 (TF32 patch convolution where the GPU has it), AdamW",
      "vit-base", dict(batch_size=128, mode="training")),
     # on several GPUs (neusight.predict_parallel): memory is one GPU's
@@ -66,7 +71,7 @@ def forecast() -> pd.DataFrame:
     from neusight.api import predict_graph
     from neusight.devices import load_device
     from neusight.errors import InputError
-    from neusight.graph.tracer import trace
+    from neusight.graph.tracer import depends_on_gpu, software_path, trace
     from neusight.memory import estimate_memory
 
     from neusight.parallel import predict_parallel
@@ -81,10 +86,16 @@ def forecast() -> pd.DataFrame:
             continue
         kw = dict(kw)
         fused = kw.pop("fused", False)
-        g = trace(model, **kw)
+        graphs: dict[tuple, object] = {}
         for key in GPUS:
             dev = load_device(key)
+            path = software_path(dev, kw.get("dtype", "float32"))
+            if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
+                path = next(iter(graphs))
             try:
+                if path not in graphs:
+                    graphs[path] = trace(model, device=dev, **kw)
+                g = graphs[path]
                 p = predict_graph(g, dev, fused=fused)
             except InputError:   # FP8 GEMMs on a GPU without FP8 tensor cores (neusight.graph.fp8.check_fp8_device)
                 if not kw.get("fp8"):

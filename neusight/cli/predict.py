@@ -336,9 +336,7 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     (an anchor GPU, last in the list) when given."""
     from neusight.api import load_predictor, predict_graph, tf32_mode
     from neusight.devices import load_device
-    from neusight.graph.amp import model_dtype
-    from neusight.graph.moe import depends_on_gpu, grouped_gemm_runs
-    from neusight.graph.tracer import SDPA_MARK, sdpa_path, trace
+    from neusight.graph.tracer import depends_on_gpu, software_path, trace
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
@@ -349,9 +347,8 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     graphs: dict[tuple[bool, str], Any] = {}
     preds = []
     for dev in devices:
-        path = (grouped_gemm_runs(dev, model_dtype(cfg.dtype)), sdpa_path(dev))
-        first = next(iter(graphs.values()), None)
-        if first is not None and not (depends_on_gpu(first.notes) or any(SDPA_MARK in n for n in first.notes)):
+        path = software_path(dev, cfg.dtype)
+        if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
             path = next(iter(graphs))
         if path not in graphs:
             graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,

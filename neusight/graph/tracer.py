@@ -372,6 +372,23 @@ def sdpa_path(device: Any) -> str:
         return "no-flash"
 
 
+def software_path(device: Any, dtype: Any) -> tuple[bool, str]:
+    """What the software stack decides by the GPU for a model of ``dtype``: whether routed experts run as one
+    grouped GEMM (:func:`neusight.graph.moe.grouped_gemm_runs`) and the attention backends (:func:`sdpa_path`).
+    Traces for GPUs with the same path are the same."""
+    from neusight.graph.moe import grouped_gemm_runs
+
+    return grouped_gemm_runs(device, model_dtype(dtype)), sdpa_path(device)
+
+
+def depends_on_gpu(notes: Any) -> bool:
+    """Whether a trace with these notes took a GPU-specific path (experts of ``moe_kernels="auto"``, an attention
+    backend picked for the GPU), so that a GPU with another :func:`software_path` needs its own trace."""
+    from neusight.graph.moe import depends_on_gpu as experts_depend
+
+    return experts_depend(notes) or any(SDPA_MARK in n for n in notes)
+
+
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                          enable_gqa: bool = False) -> torch.Tensor:
