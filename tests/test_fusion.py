@@ -122,6 +122,33 @@ def test_fused_table_is_the_same_for_every_trace_of_the_model(gpt2):
     pd.testing.assert_frame_equal(fused_kernels(gpt2), fused_kernels(again))
 
 
+_FUSED_OF_A_TRACE = """
+import neusight
+from neusight.graph.fusion import fused_kernels
+cfg = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=512)
+f = fused_kernels(neusight.trace(cfg, 1, 256, "training", dtype="bfloat16", fp8=True, device="h100-sxm5-80gb"))
+print(f[["op_index", "aten_op", "dims", "bytes"]].to_csv())
+"""
+
+
+def test_fused_table_is_the_same_in_every_process():
+    """Storages are told apart by address; the tracer holds every recorded output's storage for the trace, so no
+    address is reused by a tensor made outside dispatch (the autograd engine's), which linked kernels that share
+    no data in a way that varied from process to process (an FP8 training step: 443-446 fused kernels seen)."""
+    import os
+    import subprocess
+    import sys
+
+    runs = []
+    for seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", _FUSED_OF_A_TRACE], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONHASHSEED": seed})
+        assert r.returncode == 0, r.stderr
+        runs.append(r.stdout)
+    assert runs[0] == runs[1]
+
+
 def test_predict_fused_is_faster_and_says_so():
     eager = neusight.predict("gpt2", "l4", batch_size=2, seq_len=128, memory=False)
     fused = neusight.predict("gpt2", "l4", batch_size=2, seq_len=128, memory=False, fused=True)

@@ -103,6 +103,11 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[OpRecord] = []
         self._verdicts = WeakTensorKeyDictionary()   # outputs of all() / any() on meta -> their plain-batch value
         self._in_region = False
+        # Every recorded output's storage, held for the trace: a storage's id is the address of its StorageImpl, and
+        # a freed one could be reused by a tensor made where the trace does not see it (the autograd engine, Python
+        # code outside dispatch), which would then pass for the recorded output. Which addresses get reused varies
+        # from process to process; holding them (meta storages have no data) keeps every id unique.
+        self._held: list[Any] = []
 
     @contextlib.contextmanager
     def fused_region(self, name: str, inputs: tuple, info: dict) -> Any:
@@ -169,6 +174,7 @@ class _Recorder(TorchDispatchMode):
         if not any(t.device.type == "meta" for t in flat_in) and not any(t.device.type == "meta" for t in flat_out):
             return out  # host-side scalar bookkeeping (e.g. optimizer step counters on the CPU)
         outs = tuple(TensorMeta.of(t) for t in flat_out)
+        self._held.extend(t.untyped_storage() for t in flat_out if t.device.type == "meta")
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled))
