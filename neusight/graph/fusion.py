@@ -173,6 +173,8 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
         if not outside or not outside <= parent.keys() or len({find(j) for j in outside}) != 1:
             continue
         consumer = find(next(iter(outside)))
+        if set(groups[consumer]) & split and root in reducing:
+            continue                                       # a split reduction takes pointwise ops only
         if phase[consumer] == phase[root]:
             union(root, consumer)
             groups[consumer] = groups.pop(consumer) + groups.pop(root)
