@@ -71,7 +71,7 @@ def forecast() -> pd.DataFrame:
     from neusight.api import predict_graph
     from neusight.devices import load_device
     from neusight.errors import InputError
-    from neusight.graph.tracer import depends_on_gpu, software_path, trace
+    from neusight.graph.tracer import trace, trace_key
     from neusight.memory import estimate_memory
 
     from neusight.parallel import predict_parallel
@@ -89,9 +89,7 @@ def forecast() -> pd.DataFrame:
         graphs: dict[tuple, object] = {}
         for key in GPUS:
             dev = load_device(key)
-            path = software_path(dev, kw.get("dtype", "float32"))
-            if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
-                path = next(iter(graphs))
+            path = trace_key(graphs, dev, kw.get("dtype", "float32"))
             try:
                 if path not in graphs:
                     graphs[path] = trace(model, device=dev, **kw)

@@ -336,7 +336,7 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     (an anchor GPU, last in the list) when given."""
     from neusight.api import load_predictor, predict_graph, tf32_mode
     from neusight.devices import load_device
-    from neusight.graph.tracer import depends_on_gpu, software_path, trace
+    from neusight.graph.tracer import trace, trace_key
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
     tf32_mode(cfg.tf32)
@@ -347,9 +347,7 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     graphs: dict[tuple[bool, str], Any] = {}
     preds = []
     for dev in devices:
-        path = software_path(dev, cfg.dtype)
-        if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
-            path = next(iter(graphs))
+        path = trace_key(graphs, dev, cfg.dtype)
         if path not in graphs:
             graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,
                                  head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,

@@ -137,7 +137,7 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
             if fams == {Family.REDUCTION.value} and _split_reduction(r.call):
                 split.add(r.index)
             for src in srcs:
-                if level[src] == level[r.index] and src not in split and (
+                if level[src] == level[r.index] and (
                         segment[src] == seg or (phase[src] == r.phase and find(src) not in escaped)) and not (
                         r.index in split and find(src) in reducing):   # a split reduction takes pointwise only
                     union(r.index, src)

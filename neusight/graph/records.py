@@ -44,8 +44,11 @@ class TensorMeta:
         return len(self.shape)
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "TensorMeta":
+    def of(cls, t: torch.Tensor, keep: list | None = None) -> "TensorMeta":
+        """The metadata of ``t``; ``keep``, if given, gets its storage appended (held alive by the caller)."""
         st = t.untyped_storage()
+        if keep is not None:
+            keep.append(st)
         return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), tuple(t.stride()), st._cdata, st.nbytes(),
                    bool(t.requires_grad))
 

@@ -173,8 +173,7 @@ class _Recorder(TorchDispatchMode):
         _tensors(tuple(kwargs.values()), flat_in)
         if not any(t.device.type == "meta" for t in flat_in) and not any(t.device.type == "meta" for t in flat_out):
             return out  # host-side scalar bookkeeping (e.g. optimizer step counters on the CPU)
-        outs = tuple(TensorMeta.of(t) for t in flat_out)
-        self._held.extend(t.untyped_storage() for t in flat_out if t.device.type == "meta")
+        outs = tuple(TensorMeta.of(t, self._held) for t in flat_out)
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled))
@@ -329,15 +328,10 @@ FLASH_MAX_HEAD_DIM = 256
 
 def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> bool:
     """Whether CUDA's scaled_dot_product_attention dispatches these inputs to flash attention on ``device``."""
-    if device is None or device.vendor != "nvidia":
-        return False
-    try:
-        cc = float(device.compute_capability)
-    except (TypeError, ValueError):
-        return False
     d = q.shape[-1]
-    return (cc >= FLASH_MIN_CC and attn_mask is None and q.dtype in FLASH_DTYPES and k.dtype == v.dtype == q.dtype
-            and k.shape[-1] == v.shape[-1] == d and d <= FLASH_MAX_HEAD_DIM and d % 8 == 0 and q.dim() == 4)
+    return (sdpa_path(device) == "flash" and attn_mask is None and q.dtype in FLASH_DTYPES
+            and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d and d <= FLASH_MAX_HEAD_DIM
+            and d % 8 == 0 and q.dim() == 4)
 
 
 def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
@@ -350,7 +344,7 @@ def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     kernel always, with repeated keys and values for grouped-query attention."""
     if _flash_runs(device, q, k, v, attn_mask):
         return "flash"
-    if enable_gqa and k.shape[-3] != q.shape[-3] and device is not None and device.vendor == "nvidia":
+    if enable_gqa and k.shape[-3] != q.shape[-3] and sdpa_path(device) != "efficient":   # NVIDIA: no GQA in it
         return "math"
     return "efficient"
 
@@ -385,6 +379,14 @@ def software_path(device: Any, dtype: Any) -> tuple[bool, str]:
     from neusight.graph.moe import grouped_gemm_runs
 
     return grouped_gemm_runs(device, model_dtype(dtype)), sdpa_path(device)
+
+
+def trace_key(graphs: dict, device: Any, dtype: Any) -> tuple[bool, str]:
+    """The key in ``graphs`` (traces by :func:`software_path`, first one first) whose trace ``device`` uses: its own
+    path, or the first trace's when that one took no GPU-specific path (:func:`depends_on_gpu`)."""
+    if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
+        return next(iter(graphs))
+    return software_path(device, dtype)
 
 
 def depends_on_gpu(notes: Any) -> bool:
