@@ -13,7 +13,7 @@ from torch import nn
 import neusight
 from neusight.errors import DataError
 from neusight.evaluate import find_labels, predict_label
-from neusight.graph.fusion import FUSED_KERNEL, fused_kernels
+from neusight.graph.fusion import FUSED_KERNEL, REWRITTEN_ATTENTION, fused_kernels
 from tests.conftest import DATASET, need_shared
 
 MEMORY_BOUND = ["elementwise", "softmax", "layernorm", "memory", "embedding", "reduction"]
@@ -100,6 +100,63 @@ def test_a_norm_over_one_row_is_one_kernel():
 @pytest.fixture(scope="module")
 def gpt2():
     return neusight.trace("gpt2", batch_size=2, seq_len=128, mode="inference")
+
+
+class _Attention(nn.Module):
+    """Scores = q k^T (scaled), softmax, times v; ``mask=True`` adds a causal mask after a multiplicative scale,
+    as transformers' eager GPT-2 / OPT / Llama attention does (no Inductor pattern takes that)."""
+
+    def __init__(self, mask: bool = False, divide: bool = False) -> None:
+        super().__init__()
+        self.qkv, self.mask, self.divide = nn.Linear(64, 192), mask, divide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 4, 16).transpose(1, 2) for t in self.qkv(x).split(64, dim=-1))
+        scores = q @ k.transpose(-1, -2)
+        scores = scores / 4.0 if self.divide else scores * 0.25
+        if self.mask:
+            scores = scores + torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 64)
+
+
+def test_an_unmasked_attention_chain_becomes_one_fused_attention_kernel_doing_both_gemms():
+    g = neusight.trace(_Attention(), batch_size=2, input_shapes=[(32, 64)], mode="inference")
+    eager, fused = g.kernels, fused_kernels(g)
+    (att,) = fused[fused["aten_op"] == REWRITTEN_ATTENTION].itertuples()
+    bmms = eager[eager["family"] == "bmm"]
+    assert len(bmms) == 2 and att.kernel == "attention" and att.flops == bmms["flops"].sum()
+    assert not (fused["family"].isin(["bmm", "softmax"]) & (fused["aten_op"] != REWRITTEN_ATTENTION)).any()
+    # q, k, v and the output (2 x 4 x 32 x 16 fp32 each) once: the 32 x 32 scores never reach DRAM
+    assert att.bytes == 4 * 2 * 4 * 32 * 16 * 4
+    p = neusight.predict(_Attention(), "a100-pcie-40gb", batch_size=2, input_shapes=[(32, 64)], fused=True)
+    assert any("scaled_dot_product_attention" in n for n in p.notes)
+
+
+def test_a_causal_mask_added_after_a_multiplication_keeps_the_chain_a_divided_one_does_not():
+    kept = fused_kernels(neusight.trace(_Attention(mask=True), batch_size=2, input_shapes=[(32, 64)]))
+    assert (kept["family"] == "bmm").sum() == 2 and not (kept["aten_op"] == REWRITTEN_ATTENTION).any()
+    divided = fused_kernels(neusight.trace(_Attention(mask=True, divide=True), batch_size=2, input_shapes=[(32, 64)]))
+    assert (divided["aten_op"] == REWRITTEN_ATTENTION).sum() == 1
+
+
+def test_training_steps_keep_their_attention_chains():
+    g = neusight.trace(_Attention(), batch_size=2, input_shapes=[(32, 64)], mode="training")
+    assert not (fused_kernels(g)["aten_op"] == REWRITTEN_ATTENTION).any()
+
+
+def test_a_fused_attention_kernel_is_bounded_by_all_of_its_flops():
+    # the same score-GEMM dims: attention does twice a GEMM's work (its backward five times), so it costs more
+    rows = pd.DataFrame({"family": "bmm", "kernel": ["bmm", "attention", "attention_bwd"],
+                         "dims": [(64, 512, 64, 512)] * 3, "flops": [2.0, 4.0, 10.0]})
+    rows["flops"] *= 64 * 512 * 64 * 512
+    rows = rows.assign(algo_flops=rows["flops"], bytes=4.0 * 64 * 3 * 512 * 64, dtype="float32")
+    from neusight.api import kernel_dims
+    frame = pd.concat([rows.drop(columns="dims"), kernel_dims(rows)], axis=1)
+    pred = neusight.predictor.model.Predictor.load().predict(frame, "a100-pcie-40gb")
+    roof = pred["roofline_ms"].to_numpy()
+    assert roof[1] == pytest.approx(2 * roof[0], rel=0.05) and roof[2] == pytest.approx(5 * roof[0], rel=0.05)
+    assert (pred["latency_ms"].diff().dropna() > 0).all()
 
 
 def test_fusion_keeps_every_gemm_and_never_adds_traffic(gpt2):

@@ -25,15 +25,24 @@ over many thread blocks, so what uses its result runs in a later kernel (``_spli
 reduction shares a kernel only with the pointwise ops that feed it, and a group one other group alone reads is
 inlined into that group. NB: Inductor's other limits on what fuses (e.g. row reductions over different axes in
 one kernel) are not modelled, so a group can be fused further than Inductor manages: the forecast leans fast.
-CUDA graphs are not used by the default mode. Inductor's attention pattern rewrite (matmul -> scale -> [+ mask] ->
-softmax -> matmul handed to scaled_dot_product_attention) is not modelled either: tried on the 8 ``-fusion`` labels
-(A100, L4; BERT Large, GPT-2 Large), rewriting every such chain of our traces into one memory-efficient attention
-kernel took the mean absolute error from 6.5 % to 10.6 % (A100 BERT improved from +8.5 / +9.8 % to -1.7 / -0.3 %,
-the rest got worse). The labels' GPT-2 masks its scores with ``torch.where``, which no pattern matches, while the
-transformers version traced here adds the mask, so the trace cannot tell which chains Inductor rewrote.
+CUDA graphs are not used by the default mode.
+
+Inductor's attention rewrite is modelled for inference (``_attention_rewrites``): a score GEMM -> scale ->
+softmax -> GEMM chain that one of its patterns matches becomes one scaled_dot_product_attention kernel (the fused
+``attention`` kernel, as ``attn_implementation="sdpa"`` traces it). Which chains match was checked against
+Inductor itself (``python scripts/bench_attention_rewrite.py``, docs/attention-rewrite.md): transformers' eager
+attention is rewritten where no mask is added (BERT, RoBERTa, ViT, BART's encoder and cross-attention) and kept
+where a causal mask is added after the scale (GPT-2, OPT, Llama); 11 of 12 model types agree (T5's cross-attention,
+whose zero position bias Inductor folds away, is rewritten there and not here). On the ``-fusion`` labels (torch 2.1) the
+measured compiled / eager ratio of BERT Large is 0.85 / 0.87 (A100, batch 8 / 16) and 0.84 / 0.85 (L4); forecast
+0.97 / 0.97 and 0.92 / 0.91 without the rewrite, 0.90 / 0.90 and 0.78 / 0.78 with it (GPT-2 Large: 0.89 / 0.87 and
+0.69 / 0.69 measured, 0.89 / 0.88 and 0.71 / 0.71 forecast either way). Training steps are not rewritten: there the
+rewrite also replaces the backward's GEMMs and softmax gradient, which this model does not follow.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -62,14 +71,13 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
     """
     k = g.kernels
     by_op = {i: d for i, d in k.groupby("op_index", sort=False)}
+    flow = _dataflow(g, by_op)
+    reads, writes, produced, readers = flow.reads, flow.writes, flow.produced, flow.readers
+    held = flow.held
+    attention = _attention_rewrites(g, by_op, flow)
+    rewritten = {i for chain in attention for i in chain.ops}
 
-    # 1-2: versioned storages -> producer op and readers; groups by union-find inside barrier-free segments
-    version: dict[int, int] = {}
-    produced: dict[tuple[int, int], int] = {}           # (storage, version) -> producing op index
-    storage_bytes: dict[tuple[int, int], int] = {}      # (storage, version) -> its size when produced
-    reads: dict[int, list[tuple[int, int, int]]] = {}   # op index -> [(storage, version, bytes read)]
-    writes: dict[int, list[tuple[int, int, int]]] = {}
-    readers: dict[tuple[int, int], set[int]] = {}
+    # 1-2: groups by union-find inside barrier-free segments
     parent: dict[int, int] = {}
     segment: dict[int, int] = {}
     phase: dict[int, str] = {}
@@ -94,41 +102,16 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
                     flags.add(rb)
 
     for r in g.ops:
-        fams = set(by_op[r.index]["family"]) - FREE if r.index in by_op else set()
-        if not fams:
-            # no kernel: a view or in-place alias reads and writes nothing; a fresh allocation (a storage none of
-            # its inputs has) is a new version, so a reused address never links to its previous tenant
-            aliased = {t.storage for t in r.call.tensor_args()}
-            for t in r.call.outputs:
-                if t.storage not in aliased:
-                    version[t.storage] = version.get(t.storage, 0) + 1
+        if r.index not in reads:
             continue
+        fams = set(by_op[r.index]["family"]) - FREE
         if r.phase != last_phase:
             seg += 1
         last_phase = r.phase
-        fusible = not fams & BARRIERS
-        # NB: a kernel reads at most its own traced bytes of an input (an embedding gathers a few rows of its
-        # table). Scalars and empty tensors (wrapped Python numbers, placeholders) are left out: they carry no
-        # data, and they are often created outside the trace, at an address a traced tensor used before.
-        cap = float(by_op[r.index]["bytes"].sum())
-        args = r.call.tensor_args()
-        for t in args:   # a storage of another size at a known address: a tenant we did not see
-            if storage_bytes.get((t.storage, version.get(t.storage, 0)), t.nbytes) != t.nbytes:
-                version[t.storage] = version.get(t.storage, 0) + 1
-        # A one-element tensor made by a traced op (a row's mean at batch 1) is data, and links like any other.
-        ins = [(t.storage, version.get(t.storage, 0), min(t.view_nbytes, t.nbytes, cap)) for t in args
-               if t.numel > 1 or (t.numel == 1 and (t.storage, version.get(t.storage, 0)) in produced)]
-        reads[r.index] = ins
-        for s, v, _ in ins:
-            readers.setdefault((s, v), set()).add(r.index)
-        outs = []
-        for t in r.call.outputs:
-            version[t.storage] = version.get(t.storage, 0) + 1
-            key = (t.storage, version[t.storage])
-            produced[key] = r.index
-            storage_bytes[key] = t.nbytes
-            outs.append((*key, t.view_nbytes))
-        writes[r.index] = outs
+        # an attention chain handed to scaled_dot_product_attention is one kernel that, like a GEMM, fuses with
+        # nothing around it
+        fusible = not fams & BARRIERS and r.index not in rewritten
+        ins = reads[r.index]
         if fusible:
             parent[r.index], segment[r.index], phase[r.index] = r.index, seg, r.phase
             srcs = [src for s, v, _ in ins if (src := produced.get((s, v))) is not None and src in parent]
@@ -154,7 +137,6 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
                 if src is not None and src in parent:
                     escaped.add(find(src))
             seg += 1                                      # nothing fuses across a GEMM that reads the group
-    held = {(t.storage, version.get(t.storage, 0)) for t in g.held}
 
     groups: dict[int, list[int]] = {}
     for i in parent:
@@ -199,10 +181,138 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
         ready = max((src for key in read if (src := produced.get(key)) is not None), default=-1)
         at = min((i for i in ops if i > ready), default=min(ops))
         rows.append(_group_row(pd.concat([by_op[i] for i in sorted(members)]), sum(read.values()) + written, at))
-    kept = k[~k["op_index"].isin(replaced)]
+    rows += [chain.row for chain in attention]
+    kept = k[~k["op_index"].isin(replaced | rewritten)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
     out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
     return out.sort_values("op_index", kind="stable").reset_index(drop=True)
+
+
+Key = tuple[int, int]   # (storage, version)
+
+
+@dataclass
+class _Flow:
+    """Which tensor versions each kernel-launching op reads and writes (views read and write nothing)."""
+    reads: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)   # op -> [(storage, version, bytes)]
+    writes: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    produced: dict[Key, int] = field(default_factory=dict)                       # version -> producing op
+    readers: dict[Key, set[int]] = field(default_factory=dict)
+    held: set[Key] = field(default_factory=set)                                  # kept alive at the end
+
+
+def _dataflow(g: Graph, by_op: dict[int, pd.DataFrame]) -> _Flow:
+    """Versioned storages of ``g``: a storage is re-versioned on every write, so a reused address or an in-place
+    update never links unrelated kernels."""
+    flow = _Flow()
+    version: dict[int, int] = {}
+    storage_bytes: dict[Key, int] = {}                  # (storage, version) -> its size when produced
+    for r in g.ops:
+        fams = set(by_op[r.index]["family"]) - FREE if r.index in by_op else set()
+        if not fams:
+            # no kernel: a view or in-place alias reads and writes nothing; a fresh allocation (a storage none of
+            # its inputs has) is a new version, so a reused address never links to its previous tenant
+            aliased = {t.storage for t in r.call.tensor_args()}
+            for t in r.call.outputs:
+                if t.storage not in aliased:
+                    version[t.storage] = version.get(t.storage, 0) + 1
+            continue
+        # NB: a kernel reads at most its own traced bytes of an input (an embedding gathers a few rows of its
+        # table). Scalars and empty tensors (wrapped Python numbers, placeholders) are left out: they carry no
+        # data, and they are often created outside the trace, at an address a traced tensor used before.
+        cap = float(by_op[r.index]["bytes"].sum())
+        args = r.call.tensor_args()
+        for t in args:   # a storage of another size at a known address: a tenant we did not see
+            if storage_bytes.get((t.storage, version.get(t.storage, 0)), t.nbytes) != t.nbytes:
+                version[t.storage] = version.get(t.storage, 0) + 1
+        # A one-element tensor made by a traced op (a row's mean at batch 1) is data, and links like any other.
+        ins = [(t.storage, version.get(t.storage, 0), min(t.view_nbytes, t.nbytes, cap)) for t in args
+               if t.numel > 1 or (t.numel == 1 and (t.storage, version.get(t.storage, 0)) in flow.produced)]
+        flow.reads[r.index] = ins
+        for s, v, _ in ins:
+            flow.readers.setdefault((s, v), set()).add(r.index)
+        outs = []
+        for t in r.call.outputs:
+            version[t.storage] = version.get(t.storage, 0) + 1
+            key = (t.storage, version[t.storage])
+            flow.produced[key] = r.index
+            storage_bytes[key] = t.nbytes
+            outs.append((*key, t.view_nbytes))
+        flow.writes[r.index] = outs
+    flow.held = {(t.storage, version.get(t.storage, 0)) for t in g.held}
+    return flow
+
+
+# Inductor's attention rewrite (torch/_inductor/fx_passes/fuse_attention.py) hands a chain score GEMM -> scale ->
+# softmax -> GEMM to scaled_dot_product_attention, which runs as one fused kernel (memory-efficient or flash
+# attention; the scores never reach DRAM). It matches a fixed set of patterns, checked against the installed torch
+# and transformers by ``python scripts/bench_attention_rewrite.py`` (docs/attention-rewrite.md), which compiles
+# small models on the CPU and counts the rewrites. Kept here: a scale by a constant (multiplied or divided) or none,
+# one softmax, casts, copies; an additive mask or bias only after a division (the masked patterns divide). Not
+# rewritten: a mask or bias added after a multiplication or without a scale (transformers' eager attention of
+# GPT-2, OPT, Llama: a causal mask), a torch.where / masked_fill mask, and training steps (the rewrite there also
+# replaces the backward's GEMMs and softmax gradient, which this model does not follow).
+REWRITE_SCALES = ("aten.mul.Tensor", "aten.div.Tensor")
+REWRITE_PASS = ("aten._to_copy.default", "aten.clone.default", "aten.alias.default")
+REWRITTEN_ATTENTION = "fused:scaled_dot_product_attention"   # the aten_op of a rewritten chain's kernel
+REWRITE_NOTE = ("torch.compile hands {n} attention score chains (score GEMM, scale, softmax, GEMM) to "
+                "scaled_dot_product_attention, as Inductor's attention rewrite does: one fused attention kernel each")
+
+
+@dataclass
+class _Chain:
+    ops: set[int]
+    row: dict
+
+
+def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -> list[_Chain]:
+    """The attention chains of an inference trace Inductor rewrites into scaled_dot_product_attention (see
+    REWRITE_SCALES), each with the fused attention kernel that replaces it and the copies only it read."""
+    if any(r.phase != "forward" for r in g.ops):
+        return []
+    aten = {i: str(d["aten_op"].iloc[0]) for i, d in by_op.items()}
+
+    def only_reader(i: int) -> int | None:
+        outs = flow.writes.get(i, [])
+        if len(outs) != 1 or (outs[0][:2]) in flow.held:
+            return None
+        who = flow.readers.get(outs[0][:2], set())
+        return next(iter(who)) if len(who) == 1 else None
+
+    chains = []
+    for a in sorted(i for i, op in aten.items() if op == "aten.bmm.default"):
+        chain, scale, masked, softmax = [], None, False, 0
+        cur = only_reader(a)
+        while cur is not None and aten.get(cur) != "aten.bmm.default":
+            op, n_in = aten.get(cur), len(flow.reads.get(cur, []))
+            if op in REWRITE_SCALES and n_in == 1 and scale is None and not masked and not softmax:
+                scale = op
+            elif op == "aten.add.Tensor" and n_in == 2 and scale == "aten.div.Tensor" and not masked and not softmax:
+                masked = True
+            elif op == "aten._softmax.default" and not softmax:
+                softmax = 1
+            elif op not in REWRITE_PASS or n_in != 1:
+                break
+            chain.append(cur)
+            cur = only_reader(cur)
+        else:
+            if cur is None or not softmax or flow.reads[cur][0][:2] != flow.writes[chain[-1]][0][:2]:
+                continue
+            b = cur
+            copies = {p for x in (a, b) for s, v, _ in flow.reads[x]
+                      if (p := flow.produced.get((s, v))) is not None and aten.get(p) == "aten.clone.default"
+                      and flow.readers.get((s, v)) == {x} and len(flow.writes[p]) == 1}
+            # q, k, v as the fused kernel reads them: the GEMMs' operands (the copies' inputs are the same bytes)
+            q, kt, v = flow.reads[a][0][2], flow.reads[a][1][2], flow.reads[b][1][2]
+            out = flow.writes[b][0][2]
+            ra, rb = by_op[a].iloc[0], by_op[b].iloc[0]
+            row = {"op_index": int(a), "phase": ra["phase"], "module": ra["module"],
+                   "aten_op": REWRITTEN_ATTENTION, "family": Family.BMM.value,
+                   "kernel": "attention", "dims": tuple(int(x) for x in ra["dims"]), "dtype": ra["dtype"],
+                   "flops": float(ra["flops"] + rb["flops"]), "algo_flops": float(ra["flops"] + rb["flops"]),
+                   "bytes": float(q + kt + v + out), "modeled": bool(ra["modeled"] and rb["modeled"])}
+            chains.append(_Chain({a, b, *chain, *copies}, row))
+    return chains
 
 
 # A reduction of at least this many elements into each of at most SPLIT_OUTPUTS values (a whole tensor's amax or

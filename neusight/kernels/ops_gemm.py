@@ -226,9 +226,14 @@ def _attention(q: TensorMeta, k: TensorMeta, v: TensorMeta, causal: bool, extra:
                outs: list[TensorMeta], backward: bool, name: str) -> Kernel:
     """Fused attention over (B, H, Lq, D) x (B, H, Lk, D): forward = two GEMMs, 4·B·H·Lq·Lk·D FLOPs
     (halved when causal, since masked tiles are skipped); backward recomputes the scores: 5 GEMMs, 2.5x.
-    Dims are the score GEMM's: (B·H, Lq, D, Lk). Bytes: q, k, v, out (+ bias, log-sum-exp) once."""
-    bh = math.prod(q.shape[:-2])
-    lq, d, lk = q.shape[-2], q.shape[-1], k.shape[-2]
+    Dims are the score GEMM's: (B·H, Lq, D, Lk); with grouped-query keys and values (fewer heads than the queries)
+    (B·H_kv, Lq·group, D, Lk), each key and value head serving its group of query heads as one GEMM, as flash
+    kernels pack them, so that the GEMM model reads each cached key and value once. Bytes: q, k, v, out (+ bias,
+    log-sum-exp) once."""
+    bh_q, bh = math.prod(q.shape[:-2]), math.prod(k.shape[:-2])
+    group = bh_q // bh if bh and bh_q % bh == 0 else 1
+    bh = bh_q // group
+    lq, d, lk = q.shape[-2] * group, q.shape[-1], k.shape[-2]
     flops = 4.0 * bh * lq * lk * d * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
     nbytes = sum(t.view_nbytes for t in [q, k, v] + extra + outs)
     return Kernel(Family.BMM, name, (bh, lq, d, lk), flops, float(nbytes), q.dtype)
