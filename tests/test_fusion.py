@@ -4,6 +4,7 @@ and the fusion labels of the dataset through the evaluation protocol."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pandas as pd
 import pytest
@@ -138,6 +139,26 @@ def test_a_causal_mask_added_after_a_multiplication_keeps_the_chain_a_divided_on
     assert (kept["family"] == "bmm").sum() == 2 and not (kept["aten_op"] == REWRITTEN_ATTENTION).any()
     divided = fused_kernels(neusight.trace(_Attention(mask=True, divide=True), batch_size=2, input_shapes=[(32, 64)]))
     assert (divided["aten_op"] == REWRITTEN_ATTENTION).sum() == 1
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("variant", [{}, {"mask": True}, {"mask": True, "divide": True}])
+def test_the_rewrite_rule_agrees_with_inductor_compiling_the_same_module(variant):
+    # ground truth: Inductor itself (its patterns do not depend on the device), counting the chains it rewrites
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._dynamo.reset()
+    # a cached graph skips the pattern pass, and its counter with it
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        with torch.no_grad():
+            torch.compile(_Attention(**variant).eval())(torch.randn(2, 32, 64))
+    torch._dynamo.reset()
+    ours = fused_kernels(neusight.trace(_Attention(**variant), batch_size=2, input_shapes=[(32, 64)]))
+    assert (ours["aten_op"] == REWRITTEN_ATTENTION).sum() == counters["inductor"].get("fuse_attention", 0)
 
 
 def test_training_steps_keep_their_attention_chains():
