@@ -28,7 +28,9 @@ from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "attention-rewrite.md"
-TYPES = ("bert", "roberta", "distilbert", "albert", "electra", "vit", "gpt2", "opt", "llama", "mistral", "bart", "t5")
+TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "albert", "electra", "mpnet", "deberta", "vit",
+         "deit", "gpt2", "gpt_neox", "gptj", "bloom", "falcon", "opt", "llama", "mistral", "qwen2", "gemma", "phi",
+         "bart", "mbart", "pegasus", "marian", "t5", "switch_transformers")
 BATCH, SEQ = 2, 32
 WIDTHS = {  # small widths, one layer; every name a config class may use for them
     "layers": (1, ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
@@ -49,8 +51,23 @@ def small_config(model_type: str):
     for value, names in WIDTHS.values():
         for name in names:
             if hasattr(cfg, name):
-                setattr(cfg, name, value)
+                try:
+                    setattr(cfg, name, value)
+                except AttributeError:      # a read-only property (derived from the fields set here)
+                    pass
+    if getattr(cfg, "rotary_dim", None):
+        cfg.rotary_dim = WIDTHS["head_dim"][0]
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:WIDTHS["layers"][0]]
+    vocab = WIDTHS["vocab"][0]
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) >= vocab:
+            setattr(cfg, name, vocab - 1)
     return cfg
+
+
+def _is_image(cfg) -> bool:
+    return hasattr(cfg, "image_size") and not hasattr(cfg, "vocab_size")
 
 
 def inductor_rewrites(cfg) -> int:
@@ -64,7 +81,7 @@ def inductor_rewrites(cfg) -> int:
     counters.clear()
     torch._dynamo.reset()
     model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
-    if cfg.model_type == "vit":
+    if _is_image(cfg):
         inputs = {"pixel_values": torch.randn(BATCH, 3, cfg.image_size, cfg.image_size)}
     else:
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
@@ -79,7 +96,7 @@ def model_rewrites(cfg) -> tuple[int, int]:
     import neusight
     from neusight.graph.fusion import REWRITTEN_ATTENTION, fused_kernels
 
-    kw = {"image_size": cfg.image_size} if cfg.model_type == "vit" else {"seq_len": SEQ}
+    kw = {"image_size": cfg.image_size} if _is_image(cfg) else {"seq_len": SEQ}
     if cfg.is_encoder_decoder:
         kw["head"] = "seq2seq"
     g = neusight.trace(cfg.to_dict(), batch_size=BATCH, mode="inference", attn_implementation="eager", **kw)
@@ -121,7 +138,7 @@ def main() -> None:
         "the CPU); `model rewrites`: chains neusight's fusion model replaces by one fused attention kernel "
         "(neusight/graph/fusion.py); `softmax kernels`: attention chains in the trace.", "",
         f"The rule agrees with Inductor on {agree} of {len(df)} model types.", "",
-        markdown_table(df), "",
+        markdown_table(df, index=False), "",
     ])
     atomic_write_text(args.out, text)
     print(f"wrote {args.out}")

@@ -107,9 +107,9 @@ class _Attention(nn.Module):
     """Scores = q k^T (scaled), softmax, times v; ``mask=True`` adds a causal mask after a multiplicative scale,
     as transformers' eager GPT-2 / OPT / Llama attention does (no Inductor pattern takes that)."""
 
-    def __init__(self, mask: bool = False, divide: bool = False) -> None:
+    def __init__(self, mask: bool = False, divide: bool = False, zero_bias: bool = False) -> None:
         super().__init__()
-        self.qkv, self.mask, self.divide = nn.Linear(64, 192), mask, divide
+        self.qkv, self.mask, self.divide, self.zero_bias = nn.Linear(64, 192), mask, divide, zero_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -118,6 +118,8 @@ class _Attention(nn.Module):
         scores = scores / 4.0 if self.divide else scores * 0.25
         if self.mask:
             scores = scores + torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        if self.zero_bias:   # T5's cross-attention adds a position bias of zeros, which Inductor folds away
+            scores = scores + torch.zeros(b, 4, s, s, device=x.device)
         return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 64)
 
 
@@ -139,11 +141,13 @@ def test_a_causal_mask_added_after_a_multiplication_keeps_the_chain_a_divided_on
     assert (kept["family"] == "bmm").sum() == 2 and not (kept["aten_op"] == REWRITTEN_ATTENTION).any()
     divided = fused_kernels(neusight.trace(_Attention(mask=True, divide=True), batch_size=2, input_shapes=[(32, 64)]))
     assert (divided["aten_op"] == REWRITTEN_ATTENTION).sum() == 1
+    zero = fused_kernels(neusight.trace(_Attention(zero_bias=True), batch_size=2, input_shapes=[(32, 64)]))
+    assert (zero["aten_op"] == REWRITTEN_ATTENTION).sum() == 1 and not zero["aten_op"].str.contains("zeros").any()
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
-@pytest.mark.parametrize("variant", [{}, {"mask": True}, {"mask": True, "divide": True}])
+@pytest.mark.parametrize("variant", [{}, {"mask": True}, {"mask": True, "divide": True}, {"zero_bias": True}])
 def test_the_rewrite_rule_agrees_with_inductor_compiling_the_same_module(variant):
     # ground truth: Inductor itself (its patterns do not depend on the device), counting the chains it rewrites
     import torch._functorch.config

@@ -30,10 +30,10 @@ CUDA graphs are not used by the default mode.
 Inductor's attention rewrite is modelled for inference (``_attention_rewrites``): a score GEMM -> scale ->
 softmax -> GEMM chain that one of its patterns matches becomes one scaled_dot_product_attention kernel (the fused
 ``attention`` kernel, as ``attn_implementation="sdpa"`` traces it). Which chains match was checked against
-Inductor itself (``python scripts/bench_attention_rewrite.py``, docs/attention-rewrite.md): transformers' eager
-attention is rewritten where no mask is added (BERT, RoBERTa, ViT, BART's encoder and cross-attention) and kept
-where a causal mask is added after the scale (GPT-2, OPT, Llama); 11 of 12 model types agree (T5's cross-attention,
-whose zero position bias Inductor folds away, is rewritten there and not here). On the ``-fusion`` labels (torch 2.1) the
+Inductor itself (``python scripts/bench_attention_rewrite.py``, docs/attention-rewrite.md; the rule agrees on all 28
+model types tried): transformers' eager attention is rewritten where no mask is added (BERT, RoBERTa, MPNet's
+relative bias after its division, ViT, BART's encoder and cross-attention, T5's cross-attention with its zero bias)
+and kept where a causal mask is added after the scale (GPT-2, GPT-NeoX, OPT, Llama, Falcon's in-place division). On the ``-fusion`` labels (torch 2.1) the
 measured compiled / eager ratio of BERT Large is 0.85 / 0.87 (A100, batch 8 / 16) and 0.84 / 0.85 (L4); forecast
 0.97 / 0.97 and 0.92 / 0.91 without the rewrite, 0.90 / 0.90 and 0.78 / 0.78 with it (GPT-2 Large: 0.89 / 0.87 and
 0.69 / 0.69 measured, 0.89 / 0.88 and 0.71 / 0.71 forecast either way). Training steps are not rewritten: there the
@@ -248,12 +248,16 @@ def _dataflow(g: Graph, by_op: dict[int, pd.DataFrame]) -> _Flow:
 # attention; the scores never reach DRAM). It matches a fixed set of patterns, checked against the installed torch
 # and transformers by ``python scripts/bench_attention_rewrite.py`` (docs/attention-rewrite.md), which compiles
 # small models on the CPU and counts the rewrites. Kept here: a scale by a constant (multiplied or divided) or none,
-# one softmax, casts, copies; an additive mask or bias only after a division (the masked patterns divide). Not
+# one softmax, casts, copies, an added tensor of zeros (Inductor folds x + 0 away); an additive mask or bias
+# only after a division (the masked patterns divide). Not
 # rewritten: a mask or bias added after a multiplication or without a scale (transformers' eager attention of
 # GPT-2, OPT, Llama: a causal mask), a torch.where / masked_fill mask, and training steps (the rewrite there also
 # replaces the backward's GEMMs and softmax gradient, which this model does not follow).
-REWRITE_SCALES = ("aten.mul.Tensor", "aten.div.Tensor")
+REWRITE_SCALES = ("aten.mul.Tensor", "aten.div.Tensor")   # out of place: Falcon's in-place /= is not matched
+REWRITE_ADDS = ("aten.add.Tensor", "aten.add_.Tensor")
+DIVISIONS = ("aten.div.Tensor",)
 REWRITE_PASS = ("aten._to_copy.default", "aten.clone.default", "aten.alias.default")
+ZERO_FILLS = ("aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default")
 REWRITTEN_ATTENTION = "fused:scaled_dot_product_attention"   # the aten_op of a rewritten chain's kernel
 REWRITE_NOTE = ("torch.compile hands {n} attention score chains (score GEMM, scale, softmax, GEMM) to "
                 "scaled_dot_product_attention, as Inductor's attention rewrite does: one fused attention kernel each")
@@ -279,6 +283,14 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
         who = flow.readers.get(outs[0][:2], set())
         return next(iter(who)) if len(who) == 1 else None
 
+    def zeros_operand(i: int) -> int | None:
+        """The op that made an all-zero operand of ``i`` that only ``i`` reads, if there is one."""
+        for s, v, _ in flow.reads[i]:
+            src = flow.produced.get((s, v))
+            if src is not None and aten.get(src) in ZERO_FILLS and flow.readers.get((s, v)) == {i}:
+                return src
+        return None
+
     chains = []
     for a in sorted(i for i, op in aten.items() if op == "aten.bmm.default"):
         chain, scale, masked, softmax = [], None, False, 0
@@ -287,7 +299,9 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
             op, n_in = aten.get(cur), len(flow.reads.get(cur, []))
             if op in REWRITE_SCALES and n_in == 1 and scale is None and not masked and not softmax:
                 scale = op
-            elif op == "aten.add.Tensor" and n_in == 2 and scale == "aten.div.Tensor" and not masked and not softmax:
+            elif op in REWRITE_ADDS and n_in == 2 and (zero := zeros_operand(cur)) is not None:
+                chain.append(zero)                       # x + 0: Inductor folds it away (T5's cross-attention)
+            elif op in REWRITE_ADDS and n_in == 2 and scale in DIVISIONS and not masked and not softmax:
                 masked = True
             elif op == "aten._softmax.default" and not softmax:
                 softmax = 1
