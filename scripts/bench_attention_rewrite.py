@@ -1,15 +1,17 @@
 """Which attention chains does torch.compile hand to scaled_dot_product_attention? Inductor itself against the
 fusion model's rule (neusight.graph.fusion._attention_rewrites). Writes docs/attention-rewrite.md.
 
-    python scripts/bench_attention_rewrite.py                  # about 1-2 min on 2 cores (needs a C++ compiler)
+    python scripts/bench_attention_rewrite.py                  # about 5 min on 2 cores (needs a C++ compiler)
     python scripts/bench_attention_rewrite.py --out /tmp/rewrite.md --types bert gpt2
 
 For each transformers model type, a one-layer model of its config class with small widths is built with eager
-attention, put in eval mode and compiled with torch.compile (Inductor) on the CPU for one forward pass of batch 2 x
-32 tokens; Inductor's counter ``fuse_attention`` says how many attention chains its pattern rewrite replaced. The
-same config is traced by neusight (inference, same shapes) and the fused kernel table counts the chains the model
-rewrites. Inductor's patterns do not depend on the device, so the CPU compile stands for the GPU's. Nothing here is
-a latency; it checks one rule of the fusion model against the compiler it models.
+attention and compiled with torch.compile (Inductor) on the CPU, once in eval mode for a forward pass without
+gradients and once in train mode (its config's dropout rates) for a forward and backward pass, on batch 2 x 32
+tokens; Inductor's counter ``fuse_attention`` says how many attention chains its pattern rewrite replaced (a
+training step's rewrite counts twice). The same config is traced by neusight (inference and a training step, same
+shapes) and the fused kernel table counts the chains the model rewrites. Inductor's patterns do not depend on the
+device, so the CPU compile stands for the GPU's. Nothing here is a latency; it checks one rule of the fusion model
+against the compiler it models.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def _is_image(cfg) -> bool:
     return hasattr(cfg, "image_size") and not hasattr(cfg, "vocab_size")
 
 
-def inductor_rewrites(cfg) -> int:
-    """Chains Inductor's fuse_attention pass rewrote in one compiled eval forward of ``cfg``'s base model."""
+def inductor_rewrites(cfg, mode: str) -> int:
+    """Chains Inductor's fuse_attention pass rewrote in one compiled forward of ``cfg``'s base model: in eval
+    mode without gradients, or in train mode with a backward pass (whose rewrite of a chain counts twice)."""
     from torch._dynamo.utils import counters
     from transformers import AutoModel
 
@@ -80,28 +83,32 @@ def inductor_rewrites(cfg) -> int:
     torch._functorch.config.enable_autograd_cache = False
     counters.clear()
     torch._dynamo.reset()
-    model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    training = mode == "training"
+    model = AutoModel.from_config(cfg, attn_implementation="eager").train(training)
     if _is_image(cfg):
         inputs = {"pixel_values": torch.randn(BATCH, 3, cfg.image_size, cfg.image_size)}
     else:
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
         inputs = {"input_ids": ids, **({"decoder_input_ids": ids} if cfg.is_encoder_decoder else {})}
-    with torch.no_grad():
-        torch.compile(model)(**inputs)
-    return int(counters["inductor"].get("fuse_attention", 0))
+    with torch.set_grad_enabled(training):
+        out = torch.compile(model)(**inputs)
+        if training:
+            out[0].float().mean().backward()
+    return int(counters["inductor"].get("fuse_attention", 0)) // (2 if training else 1)
 
 
-def model_rewrites(cfg) -> tuple[int, int]:
+def model_rewrites(cfg, mode: str) -> tuple[int, int]:
     """(chains the fusion model rewrites, softmax kernels = attention chains) in neusight's trace of ``cfg``."""
     import neusight
-    from neusight.graph.fusion import REWRITTEN_ATTENTION, fused_kernels
+    from neusight.graph.fusion import fused_kernels
 
     kw = {"image_size": cfg.image_size} if _is_image(cfg) else {"seq_len": SEQ}
     if cfg.is_encoder_decoder:
         kw["head"] = "seq2seq"
-    g = neusight.trace(cfg.to_dict(), batch_size=BATCH, mode="inference", attn_implementation="eager", **kw)
+    g = neusight.trace(cfg.to_dict(), batch_size=BATCH, mode=mode, attn_implementation="eager", **kw)
     fused = fused_kernels(g)
-    return int((fused["aten_op"] == REWRITTEN_ATTENTION).sum()), int((g.kernels["family"] == "softmax").sum())
+    forward = g.kernels["phase"] == "forward"
+    return int((fused["kernel"] == "attention").sum()), int(((g.kernels["family"] == "softmax") & forward).sum())
 
 
 def main() -> None:
@@ -116,28 +123,32 @@ def main() -> None:
     t0 = time.time()
     rows = []
     for mt in args.types:
-        row = {"model_type": mt}
-        try:
-            cfg = small_config(mt)
-            row["inductor rewrites"] = inductor_rewrites(cfg)
-            row["model rewrites"], row["softmax kernels"] = model_rewrites(cfg)
-            row["agree"] = "yes" if row["inductor rewrites"] == row["model rewrites"] else "no"
-        except Exception as e:  # noqa: BLE001 - a failure is a row of the table, not the end of the run
-            row["agree"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        rows.append(row)
-        print(row, flush=True)
-    df = pd.DataFrame(rows, columns=["model_type", "inductor rewrites", "model rewrites", "softmax kernels", "agree"])
+        for mode in ("inference", "training"):
+            row = {"model_type": mt, "mode": mode}
+            try:
+                cfg = small_config(mt)
+                row["inductor rewrites"] = inductor_rewrites(cfg, mode)
+                row["model rewrites"], row["softmax kernels"] = model_rewrites(cfg, mode)
+                row["agree"] = "yes" if row["inductor rewrites"] == row["model rewrites"] else "no"
+            except Exception as e:  # noqa: BLE001 - a failure is a row of the table, not the end of the run
+                row["agree"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+            print(row, flush=True)
+    df = pd.DataFrame(rows, columns=["model_type", "mode", "inductor rewrites", "model rewrites", "softmax kernels",
+                                     "agree"])
     agree = int((df["agree"] == "yes").sum())
     text = "\n".join([
         "# Inductor's attention rewrite against the fusion model's rule", "",
         f"Generated by `python scripts/bench_attention_rewrite.py` in {time.time() - t0:.0f} s with torch "
         f"{torch.__version__} and transformers {transformers.__version__} (its docstring says how); regenerate it, "
         "do not edit it.", "",
-        "One-layer models with small widths, eager attention, eval mode, batch 2 x 32 tokens. `inductor rewrites`: "
+        "One-layer models with small widths, eager attention, batch 2 x 32 tokens, the config's own dropout rates; "
+        "inference: eval mode, no gradients; training: train mode, forward and backward. `inductor rewrites`: "
         "attention chains torch.compile's fuse_attention pass replaced by scaled_dot_product_attention (compiled on "
-        "the CPU); `model rewrites`: chains neusight's fusion model replaces by one fused attention kernel "
-        "(neusight/graph/fusion.py); `softmax kernels`: attention chains in the trace.", "",
-        f"The rule agrees with Inductor on {agree} of {len(df)} model types.", "",
+        "the CPU; a training step's rewrite counts twice in its counter, halved here); `model rewrites`: chains "
+        "neusight's fusion model replaces by a fused attention kernel (neusight/graph/fusion.py; in training with "
+        "its backward kernel); `softmax kernels`: attention chains in the trace's forward.", "",
+        f"The rule agrees with Inductor on {agree} of {len(df)} model types x modes.", "",
         markdown_table(df, index=False), "",
     ])
     atomic_write_text(args.out, text)

@@ -107,9 +107,10 @@ class _Attention(nn.Module):
     """Scores = q k^T (scaled), softmax, times v; ``mask=True`` adds a causal mask after a multiplicative scale,
     as transformers' eager GPT-2 / OPT / Llama attention does (no Inductor pattern takes that)."""
 
-    def __init__(self, mask: bool = False, divide: bool = False, zero_bias: bool = False) -> None:
+    def __init__(self, mask: bool = False, divide: bool = False, zero_bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         self.qkv, self.mask, self.divide, self.zero_bias = nn.Linear(64, 192), mask, divide, zero_bias
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -120,7 +121,8 @@ class _Attention(nn.Module):
             scores = scores + torch.full((s, s), float("-inf"), device=x.device).triu(1)
         if self.zero_bias:   # T5's cross-attention adds a position bias of zeros, which Inductor folds away
             scores = scores + torch.zeros(b, 4, s, s, device=x.device)
-        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 64)
+        probs = nn.functional.dropout(scores.softmax(-1), self.dropout, self.training)
+        return (probs @ v).transpose(1, 2).reshape(b, s, 64)
 
 
 def test_an_unmasked_attention_chain_becomes_one_fused_attention_kernel_doing_both_gemms():
@@ -147,8 +149,11 @@ def test_a_causal_mask_added_after_a_multiplication_keeps_the_chain_a_divided_on
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
-@pytest.mark.parametrize("variant", [{}, {"mask": True}, {"mask": True, "divide": True}, {"zero_bias": True}])
-def test_the_rewrite_rule_agrees_with_inductor_compiling_the_same_module(variant):
+@pytest.mark.parametrize(("variant", "mode"), [({}, "inference"), ({"mask": True}, "inference"),
+                                             ({"mask": True, "divide": True}, "inference"),
+                                             ({"zero_bias": True}, "inference"), ({}, "training"),
+                                             ({"dropout": 0.1}, "training")])
+def test_the_rewrite_rule_agrees_with_inductor_compiling_the_same_module(variant, mode):
     # ground truth: Inductor itself (its patterns do not depend on the device), counting the chains it rewrites
     import torch._functorch.config
     import torch._inductor.config
@@ -157,17 +162,36 @@ def test_the_rewrite_rule_agrees_with_inductor_compiling_the_same_module(variant
     counters.clear()
     torch._dynamo.reset()
     # a cached graph skips the pattern pass, and its counter with it
+    training = mode == "training"
+    module = _Attention(**variant).train(training)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        with torch.no_grad():
-            torch.compile(_Attention(**variant).eval())(torch.randn(2, 32, 64))
+        with torch.set_grad_enabled(training):
+            out = torch.compile(module)(torch.randn(2, 32, 64))
+            if training:
+                out.mean().backward()
     torch._dynamo.reset()
-    ours = fused_kernels(neusight.trace(_Attention(**variant), batch_size=2, input_shapes=[(32, 64)]))
-    assert (ours["aten_op"] == REWRITTEN_ATTENTION).sum() == counters["inductor"].get("fuse_attention", 0)
+    # a training step's rewrite (forward and backward together) counts twice
+    inductor = counters["inductor"].get("fuse_attention", 0) // (2 if training else 1)
+    ours = fused_kernels(neusight.trace(_Attention(**variant), batch_size=2, input_shapes=[(32, 64)], mode=mode))
+    assert (ours["kernel"] == "attention").sum() == (ours["aten_op"] == REWRITTEN_ATTENTION).sum() // (1 + training)
+    assert (ours["kernel"] == "attention").sum() == inductor
 
 
-def test_training_steps_keep_their_attention_chains():
-    g = neusight.trace(_Attention(), batch_size=2, input_shapes=[(32, 64)], mode="training")
-    assert not (fused_kernels(g)["aten_op"] == REWRITTEN_ATTENTION).any()
+def test_a_training_step_rewrites_a_chain_with_dropout_into_a_forward_and_a_backward_attention_kernel():
+    # Inductor's training patterns have dropout on the scores: without it the chain stays (as Inductor leaves it)
+    plain = fused_kernels(neusight.trace(_Attention(), batch_size=2, input_shapes=[(32, 64)], mode="training"))
+    assert not (plain["aten_op"] == REWRITTEN_ATTENTION).any()
+    g = neusight.trace(_Attention(dropout=0.1), batch_size=2, input_shapes=[(32, 64)], mode="training")
+    eager, fused = g.kernels, fused_kernels(g)
+    att = fused[fused["aten_op"] == REWRITTEN_ATTENTION].set_index("kernel")
+    assert list(att.index) == ["attention", "attention_bwd"]
+    assert list(att["phase"]) == ["forward", "backward"]
+    # the forward's two GEMMs; the backward recomputes the scores: 2.5x (five GEMMs, not the eager four)
+    fwd_gemms = eager.loc[(eager["family"] == "bmm") & (eager["phase"] == "forward"), "flops"].sum()
+    assert att.loc["attention", "flops"] == fwd_gemms and att.loc["attention_bwd", "flops"] == 2.5 * fwd_gemms
+    left = fused[fused["aten_op"] != REWRITTEN_ATTENTION]
+    assert not left["family"].isin(["bmm"]).any()
+    assert not left["aten_op"].str.contains("softmax|dropout").any()
 
 
 def test_a_fused_attention_kernel_is_bounded_by_all_of_its_flops():

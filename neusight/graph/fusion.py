@@ -27,17 +27,20 @@ inlined into that group. NB: Inductor's other limits on what fuses (e.g. row red
 one kernel) are not modelled, so a group can be fused further than Inductor manages: the forecast leans fast.
 CUDA graphs are not used by the default mode.
 
-Inductor's attention rewrite is modelled for inference (``_attention_rewrites``): a score GEMM -> scale ->
-softmax -> GEMM chain that one of its patterns matches becomes one scaled_dot_product_attention kernel (the fused
-``attention`` kernel, as ``attn_implementation="sdpa"`` traces it). Which chains match was checked against
-Inductor itself (``python scripts/bench_attention_rewrite.py``, docs/attention-rewrite.md; the rule agrees on all 28
-model types tried): transformers' eager attention is rewritten where no mask is added (BERT, RoBERTa, MPNet's
-relative bias after its division, ViT, BART's encoder and cross-attention, T5's cross-attention with its zero bias)
-and kept where a causal mask is added after the scale (GPT-2, GPT-NeoX, OPT, Llama, Falcon's in-place division). On the ``-fusion`` labels (torch 2.1) the
-measured compiled / eager ratio of BERT Large is 0.85 / 0.87 (A100, batch 8 / 16) and 0.84 / 0.85 (L4); forecast
-0.97 / 0.97 and 0.92 / 0.91 without the rewrite, 0.90 / 0.90 and 0.78 / 0.78 with it (GPT-2 Large: 0.89 / 0.87 and
-0.69 / 0.69 measured, 0.89 / 0.88 and 0.71 / 0.71 forecast either way). Training steps are not rewritten: there the
-rewrite also replaces the backward's GEMMs and softmax gradient, which this model does not follow.
+Inductor's attention rewrite is modelled (``_attention_rewrites``): a score GEMM -> scale -> softmax -> GEMM
+chain that one of its patterns matches becomes one scaled_dot_product_attention kernel (the fused ``attention``
+kernel, as ``attn_implementation="sdpa"`` traces it); in a training step, where Inductor's patterns have dropout on
+the scores and match only then, the chain's backward (four GEMMs, the dropout's and the softmax's gradients, the
+scale) becomes one ``attention_bwd`` kernel as well. Which chains match was checked against Inductor itself
+(``python scripts/bench_attention_rewrite.py``, docs/attention-rewrite.md; the rule agrees on all 28 model types
+tried, in inference and in training): transformers' eager attention is rewritten where no mask is added (BERT,
+RoBERTa, MPNet's relative bias after its division, ViT, BART's encoder and cross-attention, T5's cross-attention
+with its zero bias) and kept where a causal mask is added after the scale (GPT-2, GPT-NeoX, OPT, Llama, Falcon's
+in-place division); in training only where the scores have dropout (BERT and RoBERTa, not ViT or BART, whose
+attention dropout is 0 by default). On the ``-fusion`` labels (torch 2.1, inference) the measured compiled / eager
+ratio of BERT Large is 0.85 / 0.87 (A100, batch 8 / 16) and 0.84 / 0.85 (L4); forecast 0.97 / 0.97 and 0.92 /
+0.91 without the rewrite, 0.90 / 0.90 and 0.78 / 0.78 with it (GPT-2 Large: 0.89 / 0.87 and 0.69 / 0.69
+measured, 0.89 / 0.88 and 0.71 / 0.71 forecast either way). No compiled training step was measured.
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
         ready = max((src for key in read if (src := produced.get(key)) is not None), default=-1)
         at = min((i for i in ops if i > ready), default=min(ops))
         rows.append(_group_row(pd.concat([by_op[i] for i in sorted(members)]), sum(read.values()) + written, at))
-    rows += [chain.row for chain in attention]
+    rows += [row for chain in attention for row in chain.rows]
     kept = k[~k["op_index"].isin(replaced | rewritten)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
     out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
@@ -248,16 +251,16 @@ def _dataflow(g: Graph, by_op: dict[int, pd.DataFrame]) -> _Flow:
 # attention; the scores never reach DRAM). It matches a fixed set of patterns, checked against the installed torch
 # and transformers by ``python scripts/bench_attention_rewrite.py`` (docs/attention-rewrite.md), which compiles
 # small models on the CPU and counts the rewrites. Kept here: a scale by a constant (multiplied or divided) or none,
-# one softmax, casts, copies, an added tensor of zeros (Inductor folds x + 0 away); an additive mask or bias
-# only after a division (the masked patterns divide). Not
-# rewritten: a mask or bias added after a multiplication or without a scale (transformers' eager attention of
-# GPT-2, OPT, Llama: a causal mask), a torch.where / masked_fill mask, and training steps (the rewrite there also
-# replaces the backward's GEMMs and softmax gradient, which this model does not follow).
+# one softmax, casts, copies, dropout after the softmax, an added tensor of zeros (Inductor folds x + 0 away); an
+# additive mask or bias only after a division (the masked patterns divide). Not rewritten: a mask or bias added
+# after a multiplication or without a scale (transformers' eager attention of GPT-2, OPT, Llama: a causal mask), a
+# torch.where / masked_fill mask, and in a training step a chain without dropout.
 REWRITE_SCALES = ("aten.mul.Tensor", "aten.div.Tensor")   # out of place: Falcon's in-place /= is not matched
 REWRITE_ADDS = ("aten.add.Tensor", "aten.add_.Tensor")
 DIVISIONS = ("aten.div.Tensor",)
 REWRITE_PASS = ("aten._to_copy.default", "aten.clone.default", "aten.alias.default")
 ZERO_FILLS = ("aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default")
+DROPOUT = "aten.native_dropout.default"
 REWRITTEN_ATTENTION = "fused:scaled_dot_product_attention"   # the aten_op of a rewritten chain's kernel
 REWRITE_NOTE = ("torch.compile hands {n} attention score chains (score GEMM, scale, softmax, GEMM) to "
                 "scaled_dot_product_attention, as Inductor's attention rewrite does: one fused attention kernel each")
@@ -266,21 +269,23 @@ REWRITE_NOTE = ("torch.compile hands {n} attention score chains (score GEMM, sca
 @dataclass
 class _Chain:
     ops: set[int]
-    row: dict
+    rows: list[dict]
 
 
 def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -> list[_Chain]:
-    """The attention chains of an inference trace Inductor rewrites into scaled_dot_product_attention (see
-    REWRITE_SCALES), each with the fused attention kernel that replaces it and the copies only it read."""
-    if any(r.phase != "forward" for r in g.ops):
-        return []
+    """The attention chains Inductor rewrites into scaled_dot_product_attention (see REWRITE_SCALES), each with the
+    ops it replaces (its copies of q, k and v included) and the fused attention kernel(s) replacing them: one in
+    inference; in a training step the forward and the backward (:func:`_attention_backward`)."""
     aten = {i: str(d["aten_op"].iloc[0]) for i, d in by_op.items()}
+    phase = {r.index: r.phase for r in g.ops}
+    training = any(p == "backward" for p in phase.values())
 
     def only_reader(i: int) -> int | None:
+        """The one forward op that reads ``i``'s (first) output; a dropout's mask is left to the backward."""
         outs = flow.writes.get(i, [])
-        if len(outs) != 1 or (outs[0][:2]) in flow.held:
+        if not outs or len(outs) > (2 if aten.get(i) == DROPOUT else 1) or outs[0][:2] in flow.held:
             return None
-        who = flow.readers.get(outs[0][:2], set())
+        who = {j for j in flow.readers.get(outs[0][:2], set()) if phase[j] == "forward"}
         return next(iter(who)) if len(who) == 1 else None
 
     def zeros_operand(i: int) -> int | None:
@@ -292,41 +297,88 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
         return None
 
     chains = []
-    for a in sorted(i for i, op in aten.items() if op == "aten.bmm.default"):
-        chain, scale, masked, softmax = [], None, False, 0
+    for a in sorted(i for i, op in aten.items() if op == "aten.bmm.default" and phase[i] == "forward"):
+        chain, scale, masked, softmax, dropout = [], None, False, None, None
         cur = only_reader(a)
         while cur is not None and aten.get(cur) != "aten.bmm.default":
             op, n_in = aten.get(cur), len(flow.reads.get(cur, []))
-            if op in REWRITE_SCALES and n_in == 1 and scale is None and not masked and not softmax:
+            if op in REWRITE_SCALES and n_in == 1 and scale is None and not masked and softmax is None:
                 scale = op
             elif op in REWRITE_ADDS and n_in == 2 and (zero := zeros_operand(cur)) is not None:
                 chain.append(zero)                       # x + 0: Inductor folds it away (T5's cross-attention)
-            elif op in REWRITE_ADDS and n_in == 2 and scale in DIVISIONS and not masked and not softmax:
+            elif op in REWRITE_ADDS and n_in == 2 and scale in DIVISIONS and not masked and softmax is None:
                 masked = True
-            elif op == "aten._softmax.default" and not softmax:
-                softmax = 1
+            elif op == "aten._softmax.default" and softmax is None:
+                softmax = cur
+            elif op == DROPOUT and softmax is not None and dropout is None:
+                dropout = cur
             elif op not in REWRITE_PASS or n_in != 1:
                 break
             chain.append(cur)
             cur = only_reader(cur)
         else:
-            if cur is None or not softmax or flow.reads[cur][0][:2] != flow.writes[chain[-1]][0][:2]:
+            if cur is None or softmax is None or flow.reads[cur][0][:2] != flow.writes[chain[-1]][0][:2]:
+                continue
+            # a training step is rewritten only with dropout on the scores (Inductor's patterns there have it)
+            if training and dropout is None:
                 continue
             b = cur
-            copies = {p for x in (a, b) for s, v, _ in flow.reads[x]
+            backward: set[int] = set()
+            if training:
+                found = _attention_backward(a, b, softmax, dropout, chain, aten, phase, flow)
+                if found is None:
+                    continue
+                backward = found
+            replaced = {a, b, *chain, *backward}
+            # copies of q, k, v (and of the output gradient) that only the replaced ops read die with them
+            copies = {p for x in replaced for s, v, _ in flow.reads[x]
                       if (p := flow.produced.get((s, v))) is not None and aten.get(p) == "aten.clone.default"
-                      and flow.readers.get((s, v)) == {x} and len(flow.writes[p]) == 1}
+                      and flow.readers.get((s, v), set()) <= replaced and len(flow.writes[p]) == 1}
             # q, k, v as the fused kernel reads them: the GEMMs' operands (the copies' inputs are the same bytes)
             q, kt, v = flow.reads[a][0][2], flow.reads[a][1][2], flow.reads[b][1][2]
-            out = flow.writes[b][0][2]
+            nbytes = float(q + kt + v + flow.writes[b][0][2])
             ra, rb = by_op[a].iloc[0], by_op[b].iloc[0]
-            row = {"op_index": int(a), "phase": ra["phase"], "module": ra["module"],
-                   "aten_op": REWRITTEN_ATTENTION, "family": Family.BMM.value,
-                   "kernel": "attention", "dims": tuple(int(x) for x in ra["dims"]), "dtype": ra["dtype"],
-                   "flops": float(ra["flops"] + rb["flops"]), "algo_flops": float(ra["flops"] + rb["flops"]),
-                   "bytes": float(q + kt + v + out), "modeled": bool(ra["modeled"] and rb["modeled"])}
-            chains.append(_Chain({a, b, *chain, *copies}, row))
+            flops = float(ra["flops"] + rb["flops"])
+            row = {"op_index": int(a), "phase": ra["phase"], "module": ra["module"], "aten_op": REWRITTEN_ATTENTION,
+                   "family": Family.BMM.value, "kernel": "attention", "dims": tuple(int(x) for x in ra["dims"]),
+                   "dtype": ra["dtype"], "flops": flops, "algo_flops": flops, "bytes": nbytes,
+                   "modeled": bool(ra["modeled"] and rb["modeled"])}
+            rows = [row]
+            if backward:
+                # as neusight.kernels.ops_gemm._attention: the scores recomputed, five GEMMs (2.5x the forward's
+                # FLOPs); q, k, v, the output and its gradient read, the three gradients written
+                first = min(backward)
+                rows.append({**row, "op_index": first, "phase": phase[first], "kernel": "attention_bwd",
+                             "flops": 2.5 * flops, "algo_flops": 2.5 * flops, "bytes": 2.0 * nbytes})
+            chains.append(_Chain(replaced | copies, rows))
     return chains
+
+
+def _attention_backward(a: int, b: int, softmax: int, dropout: int | None, chain: list[int], aten: dict[int, str],
+                        phase: dict[int, str], flow: _Flow) -> set[int] | None:
+    """The backward ops of one attention chain of a training step: the four GEMMs of the two GEMMs' gradients, the
+    dropout's and the softmax's gradients and the scale between them. None where they are not all found."""
+    forward = {a, b, *chain}
+    saved = {(s, v) for x in (a, b) for s, v, _ in flow.reads[x]}
+    saved |= {key[:2] for x in forward for key in flow.writes.get(x, [])}
+    readers = {j for key in saved for j in flow.readers.get(key, set()) if phase[j] == "backward"}
+    gemms = {j for j in readers if aten[j] == "aten.bmm.default"}
+    soft = [j for j in readers if aten[j] == "aten._softmax_backward_data.default"]
+    drop = [j for j in readers if aten[j] == "aten.native_dropout_backward.default"]
+    if len(soft) != 1 or len(drop) != (dropout is not None):
+        return None
+    found = {*soft, *drop}
+    cur = soft[0]
+    while True:                      # the softmax gradient's scale, on to the two GEMMs of q's and k's gradients
+        outs = flow.writes.get(cur, [])
+        who = flow.readers.get(outs[0][:2], set()) if len(outs) == 1 else set()
+        if who and who <= gemms:
+            break
+        if len(who) != 1 or aten[(nxt := next(iter(who)))] not in REWRITE_SCALES + REWRITE_PASS:
+            return None
+        found.add(nxt)
+        cur = nxt
+    return found | gemms if len(gemms) == 4 else None
 
 
 # A reduction of at least this many elements into each of at most SPLIT_OUTPUTS values (a whole tensor's amax or
