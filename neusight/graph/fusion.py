@@ -39,7 +39,7 @@ with its zero bias) and kept where a causal mask is added after the scale (GPT-2
 in-place division); in training only where the scores have dropout (BERT and RoBERTa, not ViT or BART, whose
 attention dropout is 0 by default). On the ``-fusion`` labels (torch 2.1, inference) the measured compiled / eager
 ratio of BERT Large is 0.85 / 0.87 (A100, batch 8 / 16) and 0.84 / 0.85 (L4); forecast 0.97 / 0.97 and 0.92 /
-0.91 without the rewrite, 0.90 / 0.90 and 0.78 / 0.78 with it (GPT-2 Large: 0.89 / 0.87 and 0.69 / 0.69
+0.91 without the rewrite, 0.90 / 0.90 and 0.77 / 0.77 with it (GPT-2 Large: 0.89 / 0.87 and 0.69 / 0.69
 measured, 0.89 / 0.88 and 0.71 / 0.71 forecast either way). No compiled training step was measured.
 """
 

@@ -45,10 +45,11 @@ class Family(str, enum.Enum):
 TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
 
 
-# GEMM kernels whose operands are stored narrower than their math (FP8 operands with a BF16 output; weights of 8 or
-# 4 bits dequantized in the kernel, neusight.graph.quant): their roofline takes their own byte count, not the
-# dtype's size times the operands' elements (kernel-name prefixes).
-EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_", "int4_weight_")
+# GEMM kernels whose roofline takes their own byte count, not the dtype's size times the operands' elements
+# (kernel-name prefixes): operands stored narrower than their math (FP8 operands with a BF16 output; weights of 8 or
+# 4 bits dequantized in the kernel, neusight.graph.quant), and fused attention, whose score matrix, the output of
+# the GEMM it is modelled as, never reaches DRAM (it reads q, k, v and writes the output once).
+EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_", "int4_weight_", "attention")
 
 
 def channel_alignment(c_in: int, c_out: int) -> int:
