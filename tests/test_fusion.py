@@ -217,7 +217,8 @@ def test_a_fused_attention_kernel_moves_its_own_bytes_not_a_score_matrix():
 
     bh, lq, d, lk = 32, 4096, 16, 4096
     own = 4 * bh * lq * d * 2.0
-    rows = pd.DataFrame({"family": "bmm", "kernel": ["attention", "attention"], "dims": [(bh, lq, d, lk), (bh, 1, 128, lk)],
+    rows = pd.DataFrame({"family": "bmm", "kernel": ["attention", "attention"],
+                         "dims": [(bh, lq, d, lk), (bh, 1, 128, lk)],
                          "flops": [4.0 * bh * lq * lk * d, 4.0 * bh * lk * 128], "dtype": "bfloat16",
                          "bytes": [own, 2 * bh * lk * 128 * 2.0 + 2 * bh * 128 * 2.0]})
     rows["algo_flops"] = rows["flops"]
