@@ -425,7 +425,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
-    n_rewritten = int((k["aten_op"] == REWRITTEN_ATTENTION).sum()) if fused else 0
+    n_rewritten = int(((k["aten_op"] == REWRITTEN_ATTENTION) & (k["kernel"] == "attention")).sum()) if fused else 0
     if n_rewritten:
         notes += (REWRITE_NOTE.format(n=n_rewritten),)
     if n_tf32:

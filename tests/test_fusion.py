@@ -104,8 +104,10 @@ def gpt2():
 
 
 class _Attention(nn.Module):
-    """Scores = q k^T (scaled), softmax, times v; ``mask=True`` adds a causal mask after a multiplicative scale,
-    as transformers' eager GPT-2 / OPT / Llama attention does (no Inductor pattern takes that)."""
+    """Scores = q k^T scaled (multiplied, or divided with ``divide=True``), softmax, optional dropout, times v.
+    ``mask=True`` adds a causal mask after the scale: after a multiplication, as transformers' eager GPT-2 / OPT /
+    Llama attention does, no Inductor pattern takes it; after a division one does. ``zero_bias=True`` adds a tensor
+    of zeros, as T5's cross-attention does."""
 
     def __init__(self, mask: bool = False, divide: bool = False, zero_bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
@@ -161,9 +163,9 @@ def test_the_rewrite_rule_agrees_with_inductor_compiling_the_same_module(variant
 
     counters.clear()
     torch._dynamo.reset()
-    # a cached graph skips the pattern pass, and its counter with it
     training = mode == "training"
     module = _Attention(**variant).train(training)
+    # a cached graph skips the pattern pass, and its counter with it
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         with torch.set_grad_enabled(training):
             out = torch.compile(module)(torch.randn(2, 32, 64))
@@ -192,6 +194,9 @@ def test_a_training_step_rewrites_a_chain_with_dropout_into_a_forward_and_a_back
     left = fused[fused["aten_op"] != REWRITTEN_ATTENTION]
     assert not left["family"].isin(["bmm"]).any()
     assert not left["aten_op"].str.contains("softmax|dropout").any()
+    p = neusight.predict(_Attention(dropout=0.1), "a100-pcie-40gb", batch_size=2, input_shapes=[(32, 64)],
+                         mode="training", fused=True)
+    assert any("hands 1 attention score chains" in n for n in p.notes)   # one chain, though two kernels
 
 
 def test_a_fused_attention_kernel_is_bounded_by_all_of_its_flops():

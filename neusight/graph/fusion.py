@@ -264,11 +264,13 @@ ZERO_FILLS = ("aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.d
 DROPOUT = "aten.native_dropout.default"
 REWRITTEN_ATTENTION = "fused:scaled_dot_product_attention"   # the aten_op of a rewritten chain's kernel
 REWRITE_NOTE = ("torch.compile hands {n} attention score chains (score GEMM, scale, softmax, GEMM) to "
-                "scaled_dot_product_attention, as Inductor's attention rewrite does: one fused attention kernel each")
+                "scaled_dot_product_attention, as Inductor's attention rewrite does: one fused attention kernel "
+                "each (in a training step, one more for its backward)")
 
 
 @dataclass
 class _Chain:
+    """One rewritten attention chain: the traced ops it replaces and its fused kernel rows (forward, backward)."""
     ops: set[int]
     rows: list[dict]
 
