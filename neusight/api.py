@@ -20,6 +20,7 @@ from neusight.graph.fusion import REWRITE_NOTE, REWRITTEN_ATTENTION, fused_kerne
 from neusight.graph.graph import Graph
 from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
+from neusight.kernels.base import ATTENTION_KERNEL
 from neusight.kernels.ops_gemm import DEPTHWISE_PREFIX
 from neusight.memory import estimate_memory
 from neusight.predictor.features import without_tensor_cores
@@ -55,9 +56,6 @@ def load_predictor(path: str | Path | Predictor | None = None, device: Device | 
     return _predictor(str(Path(path).resolve()))
 
 
-FUSED_ATTENTION = ("attention", "attention_bwd")   # kernels of neusight.kernels.ops_gemm._attention
-
-
 def kernel_dims(kernels: pd.DataFrame) -> pd.DataFrame:
     """Split a trace's ``dims`` tuples into B, M, N, K (GEMM families) or rows, cols (the others)."""
     dims = kernels["dims"].tolist()
@@ -65,14 +63,6 @@ def kernel_dims(kernels: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(np.nan, index=kernels.index, columns=["B", "M", "N", "K", "rows", "cols"])
     if gemm.any():
         out.loc[gemm, ["B", "M", "N", "K"]] = np.array([d for d, g in zip(dims, gemm) if g], dtype=float)
-        # A fused attention kernel's dims are its score GEMM's (B·H, Lq, D, Lk), but it does the work of all its
-        # GEMMs (forward: scores and output, halved when causal; backward: five, neusight.kernels.ops_gemm._attention):
-        # its reduction is stretched to the GEMMs it does, so the GEMM model bounds it by all of its FLOPs.
-        if "kernel" in kernels and "flops" in kernels:
-            att = gemm & kernels["kernel"].isin(FUSED_ATTENTION).to_numpy()
-            if att.any():
-                one = 2.0 * out.loc[att, ["B", "M", "N", "K"]].prod(axis=1)
-                out.loc[att, "N"] *= np.maximum(kernels.loc[att, "flops"].astype(float) / one, 1.0)
     if (~gemm).any():
         out.loc[~gemm, ["rows", "cols"]] = np.array([d for d, g in zip(dims, gemm) if not g], dtype=float)
     return out
@@ -425,7 +415,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
-    n_rewritten = int(((k["aten_op"] == REWRITTEN_ATTENTION) & (k["kernel"] == "attention")).sum()) if fused else 0
+    rewritten = (k["aten_op"] == REWRITTEN_ATTENTION) & (k["kernel"] == ATTENTION_KERNEL)   # chains: forward kernels
+    n_rewritten = int(rewritten.sum()) if fused else 0
     if n_rewritten:
         notes += (REWRITE_NOTE.format(n=n_rewritten),)
     if n_tf32:

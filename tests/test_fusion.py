@@ -263,6 +263,11 @@ cfg = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidde
            num_key_value_heads=2, vocab_size=512)
 f = fused_kernels(neusight.trace(cfg, 1, 256, "training", dtype="bfloat16", fp8=True, device="h100-sxm5-80gb"))
 print(f[["op_index", "aten_op", "dims", "bytes"]].to_csv())
+# attention chains rewritten in a training step (found by following the backward's dataflow)
+bert = dict(model_type="bert", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=512)
+f = fused_kernels(neusight.trace(bert, 2, 64, "training"))
+print(f[["op_index", "aten_op", "kernel", "dims", "bytes"]].to_csv())
 """
 
 
@@ -281,6 +286,7 @@ def test_fused_table_is_the_same_in_every_process():
         assert r.returncode == 0, r.stderr
         runs.append(r.stdout)
     assert runs[0] == runs[1]
+    assert runs[0].count("attention_bwd") == 2          # the rewrite is covered: one backward kernel per layer
 
 
 def test_predict_fused_is_faster_and_says_so():

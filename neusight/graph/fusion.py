@@ -52,7 +52,7 @@ import numpy as np
 import pandas as pd
 
 from neusight.graph.graph import KERNEL_COLUMNS, Graph
-from neusight.kernels.base import Family
+from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, Family
 
 BARRIERS = frozenset(f.value for f in Family if f.is_gemm)
 FREE = frozenset({Family.VIEW.value})
@@ -343,7 +343,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
             ra, rb = by_op[a].iloc[0], by_op[b].iloc[0]
             flops = float(ra["flops"] + rb["flops"])
             row = {"op_index": int(a), "phase": ra["phase"], "module": ra["module"], "aten_op": REWRITTEN_ATTENTION,
-                   "family": Family.BMM.value, "kernel": "attention", "dims": tuple(int(x) for x in ra["dims"]),
+                   "family": Family.BMM.value, "kernel": ATTENTION_KERNEL, "dims": tuple(int(x) for x in ra["dims"]),
                    "dtype": ra["dtype"], "flops": flops, "algo_flops": flops, "bytes": nbytes,
                    "modeled": bool(ra["modeled"] and rb["modeled"])}
             rows = [row]
@@ -351,7 +351,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
                 # as neusight.kernels.ops_gemm._attention: the scores recomputed, five GEMMs (2.5x the forward's
                 # FLOPs); q, k, v, the output and its gradient read, the three gradients written
                 first = min(backward)
-                rows.append({**row, "op_index": first, "phase": phase[first], "kernel": "attention_bwd",
+                rows.append({**row, "op_index": first, "phase": phase[first], "kernel": ATTENTION_BWD_KERNEL,
                              "flops": 2.5 * flops, "algo_flops": 2.5 * flops, "bytes": 2.0 * nbytes})
             chains.append(_Chain(replaced | copies, rows))
     return chains

@@ -45,11 +45,16 @@ class Family(str, enum.Enum):
 TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
 
 
+# Fused attention kernels (flash, memory-efficient, or a chain torch.compile rewrites into one): a bmm row with its
+# score GEMM's dims (B·H, Lq, D, Lk) that does the work of all its GEMMs (neusight.kernels.ops_gemm._attention).
+ATTENTION_KERNEL, ATTENTION_BWD_KERNEL = "attention", "attention_bwd"
+FUSED_ATTENTION = (ATTENTION_KERNEL, ATTENTION_BWD_KERNEL)
+
 # GEMM kernels whose roofline takes their own byte count, not the dtype's size times the operands' elements
 # (kernel-name prefixes): operands stored narrower than their math (FP8 operands with a BF16 output; weights of 8 or
 # 4 bits dequantized in the kernel, neusight.graph.quant), and fused attention, whose score matrix, the output of
 # the GEMM it is modelled as, never reaches DRAM (it reads q, k, v and writes the output once).
-EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_", "int4_weight_", "attention")
+EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_", "int4_weight_", *FUSED_ATTENTION)
 
 
 def channel_alignment(c_in: int, c_out: int) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from neusight.graph.records import OpCall, TensorMeta
 from neusight.kernels import formulas
-from neusight.kernels.base import Family, Kernel, channel_alignment
+from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, Family, Kernel, channel_alignment
 from neusight.kernels.registry import register
 
 aten = torch.ops.aten
@@ -251,7 +251,7 @@ def _sdpa(c: OpCall) -> list[Kernel]:
     if c.op.startswith("aten._scaled_dot_product_efficient_attention"):
         causal = bool(c.args[6]) if len(c.args) > 6 else bool(c.kwargs.get("is_causal", False))
     extra = [t for t in c.args[3:] if isinstance(t, TensorMeta)]
-    return [_attention(q, k, v, causal, extra, list(c.outputs[:2]), False, "attention")]
+    return [_attention(q, k, v, causal, extra, list(c.outputs[:2]), False, ATTENTION_KERNEL)]
 
 
 @register(aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_flash_attention_backward,
@@ -261,7 +261,7 @@ def _sdpa_bwd(c: OpCall) -> list[Kernel]:
     do, q, k, v = c.args[:4]
     causal = bool(c.kwargs.get("is_causal", False)) or any(a is True for a in c.args[6:])
     extra = [do] + [t for t in c.args[4:] if isinstance(t, TensorMeta)]
-    return [_attention(q, k, v, causal, extra, list(c.outputs), True, "attention_bwd")]
+    return [_attention(q, k, v, causal, extra, list(c.outputs), True, ATTENTION_BWD_KERNEL)]
 
 
 def conv2d_pass_kernels(batch: int, c_in: int, h: int, w: int, c_out: int, r: int, s: int, *,

@@ -14,7 +14,7 @@ import pandas as pd
 
 from neusight.devices import Device
 from neusight.graph.fusion import FUSED_KERNEL
-from neusight.kernels.base import EXACT_BYTES_GEMMS, TC_CHANNEL_ALIGN, Family
+from neusight.kernels.base import EXACT_BYTES_GEMMS, FUSED_ATTENTION, TC_CHANNEL_ALIGN, Family
 from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
 from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of
@@ -231,8 +231,15 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     algo = d["algo_flops"].to_numpy(float) if "algo_flops" in d else flops
     speedup = np.where(np.isfinite(algo) & (algo > 0), flops / np.where(algo > 0, algo, 1.0), 1.0)
     size = sizes_of(d["dtype"])
-    if "kernel" in d:   # operands stored narrower than the math: the kernel's own bytes per element moved
-        exact = d["kernel"].astype(str).str.startswith(EXACT_BYTES_GEMMS).to_numpy()
+    if "kernel" in d:
+        names = d["kernel"].astype(str)
+        # A fused attention kernel has its score GEMM's dims but does the work of all its GEMMs (forward: scores and
+        # output, halved when causal; backward: five): its reduction is stretched to them, so that it is bounded by
+        # all of its FLOPs.
+        attention = names.isin(FUSED_ATTENTION).to_numpy()
+        n = np.where(attention, n * np.maximum(flops / (2.0 * b * m * n * k), 1.0), n)
+        # operands stored narrower than the math, or scores kept on chip: the kernel's own bytes per element moved
+        exact = names.str.startswith(EXACT_BYTES_GEMMS).to_numpy()
         size = np.where(exact, nbytes / (b * (m * n + n * k + m * k)), size)
     t = gemm_tiles(b, m, n, k, table.gemm_candidates(fam, device), size, rates, speedup)
     t.index = d.index
