@@ -387,7 +387,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     pred = load_predictor(predictor, device)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
-    k = (fused_kernels(g) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
+    k = (fused_kernels(g, device) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
     if k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str).str.startswith("float8").any():
         from neusight.graph.fp8 import check_fp8_device
 

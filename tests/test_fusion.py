@@ -14,6 +14,7 @@ from torch import nn
 import neusight
 from neusight.errors import DataError
 from neusight.evaluate import find_labels, predict_label
+from neusight.devices import load_device
 from neusight.graph.fusion import FUSED_KERNEL, REWRITTEN_ATTENTION, fused_kernels
 from tests.conftest import DATASET, need_shared
 
@@ -147,6 +148,20 @@ def test_a_causal_mask_added_after_a_multiplication_keeps_the_chain_a_divided_on
     assert (divided["aten_op"] == REWRITTEN_ATTENTION).sum() == 1
     zero = fused_kernels(neusight.trace(_Attention(zero_bias=True), batch_size=2, input_shapes=[(32, 64)]))
     assert (zero["aten_op"] == REWRITTEN_ATTENTION).sum() == 1 and not zero["aten_op"].str.contains("zeros").any()
+
+
+@pytest.mark.parametrize(("device", "dtype", "fused"), [
+    ("mi250", "float32", True), ("a100-pcie-40gb", "float32", True), ("v100-pcie-32gb", "float16", True),
+    ("mi100", "float32", False), ("mi100", "float16", False), ("v100-pcie-32gb", "bfloat16", False)])
+def test_a_rewritten_chain_is_one_kernel_only_where_a_fused_attention_kernel_takes_it(device, dtype, fused):
+    """Inductor hands the chain to scaled_dot_product_attention, which on MI100 (no fused attention kernel in
+    ROCm's PyTorch) and for BF16 before compute capability 8.0 runs its math backend: the same kernels as eager."""
+    g = neusight.trace(_Attention().to(getattr(torch, dtype)), batch_size=2, input_shapes=[(32, 64)], dtype=dtype)
+    assert set(g.kernels.loc[g.kernels["family"] == "bmm", "dtype"]) == {dtype}
+    table = fused_kernels(g, load_device(device))
+    assert (table["aten_op"] == REWRITTEN_ATTENTION).sum() == int(fused)
+    assert (table["family"] == "bmm").sum() == (1 if fused else 2)
+    assert (fused_kernels(g)["aten_op"] == REWRITTEN_ATTENTION).sum() == 1      # no device: rewritten, as before
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

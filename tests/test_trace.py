@@ -444,6 +444,56 @@ def test_sdpa_takes_the_backend_pytorch_picks_on_the_gpu():
     assert "aten._scaled_dot_product_efficient_attention.default" in _attention_ops(mha)
 
 
+def _attention_kernels(model, device, **run) -> set[str]:
+    ops = _attention_ops(neusight.trace(model, device=device, **run))
+    return {o.removeprefix("aten.").removesuffix(".default") for o in ops if "attention" in o or o == "aten.bmm.default"}
+
+
+def test_sdpa_backends_on_amd_and_older_nvidia_gpus():
+    """ROCm: flash attention (AOTriton) for 16-bit inputs on MI200 / MI300, grouped-query keys and values as they
+    are; the memory-efficient kernel for FP32 multi-head attention there; the math backend for FP32 grouped-query
+    attention there and for everything on MI100, which has no fused attention kernel. NVIDIA before compute
+    capability 8.0: BF16 runs the math backend (the memory-efficient kernel takes FP16 / FP32 only there)."""
+    run = dict(batch_size=2, seq_len=1, kv_cache=255, attn_implementation="sdpa")
+    mha = {**_GQA_LM, "num_key_value_heads": 8}
+    flash, eff, math = ({"_scaled_dot_product_flash_attention"}, {"_scaled_dot_product_efficient_attention"},
+                        {"bmm"})
+    for gpu in ("mi250", "mi300x"):
+        assert _attention_kernels(_GQA_LM, gpu, dtype="bfloat16", **run) == flash
+        assert _attention_kernels(mha, gpu, dtype="float32", **run) == eff
+        assert _attention_kernels(_GQA_LM, gpu, dtype="float32", **run) == math
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert _attention_kernels(mha, "mi100", dtype=dtype, **run) == math
+    assert _attention_kernels(mha, "v100-sxm2-16gb", dtype="bfloat16", **run) == math
+    assert _attention_kernels(mha, "v100-sxm2-16gb", dtype="float16", **run) == eff
+    g = neusight.trace(mha, device="mi100", dtype="float16", **run)
+    assert any("math backend" in n and "mi100" in n for n in g.notes)
+
+
+class _CausalSdpa(torch.nn.Module):
+    """Causal scaled_dot_product_attention of the first ``queries`` positions (all of them by default) against all."""
+
+    def __init__(self, queries: int | None = None) -> None:
+        super().__init__()
+        self.queries = queries
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x if self.queries is None else x[:, :, :self.queries]
+        return torch.nn.functional.scaled_dot_product_attention(q, x, x, is_causal=True)
+
+
+def test_sdpa_flash_declines_causal_attention_of_unequal_lengths():
+    """Flash attention does not take is_causal with fewer queries than keys (PyTorch's
+    check_flash_causal_non_square_seqlens); the memory-efficient kernel runs it."""
+    def kernels(model):
+        g = neusight.trace(model, batch_size=2, input_shapes=[(8, 16, 64)], dtype="float16", device="a100-sxm4-40gb")
+        return {str(o).removeprefix("aten.").removesuffix(".default") for o in g.kernels["aten_op"]
+                if "attention" in str(o)}
+
+    assert kernels(_CausalSdpa()) == {"_scaled_dot_product_flash_attention"}
+    assert kernels(_CausalSdpa(queries=4)) == {"_scaled_dot_product_efficient_attention"}
+
+
 def test_the_cli_traces_again_for_a_gpu_with_other_attention_backends(tmp_path):
     import json
 

@@ -47,11 +47,13 @@ was measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from neusight.graph.graph import KERNEL_COLUMNS, Graph
+from neusight.graph.tracer import fused_sdpa_runs
 from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, Family
 
 BARRIERS = frozenset(f.value for f in Family if f.is_gemm)
@@ -63,8 +65,10 @@ FUSED_KERNEL = "fused"
 REDUCING = frozenset(GROUP_FAMILY_ORDER)
 
 
-def fused_kernels(g: Graph) -> pd.DataFrame:
+def fused_kernels(g: Graph, device: Any = None) -> pd.DataFrame:
     """The kernel table of ``g`` (same columns as ``g.kernels``) with every fusible group replaced by one row.
+    ``device`` (a Device or None) decides whether a rewritten attention chain runs a fused kernel there
+    (:func:`_attention_rewrites`).
 
     Examples
     --------
@@ -78,7 +82,7 @@ def fused_kernels(g: Graph) -> pd.DataFrame:
     flow = _dataflow(g, by_op)
     reads, writes, produced, readers = flow.reads, flow.writes, flow.produced, flow.readers
     held = flow.held
-    attention = _attention_rewrites(g, by_op, flow)
+    attention = _attention_rewrites(g, by_op, flow, device)
     rewritten = {i for chain in attention for i in chain.ops}
 
     # 1-2: groups by union-find inside barrier-free segments
@@ -275,10 +279,12 @@ class _Chain:
     rows: list[dict]
 
 
-def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -> list[_Chain]:
+def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow, device: Any = None) -> list[_Chain]:
     """The attention chains Inductor rewrites into scaled_dot_product_attention (see REWRITE_SCALES), each with the
     ops it replaces (its copies of q, k and v included) and the fused attention kernel(s) replacing them: one in
-    inference; in a training step the forward and the backward (:func:`_attention_backward`)."""
+    inference; in a training step the forward and the backward (:func:`_attention_backward`). Chains whose inputs
+    no fused kernel takes on ``device`` (:func:`neusight.graph.tracer.fused_sdpa_runs`: MI100, BF16 before compute
+    capability 8.0) are left out: there scaled_dot_product_attention runs its math backend, the same kernels."""
     aten = {i: str(d["aten_op"].iloc[0]) for i, d in by_op.items()}
     phase = {r.index: r.phase for r in g.ops}
     training = any(p == "backward" for p in phase.values())
@@ -325,6 +331,9 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
             # a training step is rewritten only with dropout on the scores (Inductor's patterns there have it)
             if training and dropout is None:
                 continue
+            ra = by_op[a].iloc[0]
+            if not fused_sdpa_runs(device, ra["dtype"], int(ra["dims"][2]), masked):
+                continue
             b = cur
             backward: set[int] = set()
             if training:
@@ -340,7 +349,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow) -
             # q, k, v as the fused kernel reads them: the GEMMs' operands (the copies' inputs are the same bytes)
             q, kt, v = flow.reads[a][0][2], flow.reads[a][1][2], flow.reads[b][1][2]
             nbytes = float(q + kt + v + flow.writes[b][0][2])
-            ra, rb = by_op[a].iloc[0], by_op[b].iloc[0]
+            rb = by_op[b].iloc[0]
             flops = float(ra["flops"] + rb["flops"])
             row = {"op_index": int(a), "phase": ra["phase"], "module": ra["module"], "aten_op": REWRITTEN_ATTENTION,
                    "family": Family.BMM.value, "kernel": ATTENTION_KERNEL, "dims": tuple(int(x) for x in ra["dims"]),

@@ -48,11 +48,11 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 SDPA_MARK = "scaled_dot_product_attention on"   # in the note of a trace whose attention backend depends on the GPU
 SDPA_NOTE = SDPA_MARK + " {device} as PyTorch dispatches it: {how}"
 SDPA_BACKENDS = {
-    "flash": "flash attention (FP16 / BF16 on compute capability 8.0+, no mask; grouped-query keys and values read "
-             "as they are)",
-    "math": "the math backend for grouped-query attention (the memory-efficient kernel does not take it and flash "
-            "attention does not apply): keys and values repeated per query head, scores materialized, softmax, "
-            "two GEMMs",
+    "flash": "flash attention (FP16 / BF16 on compute capability 8.0+ or ROCm's AOTriton GPUs, no mask; "
+             "grouped-query keys and values read as they are)",
+    "math": "the math backend, as no fused kernel takes these inputs on this GPU (grouped-query attention outside "
+            "flash attention; an AMD GPU without AOTriton kernels, such as MI100; BF16 before compute capability "
+            "8.0): scores materialized, softmax, two GEMMs, grouped-query keys and values repeated per query head",
     "efficient": "the memory-efficient fused kernel",
 }
 LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
@@ -317,36 +317,93 @@ def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_bias
     return (out, torch.stack(hn), torch.stack(cn)) if lstm else (out, torch.stack(hn))
 
 
-# PyTorch's FlashAttention-2 backend: NVIDIA compute capability 8.0 and later, FP16 / BF16, head dims up to 256 in
-# multiples of 8, no attention mask. It is SDPA's first choice where it applies, and with the math backend the only one
-# that takes grouped-query attention (enable_gqa) without repeating the keys and values (the
-# scaled_dot_product_attention docstring of the installed torch).
+# scaled_dot_product_attention's fused backends as PyTorch's dispatcher admits them (sdp_utils.cpp of PyTorch's CUDA
+# and ROCm builds; the scaled_dot_product_attention docstring of the installed torch):
+# - flash attention: NVIDIA compute capability 8.0 and later (FlashAttention-2), and on ROCm the architectures
+#   AOTriton is built for (ROCM_FUSED_ARCHS: MI200 / MI300 / MI350); FP16 / BF16 only, no attention mask, equal head
+#   dims of at most 256 in multiples of 8 (512 with ROCm's AOTriton), no is_causal with a query length other than
+#   the keys'. It is the first choice where it applies, and the only fused kernel that takes grouped-query attention
+#   (enable_gqa) with the keys and values as they are.
+# - the memory-efficient kernel: every NVIDIA GPU here (compute capability 5.0+), ROCm's AOTriton architectures; FP16
+#   and FP32, plus BF16 on compute capability 8.0+ and on ROCm; head dims in multiples of its GEMM alignment; on ROCm
+#   an attention mask must be boolean or of the inputs' dtype. No grouped-query attention.
+# - the math backend otherwise: MI100 (gfx908) and other AMD GPUs without AOTriton kernels, BF16 before compute
+#   capability 8.0, grouped-query attention where flash attention does not apply.
 FLASH_MIN_CC = 8.0
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+ROCM_FLASH_MAX_HEAD_DIM = 512
+ROCM_FUSED_ARCHS = ("gfx90a", "gfx942", "gfx950")   # AOTriton's supported (not experimental) targets
+SDPA_PATHS = ("flash", "no-flash", "rocm", "math", "efficient")
 
 
-def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> bool:
-    """Whether CUDA's scaled_dot_product_attention dispatches these inputs to flash attention on ``device``."""
+def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
+                is_causal: bool = False) -> bool:
+    """Whether scaled_dot_product_attention dispatches these inputs to flash attention on ``device``."""
+    path = sdpa_path(device)
     d = q.shape[-1]
-    return (sdpa_path(device) == "flash" and attn_mask is None and q.dtype in FLASH_DTYPES
-            and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d and d <= FLASH_MAX_HEAD_DIM
-            and d % 8 == 0 and q.dim() == 4)
+    max_d = ROCM_FLASH_MAX_HEAD_DIM if path == "rocm" else FLASH_MAX_HEAD_DIM
+    return (path in ("flash", "rocm") and attn_mask is None and q.dtype in FLASH_DTYPES
+            and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d and d <= max_d
+            and d % 8 == 0 and q.dim() == 4 and not (is_causal and q.shape[-2] != k.shape[-2]))
+
+
+def _efficient_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> bool:
+    """Whether the memory-efficient kernel takes these (multi-head) inputs on ``device`` (a GPU)."""
+    path = sdpa_path(device)
+    half = q.dtype in FLASH_DTYPES
+    if path == "math" or q.dtype not in (torch.float16, torch.float32, torch.bfloat16):
+        return False
+    if q.dtype == torch.bfloat16 and path == "no-flash":
+        return False
+    if path == "rocm":
+        align = 8 if half else 4
+        if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+            return False
+    else:   # CUDA's GEMM alignment: 16 bytes on tensor cores (16-bit on 7.0+, all on 8.0+), 4 elements on 8.0+
+        cc = _cc(device)
+        tensor_cores = cc >= 8.0 or (cc >= 7.0 and half)
+        align = max(4 if cc >= 8.0 else 1, (8 if half else 4) if tensor_cores else 1)
+    return k.shape[-1] == q.shape[-1] and q.shape[-1] % align == 0 and v.shape[-1] % align == 0
+
+
+def _cc(device: Any) -> float:
+    """An NVIDIA device's compute capability as a number (0.0 where it does not parse)."""
+    try:
+        return float(device.compute_capability)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> str:
-    """scaled_dot_product_attention's CUDA backend for these inputs, as PyTorch picks it. On a known NVIDIA GPU:
-    flash attention where it applies (grouped-query keys and values read as they are); else, for grouped-query
-    attention, the math backend (repeated keys and values, score GEMM, softmax, GEMM), since the memory-efficient
-    kernel does not take it; else the memory-efficient kernel. Without a GPU (or on AMD): the memory-efficient
-    kernel always, with repeated keys and values for grouped-query attention."""
-    if _flash_runs(device, q, k, v, attn_mask):
+    """scaled_dot_product_attention's GPU backend for these inputs, as PyTorch picks it on ``device`` (see the comment
+    above FLASH_MIN_CC): flash attention where it applies; else the math backend for grouped-query attention or
+    where the memory-efficient kernel does not take the inputs; else the memory-efficient kernel. Without a GPU: the
+    memory-efficient kernel always, with repeated keys and values for grouped-query attention."""
+    path = sdpa_path(device)
+    if path == "efficient":
+        return "efficient"
+    if _flash_runs(device, q, k, v, attn_mask, is_causal):
         return "flash"
-    if enable_gqa and k.shape[-3] != q.shape[-3] and sdpa_path(device) != "efficient":   # NVIDIA: no GQA in it
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
         return "math"
-    return "efficient"
+    return "efficient" if _efficient_runs(device, q, k, v, attn_mask) else "math"
+
+
+def fused_sdpa_runs(device: Any, dtype: Any, head_dim: int, masked: bool = False) -> bool:
+    """Whether scaled_dot_product_attention runs a fused kernel (flash or memory-efficient) on ``device`` for
+    multi-head inputs of ``dtype`` (a torch dtype or its name) and ``head_dim``, with an additive mask of the inputs'
+    dtype if ``masked``. True without a device (the memory-efficient kernel, as :func:`_sdpa_backend` assumes)."""
+    if device is None:
+        return True
+    dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    if not isinstance(dt, torch.dtype):
+        return False
+    q = torch.empty((1, 1, 1, int(head_dim)), dtype=dt, device="meta")
+    mask = torch.empty((1, 1, 1, 1), dtype=dt, device="meta") if masked else None
+    return _sdpa_backend(device, q, q, q, mask) != "math"
 
 
 def _sdpa(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -362,14 +419,15 @@ def _sdpa(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
 
 
 def sdpa_path(device: Any) -> str:
-    """Which set of scaled_dot_product_attention backends ``device`` (a Device or None) offers: traces of
-    attention for GPUs with the same path are the same."""
-    if device is None or device.vendor != "nvidia":
+    """Which set of scaled_dot_product_attention backends ``device`` (a Device or None) offers (SDPA_PATHS): traces
+    of attention for GPUs with the same path are the same. "flash": NVIDIA compute capability 8.0+; "no-flash":
+    older NVIDIA GPUs; "rocm": AMD GPUs with AOTriton's kernels (ROCM_FUSED_ARCHS); "math": other AMD GPUs, which
+    have no fused attention kernel; "efficient": no GPU given (the memory-efficient kernel, as before GPUs mattered)."""
+    if device is None:
         return "efficient"
-    try:
-        return "flash" if float(device.compute_capability) >= FLASH_MIN_CC else "no-flash"
-    except (TypeError, ValueError):
-        return "no-flash"
+    if device.vendor != "nvidia":
+        return "rocm" if str(device.compute_capability).lower() in ROCM_FUSED_ARCHS else "math"
+    return "flash" if _cc(device) >= FLASH_MIN_CC else "no-flash"
 
 
 def software_path(device: Any, dtype: Any) -> tuple[bool, str]:
