@@ -156,7 +156,7 @@ def test_a_causal_mask_added_after_a_multiplication_keeps_the_chain_a_divided_on
 def test_a_rewritten_chain_is_one_kernel_only_where_a_fused_attention_kernel_takes_it(device, dtype, fused):
     """Inductor hands the chain to scaled_dot_product_attention, which on MI100 (no fused attention kernel in
     ROCm's PyTorch) and for BF16 before compute capability 8.0 runs its math backend: the same kernels as eager."""
-    g = neusight.trace(_Attention().to(getattr(torch, dtype)), batch_size=2, input_shapes=[(32, 64)], dtype=dtype)
+    g = neusight.trace(_Attention(), batch_size=2, input_shapes=[(32, 64)], dtype=dtype)
     assert set(g.kernels.loc[g.kernels["family"] == "bmm", "dtype"]) == {dtype}
     table = fused_kernels(g, load_device(device))
     assert (table["aten_op"] == REWRITTEN_ATTENTION).sum() == int(fused)

@@ -402,6 +402,22 @@ def test_gemm_kernels_carry_their_cublas_layout():
     assert set(k2.loc[(k2["phase"] == "backward") & (k2["module"] == "1"), "kernel"]) >= {"mm_nn", "mm_nt"}
 
 
+def test_an_nn_module_runs_in_the_run_dtype_with_its_weights():
+    """An FP32 module (PyTorch's default) traced with dtype=bfloat16 runs in BF16, weights and activations alike (the
+    caller's module untouched); a module all in FP16 traced as FP32 is an InputError naming both and the fix, since
+    a GPU's GEMMs do not take FP32 inputs with FP16 weights; a module of mixed dtypes is traced as it is."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    g = neusight.trace(model, batch_size=4, input_shapes=[(16,)], dtype="bfloat16")
+    assert set(g.kernels["dtype"]) == {"bfloat16"}
+    assert next(model.parameters()).dtype == torch.float32 and next(model.parameters()).device.type == "cpu"
+    with pytest.raises(InputError, match=r"dtype='float32'.*float16.*Fix: dtype='float16'"):
+        neusight.trace(model.half(), batch_size=4, input_shapes=[(16,)])
+    half = neusight.trace(model, batch_size=4, input_shapes=[(16,)], dtype="float16")     # model.half() cast it
+    assert set(half.kernels["dtype"]) == {"float16"}
+    mixed = nn.Sequential(nn.Linear(16, 32).half(), nn.LayerNorm(32))
+    assert not neusight.trace(mixed, batch_size=4, input_shapes=[(16,)], dtype="float16").unmodeled
+
+
 def test_sdpa_is_selectable():
     eager = neusight.trace("gpt2", batch_size=1, seq_len=64, attn_implementation="eager")
     sdpa = neusight.trace("gpt2", batch_size=1, seq_len=64, attn_implementation="sdpa")

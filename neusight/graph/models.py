@@ -597,6 +597,23 @@ def _input_spec(entry: Any, i: int) -> tuple[tuple[int | str, ...], torch.dtype 
     return tuple(dims), dtype
 
 
+def _in_run_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The (meta copy of the) caller's module in the run's ``dtype``, so its weights and inputs agree as a GPU needs:
+    a module whose floating-point parameters and buffers are all FP32 (PyTorch's default) is cast to ``dtype``, as
+    the presets are built in it; one whose are all of another dtype is an InputError unless ``dtype`` is that one.
+    A module of mixed dtypes (e.g. FP32 norms in a BF16 model) is traced as it is."""
+    floats = {t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+    if len(floats) != 1 or floats == {dtype}:
+        return module
+    (have,) = floats
+    if have == torch.float32:
+        return module.to(dtype)
+    name, want = str(have).removeprefix("torch."), str(dtype).removeprefix("torch.")
+    fix = f"dtype={name!r}" if have in (torch.float16, torch.bfloat16) else f"cast the module to {want} (module.to(torch.{want}))"
+    raise InputError(f"dtype={want!r}, but the module's parameters are {name}: its inputs would be {want} and its "
+                     f"weights {name}, which a GPU's kernels do not mix. Fix: {fix}")
+
+
 def _meta_copy(module: nn.Module) -> nn.Module:
     """A copy of the caller's module with every parameter and buffer on the meta device; the module itself is left as
     it was (its weights, device and gradients: a trace adds LoRA adapters, shards layers, writes gradients).
@@ -625,7 +642,7 @@ def _from_module(module: nn.Module, input_shapes: list[Any] | None, dtype: torch
         raise InputError("an nn.Module needs input_shapes=[(dims of input 1 without batch), ...] so the tracer can "
                          "build example inputs, e.g. input_shapes=[(3, 224, 224)], or [(('seq',), torch.long)] for "
                          "token ids of seq_len tokens")
-    module = _meta_copy(module)
+    module = _in_run_dtype(_meta_copy(module), dtype)
     specs = [_input_spec(e, i) for i, e in enumerate(input_shapes)]
     uses_seq = any(SEQ_DIM in dims for dims, _ in specs)
 

@@ -564,7 +564,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     model : str, path, config or nn.Module
         A preset (``"gpt2-large"``, ``"resnet50"``, ...), a Hugging Face config (a config.json path, a
         ``transformers.PretrainedConfig`` or a dict with its ``model_type``), or an nn.Module
-        (traced as a meta copy, the module itself is left as it was; ``input_shapes`` gives its inputs' shapes
+        (traced as a meta copy, the module itself is left as it was; an FP32 module runs in ``dtype``, a module
+        all of another dtype needs that ``dtype``; ``input_shapes`` gives its inputs' shapes
         without the batch dimension; a ``(shape, dtype)`` pair
         for an input that is not of the run's dtype, e.g. ``(("seq",), torch.long)`` for token ids, where a dim
         "seq" takes ``seq_len``).
