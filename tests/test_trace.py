@@ -462,7 +462,8 @@ def test_sdpa_takes_the_backend_pytorch_picks_on_the_gpu():
 
 def _attention_kernels(model, device, **run) -> set[str]:
     ops = _attention_ops(neusight.trace(model, device=device, **run))
-    return {o.removeprefix("aten.").removesuffix(".default") for o in ops if "attention" in o or o == "aten.bmm.default"}
+    return {o.removeprefix("aten.").removesuffix(".default") for o in ops
+            if "attention" in o or o == "aten.bmm.default"}
 
 
 def test_sdpa_backends_on_amd_and_older_nvidia_gpus():
@@ -510,6 +511,53 @@ def test_sdpa_flash_declines_causal_attention_of_unequal_lengths():
     assert kernels(_CausalSdpa(queries=4)) == {"_scaled_dot_product_efficient_attention"}
 
 
+class _MaskedSdpa(torch.nn.Module):
+    """scaled_dot_product_attention of 8 query heads over ``kv_heads`` key / value heads, with a
+    boolean mask if ``mask``, dropout ``p`` in training."""
+
+    def __init__(self, kv_heads: int = 2, mask: bool = True, p: float = 0.0) -> None:
+        super().__init__()
+        self.kv_heads, self.mask, self.p = kv_heads, mask, p
+        self.gain = torch.nn.Parameter(torch.ones(1))     # something to train
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # x: (batch, 8, seq, head dim)
+        x = x * self.gain
+        kv = x[:, :self.kv_heads]
+        mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool, device=x.device).tril() if self.mask else None
+        return torch.nn.functional.scaled_dot_product_attention(x, kv, kv, attn_mask=mask, enable_gqa=True,
+                                                                dropout_p=self.p if self.training else 0.0)
+
+
+def test_sdpa_takes_cudnn_attention_first_on_hopper_and_blackwell():
+    """Compute capability 9.0 / 10.x: cuDNN attention first for FP16 / BF16, masked grouped-query attention included
+    (the math backend on an A100, where flash attention takes no mask); not for BERT's dropout of 0.1 (cuDNN's
+    dropout comes in sixteenths: flash attention), nor for head dims over 128, nor FP32 (the memory-efficient
+    kernel). Its forward and backward kernels carry the fused attention's FLOPs (causal only with is_causal)."""
+    def run(model, gpu, dims=(8, 64, 64), dtype="bfloat16", mode="inference"):
+        g = neusight.trace(model, batch_size=2, input_shapes=[dims], dtype=dtype, device=gpu, mode=mode,
+                           optimizer=None)
+        names = {str(o).removeprefix("aten.").removesuffix(".default") for o in g.kernels["aten_op"]
+                 if "attention" in str(o) or o == "aten.bmm.default"}
+        return g, names
+
+    cudnn = "_scaled_dot_product_cudnn_attention"
+    for gpu in ("h100-sxm5-80gb", "b200"):
+        assert run(_MaskedSdpa(), gpu)[1] == {cudnn}
+    assert run(_MaskedSdpa(), "a100-sxm4-40gb")[1] == {"bmm"}
+    assert run(_MaskedSdpa(), "h100-sxm5-80gb", dtype="float32")[1] == {"bmm"}
+    assert run(_MaskedSdpa(kv_heads=8), "h100-sxm5-80gb", dtype="float32")[1] == {
+        "_scaled_dot_product_efficient_attention"}
+    assert run(_MaskedSdpa(mask=False), "h100-sxm5-80gb", dims=(8, 64, 256))[1] == {
+        "_scaled_dot_product_flash_attention"}
+    g, names = run(_MaskedSdpa(mask=False, p=0.1), "h100-sxm5-80gb", mode="training")
+    assert names == {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+    g, names = run(_MaskedSdpa(), "h100-sxm5-80gb", mode="training")
+    assert names == {cudnn, cudnn + "_backward"}
+    k = g.kernels.set_index("aten_op")
+    fwd, bwd = (float(k.loc[f"aten.{cudnn}{s}.default", "flops"]) for s in ("", "_backward"))
+    assert fwd == 4 * 2 * 8 * 64 * 64 * 64 and bwd == 2.5 * fwd      # a mask, not is_causal: every tile computed
+
+
 def test_the_cli_traces_again_for_a_gpu_with_other_attention_backends(tmp_path):
     import json
 
@@ -522,7 +570,7 @@ def test_the_cli_traces_again_for_a_gpu_with_other_attention_backends(tmp_path):
                         memory=False)
     preds = forecast(cfg)
     backends = [next(n for n in p.notes if "scaled_dot_product_attention on" in n) for p in preds]
-    assert "math backend" in backends[0] and "flash attention" in backends[1] and "flash attention" in backends[2]
+    assert "math backend" in backends[0] and "flash attention" in backends[1] and "cuDNN attention" in backends[2]
 
 
 @pytest.mark.parametrize("cfg,head,cls", [

@@ -252,7 +252,7 @@ def _dataflow(g: Graph, by_op: dict[int, pd.DataFrame]) -> _Flow:
 
 
 # Inductor's attention rewrite (torch/_inductor/fx_passes/fuse_attention.py) hands a chain score GEMM -> scale ->
-# softmax -> GEMM to scaled_dot_product_attention, which runs as one fused kernel (memory-efficient or flash
+# softmax -> GEMM to scaled_dot_product_attention, which runs as one fused kernel (flash, cuDNN or memory-efficient
 # attention; the scores never reach DRAM). It matches a fixed set of patterns, checked against the installed torch
 # and transformers by ``python scripts/bench_attention_rewrite.py`` (docs/attention-rewrite.md), which compiles
 # small models on the CPU and counts the rewrites. Kept here: a scale by a constant (multiplied or divided) or none,

@@ -609,7 +609,8 @@ def _in_run_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     if have == torch.float32:
         return module.to(dtype)
     name, want = str(have).removeprefix("torch."), str(dtype).removeprefix("torch.")
-    fix = f"dtype={name!r}" if have in (torch.float16, torch.bfloat16) else f"cast the module to {want} (module.to(torch.{want}))"
+    fix = (f"dtype={name!r}" if have in (torch.float16, torch.bfloat16)
+           else f"cast the module to {want} (module.to(torch.{want}))")
     raise InputError(f"dtype={want!r}, but the module's parameters are {name}: its inputs would be {want} and its "
                      f"weights {name}, which a GPU's kernels do not mix. Fix: {fix}")
 

@@ -54,6 +54,8 @@ SDPA_BACKENDS = {
             "flash attention; an AMD GPU without AOTriton kernels, such as MI100; BF16 before compute capability "
             "8.0): scores materialized, softmax, two GEMMs, grouped-query keys and values repeated per query head",
     "efficient": "the memory-efficient fused kernel",
+    "cudnn": "cuDNN attention (PyTorch's first choice on compute capability 9.0 / 10.x: FP16 / BF16, masks and "
+             "grouped-query keys and values as they are)",
 }
 LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
              "weight gradient or optimizer state for it)")
@@ -327,25 +329,48 @@ def _cudnn_style_rnn(kind: str, x: torch.Tensor, hx: Any, params: list, has_bias
 # - the memory-efficient kernel: every NVIDIA GPU here (compute capability 5.0+), ROCm's AOTriton architectures; FP16
 #   and FP32, plus BF16 on compute capability 8.0+ and on ROCm; head dims in multiples of its GEMM alignment; on ROCm
 #   an attention mask must be boolean or of the inputs' dtype. No grouped-query attention.
+# - cuDNN attention, first in PyTorch's order on compute capability 9.0 / 10.x (Hopper, datacenter Blackwell) since
+#   the cuDNN bundled with PyTorch reached 9.15.1 (check_prefer_cudnn_attention): FP16 / BF16, an attention mask
+#   allowed, grouped-query keys and values as they are, head dims of at most CUDNN_MAX_HEAD_DIM in multiples of 8,
+#   more than one key, dropout in multiples of 1/16 (so not BERT's 0.1) and none for a single query.
 # - the math backend otherwise: MI100 (gfx908) and other AMD GPUs without AOTriton kernels, BF16 before compute
-#   capability 8.0, grouped-query attention where flash attention does not apply.
+#   capability 8.0, grouped-query attention where neither flash nor cuDNN attention applies.
 FLASH_MIN_CC = 8.0
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 ROCM_FLASH_MAX_HEAD_DIM = 512
 ROCM_FUSED_ARCHS = ("gfx90a", "gfx942", "gfx950")   # AOTriton's supported (not experimental) targets
-SDPA_PATHS = ("flash", "no-flash", "rocm", "math", "efficient")
+CUDNN_MAX_HEAD_DIM = 128        # 256 only with a cuDNN newer than 9.22 and a frontend that has it: not assumed
+CUDNN_FIRST_MAJORS = (9, 10)    # compute capabilities on which cuDNN attention comes first
+SDPA_PATHS = ("cudnn", "flash", "no-flash", "rocm", "math", "efficient")
 
 
 def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
-                is_causal: bool = False) -> bool:
+                is_causal: bool = False, dropout_p: float = 0.0) -> bool:
     """Whether scaled_dot_product_attention dispatches these inputs to flash attention on ``device``."""
     path = sdpa_path(device)
     d = q.shape[-1]
     max_d = ROCM_FLASH_MAX_HEAD_DIM if path == "rocm" else FLASH_MAX_HEAD_DIM
-    return (path in ("flash", "rocm") and attn_mask is None and q.dtype in FLASH_DTYPES
+    if path == "flash" and (8.6 <= _cc(device) < 9.0 or _cc(device) >= 12.0) and _needs_grad(q, k, v):
+        if 192 < d <= 224 or (d > 224 and dropout_p > 0):   # its backward has no kernel for these there
+            return False
+    return (path in ("cudnn", "flash", "rocm") and attn_mask is None and q.dtype in FLASH_DTYPES
             and k.dtype == v.dtype == q.dtype and k.shape[-1] == v.shape[-1] == d and d <= max_d
             and d % 8 == 0 and q.dim() == 4 and not (is_causal and q.shape[-2] != k.shape[-2]))
+
+
+def _cudnn_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
+                dropout_p: float = 0.0) -> bool:
+    """Whether scaled_dot_product_attention dispatches these inputs to cuDNN attention on ``device``."""
+    return (sdpa_path(device) == "cudnn" and q.dim() == 4 and q.dtype in FLASH_DTYPES and k.dtype == v.dtype == q.dtype
+            and k.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and q.shape[-1] == k.shape[-1]
+            and max(k.shape[-1], v.shape[-1]) <= CUDNN_MAX_HEAD_DIM and k.shape[-2] != 1
+            and dropout_p * 16 == int(dropout_p * 16) and not (dropout_p > 0 and q.shape[-2] == 1)
+            and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype)))
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _efficient_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> bool:
@@ -379,13 +404,16 @@ def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> str:
     """scaled_dot_product_attention's GPU backend for these inputs, as PyTorch picks it on ``device`` (see the comment
-    above FLASH_MIN_CC): flash attention where it applies; else the math backend for grouped-query attention or
-    where the memory-efficient kernel does not take the inputs; else the memory-efficient kernel. Without a GPU: the
-    memory-efficient kernel always, with repeated keys and values for grouped-query attention."""
+    above FLASH_MIN_CC): cuDNN attention on Hopper and datacenter Blackwell where it applies; else flash attention
+    where it applies; else the math backend for grouped-query attention or where the memory-efficient kernel does not
+    take the inputs; else the memory-efficient kernel. Without a GPU: the memory-efficient kernel always, with
+    repeated keys and values for grouped-query attention."""
     path = sdpa_path(device)
     if path == "efficient":
         return "efficient"
-    if _flash_runs(device, q, k, v, attn_mask, is_causal):
+    if _cudnn_runs(device, q, k, v, attn_mask, dropout_p):
+        return "cudnn"
+    if _flash_runs(device, q, k, v, attn_mask, is_causal, dropout_p):
         return "flash"
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         return "math"
@@ -412,6 +440,10 @@ def _sdpa(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
     """scaled_dot_product_attention run as ``backend`` (:func:`_sdpa_backend`) runs it."""
     if backend == "flash":
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if backend == "cudnn":   # a boolean mask becomes an additive bias, as PyTorch hands it to cuDNN
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, _additive_bias(attn_mask, q),
+                                                                  _needs_grad(q, k, v), dropout_p, is_causal, False,
+                                                                  scale=scale)[0]
     if backend == "math":
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
@@ -420,13 +452,16 @@ def _sdpa(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
 
 def sdpa_path(device: Any) -> str:
     """Which set of scaled_dot_product_attention backends ``device`` (a Device or None) offers (SDPA_PATHS): traces
-    of attention for GPUs with the same path are the same. "flash": NVIDIA compute capability 8.0+; "no-flash":
+    of attention for GPUs with the same path are the same. "cudnn": NVIDIA compute capability 9.0 / 10.x (cuDNN
+    attention first, then flash); "flash": other NVIDIA GPUs of compute capability 8.0+; "no-flash":
     older NVIDIA GPUs; "rocm": AMD GPUs with AOTriton's kernels (ROCM_FUSED_ARCHS); "math": other AMD GPUs, which
     have no fused attention kernel; "efficient": no GPU given (the memory-efficient kernel, as before GPUs mattered)."""
     if device is None:
         return "efficient"
     if device.vendor != "nvidia":
         return "rocm" if str(device.compute_capability).lower() in ROCM_FUSED_ARCHS else "math"
+    if int(_cc(device)) in CUDNN_FIRST_MAJORS:
+        return "cudnn"
     return "flash" if _cc(device) >= FLASH_MIN_CC else "no-flash"
 
 
@@ -455,6 +490,13 @@ def depends_on_gpu(notes: Any) -> bool:
     return experts_depend(notes) or any(SDPA_MARK in n for n in notes)
 
 
+def _additive_bias(attn_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """An attention mask as the additive bias the fused kernels take: a boolean mask becomes 0 / -inf in q's dtype."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        return torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(attn_mask.logical_not(), float("-inf"))
+    return attn_mask
+
+
 def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                          enable_gqa: bool = False) -> torch.Tensor:
@@ -463,14 +505,11 @@ def _efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    bias = attn_mask
-    if bias is not None and bias.dtype == torch.bool:
-        bias = torch.zeros_like(bias, dtype=q.dtype).masked_fill(bias.logical_not(), float("-inf"))
+    bias = _additive_bias(attn_mask, q)
     if bias is not None:
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, need_lse, dropout_p, is_causal,
-                                                                  scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, _needs_grad(q, k, v), dropout_p,
+                                                                  is_causal, scale=scale)[0]
 
 
 @contextlib.contextmanager

@@ -244,12 +244,10 @@ def _attention(q: TensorMeta, k: TensorMeta, v: TensorMeta, causal: bool, extra:
 def _sdpa(c: OpCall) -> list[Kernel]:
     """Fused scaled-dot-product attention (memory-efficient / flash / cuDNN kernels)."""
     q, k, v = c.args[:3]
-    causal = bool(c.kwargs.get("is_causal", False))
-    for a in c.args[3:]:
-        if isinstance(a, bool):
-            causal = causal or a
-    if c.op.startswith("aten._scaled_dot_product_efficient_attention"):
-        causal = bool(c.args[6]) if len(c.args) > 6 else bool(c.kwargs.get("is_causal", False))
+    # is_causal's position: flash (q, k, v, dropout_p, is_causal, ...); the memory-efficient and cuDNN kernels
+    # (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, ...)
+    at = 4 if c.op.startswith("aten._scaled_dot_product_flash_attention") else 6
+    causal = bool(c.args[at]) if len(c.args) > at else bool(c.kwargs.get("is_causal", False))
     extra = [t for t in c.args[3:] if isinstance(t, TensorMeta)]
     return [_attention(q, k, v, causal, extra, list(c.outputs[:2]), False, ATTENTION_KERNEL)]
 
