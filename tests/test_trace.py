@@ -551,6 +551,11 @@ def test_sdpa_takes_cudnn_attention_first_on_hopper_and_blackwell():
         "_scaled_dot_product_flash_attention"}
     g, names = run(_MaskedSdpa(mask=False, p=0.1), "h100-sxm5-80gb", mode="training")
     assert names == {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+    # flash attention's backward has no kernel for head dims in (192, 224] on sm86 / sm89 (L4): not taken to train
+    mha = _MaskedSdpa(kv_heads=8, mask=False)
+    assert run(mha, "l4", dims=(8, 64, 200))[1] == {"_scaled_dot_product_flash_attention"}
+    assert run(mha, "l4", dims=(8, 64, 200), mode="training")[1] == {
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"}
     g, names = run(_MaskedSdpa(), "h100-sxm5-80gb", mode="training")
     assert names == {cudnn, cudnn + "_backward"}
     k = g.kernels.set_index("aten_op")
