@@ -486,7 +486,7 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     g = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, device=device, **trace_kwargs)
     p = predict_graph(g, device, predictor, fused=fused, tf32=tf32)
     if memory:
-        p.memory = estimate_memory(g, device)
+        p.memory = estimate_memory(g, device, fused=fused)
     return p
 
 

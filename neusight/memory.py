@@ -144,6 +144,7 @@ class _Storage:
     module: str = ""       # module path of the op that made it
     backward_use: bool = False
     held: bool = False     # kept alive to the end of the step by the caller
+    users: set[int] = field(default_factory=set)   # the ops that read it
 
 
 def _block(nbytes: np.ndarray) -> np.ndarray:
@@ -212,6 +213,7 @@ def _walk(graph: Graph) -> list[_Storage]:
                     current[t.storage] = s
             s.end = max(s.end, i)
             s.nbytes = max(s.nbytes, t.nbytes)
+            s.users.add(i)
             if phase == "backward" and s.kind in ("input", "made in forward", "made in loss"):
                 s.backward_use = True
             if phase == "loss" and s.kind == "made in forward":
@@ -248,6 +250,56 @@ def _category(s: _Storage, mode: str) -> str:
     return "workspace"
 
 
+def _unmaterialized(storages: list[_Storage], units: list[set[int]], views: set[int]) -> None:
+    """Drop what a fused kernel keeps on chip: a storage made by an op of a fused unit
+    (:func:`neusight.graph.fusion.fused_units`) that only ops of the same unit read (``views``, ops that launch no
+    kernel, do not count), and that nothing holds, is never allocated (torch.compile's kernel computes it in
+    registers; a rewritten attention chain's scores, softmax and dropout mask are recomputed by its backward)."""
+    unit_of = {i: k for k, unit in enumerate(units) for i in unit}
+    for s in storages:
+        if s.held or not s.kind.startswith("made in") or s.start not in unit_of:
+            continue
+        users = s.users - views
+        if users and users <= units[unit_of[s.start]]:
+            s.nbytes = 0
+
+
+# aten ops whose result a backward cannot recompute (random draws): the partitioner saves what they make
+RANDOM_OPS = frozenset({"aten.native_dropout.default", "aten.bernoulli.default", "aten.bernoulli_.float",
+                        "aten.rand_like.default", "aten.rand.default", "aten.randn_like.default"})
+
+
+def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int], graph: Graph) -> None:
+    """What torch.compile's partitioner recomputes in the backward instead of saving it (its min-cut
+    rematerialization): what a forward group of pointwise kernels only (no reduction, no random draw) made, where
+    only pointwise backward kernels read it, is recomputed inside them from the group's inputs (a GeLU's
+    intermediates are not kept, its input is). What a backward GEMM reads stays saved (the partitioner does not
+    recompute what the backward materializes anyway). A recomputed storage lives to its last forward use, the
+    group's inputs to its last backward use."""
+    k = graph.kernels
+    fams = k.groupby("op_index")["family"].agg(set).to_dict()
+    phase = {r.index: r.phase for r in graph.ops}
+    aten = {r.index: r.call.op for r in graph.ops}
+    pointwise = {Family.ELEMENTWISE.value, Family.VIEW.value}
+    for unit in units:
+        if not all(phase[i] == "forward" and fams.get(i, set()) <= pointwise and aten[i] not in RANDOM_OPS
+                   for i in unit):
+            continue
+        inputs = [s for s in storages if s.start not in unit and (s.users - views) & unit]
+        last = -1
+        for s in storages:
+            if s.start not in unit or s.held or s.nbytes == 0 or s.kind != "made in forward":
+                continue
+            back = sorted(u for u in s.users - views if phase[u] == "backward")
+            if not back or not all(fams.get(u, set()) <= pointwise for u in back):
+                continue
+            s.end = max((u for u in s.users - views if phase[u] != "backward"), default=s.start)
+            last = max(last, back[-1])
+        for s in inputs:
+            if last > s.end:
+                s.end, s.backward_use = last, True
+
+
 def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> None:
     """Apply the training-loop lifetimes: what the caller holds and the gradients live to the end of the step.
 
@@ -264,7 +316,8 @@ def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> No
             s.start = 0
 
 
-def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = "cuda") -> MemoryReport:
+def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = "cuda",
+                    fused: bool = False) -> MemoryReport:
     """Forecast the device memory of a traced run: peak, breakdown, where, timeline.
 
     Parameters
@@ -276,6 +329,9 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
     allocator : {"cuda", "exact"}
         ``"cuda"``: blocks rounded as PyTorch's CUDA caching allocator does, segment slack and framework costs
         added. ``"exact"``: requested tensor bytes only, no rounding, no fixed costs (what a CPU run reports).
+    fused : bool
+        The run under ``torch.compile`` (as ``predict(..., fused=True)`` forecasts its kernels): what a fused
+        kernel keeps on chip is not allocated (:func:`_unmaterialized`); everything else as the eager run holds it.
 
     Returns
     -------
@@ -300,6 +356,14 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
         device = load_device(device)
     n = len(graph.ops)
     storages = _walk(graph)
+    if fused:
+        from neusight.graph.fusion import fused_units
+
+        k = graph.kernels
+        launching = set(k.loc[k["family"] != Family.VIEW.value, "op_index"])
+        units, views = fused_units(graph, device), {r.index for r in graph.ops} - launching
+        _unmaterialized(storages, units, views)
+        _recomputed(storages, units, views, graph)
     _lifetimes(storages, n, keep_grads=graph.keeps_grads)
     sizes = np.array([s.nbytes for s in storages], dtype=np.int64)
     blocks = _block(sizes) if allocator == "cuda" else sizes
@@ -370,7 +434,8 @@ def fixed_costs(device: Any, graph: Graph) -> dict[str, int]:
 
 
 def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode: str = "inference",
-                   max_batch: int = 1 << 16, zero: int = 0, dp: int = 1, **trace_kwargs: Any) -> int:
+                   max_batch: int = 1 << 16, zero: int = 0, dp: int = 1, fused: bool = False,
+                   **trace_kwargs: Any) -> int:
     """Largest batch size whose forecast :attr:`MemoryReport.peak_bytes` fits on ``device``.
 
     Doubles the batch from 1 until a trace does not fit, then bisects between the last fit and the first
@@ -386,6 +451,8 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     zero, dp : int
         With ``zero`` = 1-3, the batch of one of ``dp`` data-parallel replicas whose state ZeRO shards
         (:func:`neusight.parallel.predict_parallel`'s memory of one GPU); the global batch is ``dp`` times it.
+    fused : bool
+        The memory of the run under torch.compile (:func:`estimate_memory` with ``fused=True``).
 
     Returns
     -------
@@ -395,17 +462,18 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
     return _largest_fit(lambda b: dict(batch_size=b, seq_len=seq_len), "batch_size", max_batch, model, device, mode,
-                        trace_kwargs, zero, dp)
+                        trace_kwargs, zero, dp, fused)
 
 
 def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str = "inference",
                      max_seq_len: int | None = None, step: int = 64, zero: int = 0, dp: int = 1,
-                     **trace_kwargs: Any) -> int:
+                     fused: bool = False, **trace_kwargs: Any) -> int:
     """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
 
     The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
     model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
-    tokens do not fit. ``zero`` / ``dp`` as in :func:`find_max_batch` (``batch_size`` is then one replica's).
+    tokens do not fit. ``zero`` / ``dp`` / ``fused`` as in :func:`find_max_batch` (``batch_size`` is then one
+    replica's).
     """
     from neusight.graph.models import build_model
 
@@ -419,11 +487,11 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     if cap < step:
         return 0
     return step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
-                               model, device, mode, trace_kwargs, zero, dp)
+                               model, device, mode, trace_kwargs, zero, dp, fused)
 
 
 def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,
-                 trace_kwargs: dict, zero: int = 0, dp: int = 1) -> int:
+                 trace_kwargs: dict, zero: int = 0, dp: int = 1, fused: bool = False) -> int:
     """Largest n in [1, hi_cap] whose trace ``shape(n)`` (trace keywords; ``key`` the one searched) fits in
     ``device``'s memory, 0 when n = 1 does not: doubling from 1, then bisection between the last fit and the
     first miss. With ``zero``, the memory of one GPU of ``dp`` replicas under that ZeRO stage."""
@@ -440,7 +508,8 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
         if n not in cache:
             kw = shape(n)
             g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
-            peak = zero_memory_peak(g, device, zero, dp, ep) if zero else float(estimate_memory(g, device).peak_bytes)
+            peak = (zero_memory_peak(g, device, zero, dp, ep, fused) if zero
+                    else float(estimate_memory(g, device, fused=fused).peak_bytes))
             cache[n] = peak <= device.memory_bytes
             log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], peak / 2**30, device.memory_gib,
                      "fits" if cache[n] else "does not fit")
@@ -487,7 +556,7 @@ class _MetaToCpu(TorchFunctionMode):
 def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str = "inference", *,
                 optimizer: str | None = "adamw", onednn: bool = False, seed: int = 0,
                 gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
-                lora_targets: Any = None, **build_kwargs: Any) -> CpuMeasurement:
+                lora_targets: Any = None, compiled: bool = False, **build_kwargs: Any) -> CpuMeasurement:
     """Run ``model`` for real on the CPU and measure the peak of allocated tensor bytes.
 
     The module is the one :func:`neusight.trace` traces (same builder, random weights), run the way the tracer
@@ -507,6 +576,11 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
         Let convolutions run through oneDNN. Off by default: oneDNN reorders every conv weight into a blocked
         layout through the tensor allocator, a transient copy the CUDA run does not make (on a small ResNet-18
         that copy alone is 9 MiB, 20 % of its peak); the native kernels allocate only small im2col buffers.
+    compiled : bool
+        Run the module under ``torch.compile`` (Inductor's CPU backend; needs a C++ compiler), compiled in an
+        un-measured first run: what its fused kernels keep on chip and what its partitioner saves for backward, to
+        check ``estimate_memory(..., fused=True)``. Without the tracer's CUDA code paths, which Dynamo does not
+        trace through (Inductor lowers dropout and attention itself).
 
     Returns
     -------
@@ -544,18 +618,23 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
         args, kwargs = built.make_inputs(batch_size, seq_len)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
 
+    run = torch.compile(module) if compiled else module
+    paths = contextlib.nullcontext if compiled else _CudaPaths
+
     def step() -> tuple:
-        with _MetaToCpu(), _CudaPaths(), recompute:
+        with _MetaToCpu(), paths(), recompute:
             if not training:
                 with torch.no_grad():
-                    return (module(*args, **kwargs),)
-            out = module(*args, **kwargs)
+                    return (run(*args, **kwargs),)
+            out = run(*args, **kwargs)
             loss = built.loss(out, args, kwargs)
             loss.backward()
             if opt is not None:
                 opt.step()
             return out, loss
 
+    if compiled and not training:   # compile outside the measured run
+        step()
     if training:
         with _onednn(onednn):
             held = step()

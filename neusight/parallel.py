@@ -530,7 +530,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if memory:
         from neusight.memory import estimate_memory
 
-        report = estimate_memory(g, device)
+        report = estimate_memory(g, device, fused=fused)
         b = _zero_breakdown(report, zero, shards, units) if zero else report.breakdown
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
         breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else
@@ -578,15 +578,15 @@ def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
         raise InputError(f"zero={zero} with pipeline stages (pp={par.pp}) is not modelled. Fix: pp=1, or zero=0")
 
 
-def zero_memory_peak(g: Any, device: Device, zero: int, dp: int, ep: int = 1) -> float:
+def zero_memory_peak(g: Any, device: Device, zero: int, dp: int, ep: int = 1, fused: bool = False) -> float:
     """Peak bytes on one GPU of trace ``g`` run by ``dp`` data-parallel replicas under ZeRO stage ``zero``
-    (:func:`_zero_breakdown`; ``ep``: the experts' expert-parallel degree), as :func:`predict_parallel` forecasts it
-    with ``pp=1``."""
+    (:func:`_zero_breakdown`; ``ep``: the experts' expert-parallel degree; ``fused``: under torch.compile), as
+    :func:`predict_parallel` forecasts it with ``pp=1``."""
     from neusight.memory import estimate_memory
 
     units = _unit_parameter_bytes(g, _block_index(g.kernels)) if zero == 3 else []
     shards = _zero_shards(dp, ep, _expert_parameter_share(g) if ep > 1 else 0.0)
-    return float(sum(_zero_breakdown(estimate_memory(g, device), zero, shards, units).values()))
+    return float(sum(_zero_breakdown(estimate_memory(g, device, fused=fused), zero, shards, units).values()))
 
 
 def _zero_shards(dp: int, ep: int, expert_share: float) -> float:

@@ -100,7 +100,7 @@ def forecast() -> pd.DataFrame:
                     raise
                 rows.append({"run": label, "gpu": key, "ms": float("nan"), "GiB": float("nan"), "fits": True})
                 continue
-            mem = estimate_memory(g, dev)
+            mem = estimate_memory(g, dev, fused=fused)
             rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": mem.peak_bytes / 2**30,
                          "fits": bool(mem.fits)})
     return pd.DataFrame(rows)

@@ -55,7 +55,7 @@ class PredictConfig:
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | masked-lm | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training; null: no step)
     attn_implementation: str = "eager"   # eager | sdpa
-    fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels)
+    fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels, their memory)
     tf32: Any = None                     # FP32 on TF32 cores (Ampere+): null = convs (PyTorch), all|true, off|false
     dp: int = 1                          # data-parallel replicas (batch_size is the global batch)
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
@@ -358,7 +358,7 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
         if cfg.memory:
             from neusight.memory import estimate_memory
 
-            p.memory = estimate_memory(g, dev)
+            p.memory = estimate_memory(g, dev, fused=cfg.fused)
         preds.append(p)
     return preds
 
@@ -602,7 +602,7 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
 
     kw = dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
               dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=cfg.ep, zero=cfg.zero, dp=cfg.dp,
-              **_step_options(cfg))
+              fused=cfg.fused, **_step_options(cfg))
     several = cfg.dp * cfg.tp > 1 or bool(cfg.zero)
     where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if cfg.ep > 1 else "")
              + f"tp {cfg.tp}"

@@ -77,6 +77,19 @@ def fused_kernels(g: Graph, device: Any = None) -> pd.DataFrame:
     >>> len(fused_kernels(g)) < len(g.kernels)
     True
     """
+    return _fuse(g, device)[0]
+
+
+def fused_units(g: Graph, device: Any = None) -> list[set[int]]:
+    """The op indices each fused kernel of :func:`fused_kernels` stands for: every group of two or more kernels,
+    every rewritten attention chain (its forward and backward ops and the copies of q, k and v it drops). What
+    an op of a unit makes and only ops of the same unit read is never written to memory
+    (:func:`neusight.memory.estimate_memory` with ``fused=True``)."""
+    return _fuse(g, device)[1]
+
+
+def _fuse(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
+    """:func:`fused_kernels` and :func:`fused_units` in one pass."""
     k = g.kernels
     by_op = {i: d for i, d in k.groupby("op_index", sort=False)}
     flow = _dataflow(g, by_op)
@@ -170,12 +183,14 @@ def fused_kernels(g: Graph, device: Any = None) -> pd.DataFrame:
             groups[consumer] = groups.pop(consumer) + groups.pop(root)
 
     rows, replaced = [], set()
+    units = [set(chain.ops) for chain in attention]
     # 3: one row per group of two or more kernels; everything else is kept as traced
     for members in groups.values():
         if len(members) < 2:
             continue
         ops = set(members)
         replaced |= ops
+        units.append(ops)
         read: dict[tuple[int, int], int] = {}
         for i in members:
             for s, v, b in reads[i]:
@@ -193,7 +208,7 @@ def fused_kernels(g: Graph, device: Any = None) -> pd.DataFrame:
     kept = k[~k["op_index"].isin(replaced | rewritten)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
     out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
-    return out.sort_values("op_index", kind="stable").reset_index(drop=True)
+    return out.sort_values("op_index", kind="stable").reset_index(drop=True), units
 
 
 Key = tuple[int, int]   # (storage, version)
