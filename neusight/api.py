@@ -209,7 +209,8 @@ TF32_NOTE = ("{n} FP32 kernels ({what}) run on TF32 tensor cores (tf32={mode!r};
              "there): bounded by the dense TF32 peak, with a utilization model learned on FP32 kernels; tf32='off' "
              "forecasts true FP32")
 FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops between GEMMs run as fused kernels; "
-              "the memory forecast is the eager one")
+              "the memory forecast is the compiled run's (what a fused kernel keeps on chip is not allocated, "
+              "pointwise results only pointwise backward kernels read are recomputed there, not saved)")
 MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
                  "(neusight.graph.megatron); other kernels as Hugging Face runs them")
 NO_TENSOR_CORE_NOTE = ("{n} {what} convolution kernels have channels that are not multiples of 8 (FP16 / BF16) or 4 "

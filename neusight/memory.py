@@ -103,6 +103,8 @@ class MemoryReport:
         ``op_index``, ``aten_op``, ``module``, ``phase`` of the peak.
     allocator, model, mode, batch_size, device : str, int
         How the forecast was made and of what (``device`` is the device's name, None without one).
+    fused : bool
+        The run under torch.compile (``estimate_memory(..., fused=True)``).
     timeline : DataFrame
         One row per op: op_index, phase, module, aten_op, live_bytes (while the op runs), and the bytes of
         each category in ``CATEGORIES``.
@@ -120,6 +122,7 @@ class MemoryReport:
     mode: str = ""
     batch_size: int = 0
     device: str | None = None   # the device's name
+    fused: bool = False
 
     @property
     def peak_gib(self) -> float:
@@ -394,7 +397,7 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
                           device_memory_bytes=mem, breakdown=breakdown,
                           where={"op_index": peak_i, "aten_op": rec.call.op, "module": rec.module, "phase": rec.phase},
                           timeline=timeline, allocator=allocator, model=graph.model, mode=graph.mode,
-                          batch_size=graph.batch_size, device=None if device is None else device.name)
+                          batch_size=graph.batch_size, device=None if device is None else device.name, fused=fused)
     log.debug("memory of %s (%s, batch %d): peak %.2f GiB at op %d %s in %r", graph.model, graph.mode,
               graph.batch_size, report.peak_gib, peak_i, rec.call.op, rec.module)
     return report

@@ -368,7 +368,10 @@ def test_compiled_training_of_rewritten_attention_keeps_no_scores():
     scores = 4 * 4 * 256 * 256
     assert eager.breakdown["activations"] - fused.breakdown["activations"] >= 2 * (4 * scores * 2 + scores)
     p = neusight.predict(cfg, "a100-pcie-40gb", batch_size=4, seq_len=256, mode="training", optimizer=None, fused=True)
-    assert p.memory.peak_bytes == fused.peak_bytes
+    assert p.memory.peak_bytes == fused.peak_bytes and p.memory.fused and not eager.fused
+    from neusight.cli.predict import _memory_line
+
+    assert _memory_line(p).startswith("memory under torch.compile: peak")
 
 
 def test_find_max_batch_under_torch_compile_counts_the_compiled_memory():

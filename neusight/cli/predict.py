@@ -180,7 +180,8 @@ def _memory_line(p: Prediction) -> str | None:
     fits = getattr(m, "fits", None)
     verdict = "" if fits is None else (": fits" if fits else ": does NOT fit")
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in (getattr(m, "breakdown", None) or {}).items() if v)
-    return f"memory: peak {m.peak_bytes / GIB:.1f} GiB of {cap:g} GiB{verdict}" + (f" ({parts} GiB)" if parts else "")
+    what = "memory under torch.compile" if getattr(m, "fused", False) else "memory"
+    return f"{what}: peak {m.peak_bytes / GIB:.1f} GiB of {cap:g} GiB{verdict}" + (f" ({parts} GiB)" if parts else "")
 
 
 def format_summary(p: Prediction, top: int = 10) -> str:
