@@ -563,6 +563,44 @@ def test_sdpa_takes_cudnn_attention_first_on_hopper_and_blackwell():
     assert fwd == 4 * 2 * 8 * 64 * 64 * 64 and bwd == 2.5 * fwd      # a mask, not is_causal: every tile computed
 
 
+def test_flash_attention_2_runs_flash_attns_kernel_where_flash_attn_runs():
+    """attn_implementation='flash_attention_2' (transformers' flash-attn integration): flash-attn's kernel on every
+    attention call, grouped-query keys and values as they are, also in a training step's backward and in the
+    recomputation of checkpointed layers; refused where flash-attn refuses (FP32, a V100, flash-attn 3 off Hopper)
+    with the field, the reason and the fix."""
+    run = dict(batch_size=2, seq_len=64, attn_implementation="flash_attention_2", dtype="bfloat16")
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    for gpu in ("a100-sxm4-40gb", "mi250", None):
+        g = neusight.trace(_GQA_LM, device=gpu, **run)
+        assert {o for o in _attention_ops(g) if "attention" in o} == {flash}
+        (att,) = [r for r in g.ops if r.call.op == flash][:1]
+        assert att.call.args[1].shape[1] == 2
+    g = neusight.trace(_GQA_LM, device="a100-sxm4-40gb", **run)
+    assert any("flash-attn 2" in n and "a100-sxm4-40gb" in n for n in g.notes)
+    g = neusight.trace(_GQA_LM, device="h100-sxm5-80gb", mode="training", gradient_checkpointing=True,
+                       **{**run, "attn_implementation": "flash_attention_3"})
+    ops = {str(o) for o in g.kernels["aten_op"] if "attention" in str(o)}
+    assert ops == {flash, "aten._scaled_dot_product_flash_attention_backward.default"}
+    assert (g.kernels["aten_op"] == flash).sum() == 2 * 2      # 2 layers, each forward once and recomputed once
+    for bad, fragment in [(dict(device="v100-sxm2-16gb"), r"compute capability 8\.0\+.*v100-sxm2-16gb is 7\.0"),
+                          (dict(device="a100-sxm4-40gb", dtype="float32"), "FP16 / BF16 only.*float32"),
+                          (dict(device="a100-sxm4-40gb", attn_implementation="flash_attention_3"), "Hopper")]:
+        with pytest.raises(InputError, match=f"attn_implementation='flash_attention_.'.*{fragment}.*Fix: "):
+            neusight.trace(_GQA_LM, **{**run, **bad})
+    with pytest.raises(ModelError, match="'eager', 'sdpa', 'flash_attention_2', 'flash_attention_3'"):
+        neusight.trace(_GQA_LM, **{**run, "attn_implementation": "flex_attention"})
+
+
+def test_checkpointed_layers_recompute_attention_with_the_gpus_backend():
+    """The recomputation of a checkpointed layer takes the same scaled_dot_product_attention backend as its forward
+    on the GPU forecast (it took the GPU-less memory-efficient kernel before)."""
+    g = neusight.trace(_GQA_LM, device="a100-sxm4-40gb", batch_size=2, seq_len=64, mode="training",
+                       attn_implementation="sdpa", dtype="bfloat16", gradient_checkpointing=True)
+    ops = {str(o) for o in g.kernels["aten_op"] if "attention" in str(o)}
+    assert ops == {"aten._scaled_dot_product_flash_attention.default",
+                   "aten._scaled_dot_product_flash_attention_backward.default"}
+
+
 def test_the_cli_traces_again_for_a_gpu_with_other_attention_backends(tmp_path):
     import json
 

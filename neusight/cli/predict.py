@@ -54,7 +54,7 @@ class PredictConfig:
     mode: str = "inference"              # inference | training
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | masked-lm | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training; null: no step)
-    attn_implementation: str = "eager"   # eager | sdpa
+    attn_implementation: str = "eager"   # eager | sdpa | flash_attention_2 | flash_attention_3
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels, their memory)
     tf32: Any = None                     # FP32 on TF32 cores (Ampere+): null = convs (PyTorch), all|true, off|false
     dp: int = 1                          # data-parallel replicas (batch_size is the global batch)

@@ -26,7 +26,7 @@ class TraceConfig:
     mode: str = "inference"              # inference | training
     head: Optional[str] = None           # causal-lm | sequence-classification | pretraining | masked-lm | seq2seq
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training only)
-    attn_implementation: str = "eager"   # eager | sdpa
+    attn_implementation: str = "eager"   # eager | sdpa | flash_attention_2 | flash_attention_3
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none

@@ -206,6 +206,16 @@ def list_models() -> list[str]:
     return sorted(list(HF_PRESETS) + list(CNN_PRESETS))
 
 
+# "flash_attention_2" / "_3": transformers' flash-attn integrations; the package is not installed here, so the model
+# is built for "sdpa" and the tracer runs its attention calls as flash-attn's kernel (neusight.graph.tracer._flash_attn)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def _hf_attention(attn: str) -> str:
+    """The attn_implementation transformers builds the model with (flash-attn's through sdpa)."""
+    return "sdpa" if attn.startswith("flash_attention") else attn
+
+
 def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
                 image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
                 dtype: torch.dtype = torch.float32, moe_kernels: str = "auto",
@@ -214,8 +224,9 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     dict with ``model_type``) or an nn.Module."""
     if head is not None and head not in HEADS:
         raise ModelError(f"head={head!r} is not known; use one of {', '.join(HEADS)} or None (the config's architectures)")
-    if attn_implementation not in ("eager", "sdpa"):
-        raise ModelError(f"attn_implementation={attn_implementation!r} is not supported; use 'eager' or 'sdpa'")
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ModelError(f"attn_implementation={attn_implementation!r} is not supported; use one of "
+                         f"{', '.join(map(repr, ATTN_IMPLEMENTATIONS))}")
     if isinstance(model, nn.Module):
         return _from_module(model, input_shapes, dtype)
     if isinstance(model, dict) or callable(getattr(model, "to_dict", None)):   # a config in memory
@@ -420,7 +431,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     notes: list[str] = []
     try:
         with torch.device("meta"):
-            module = cls._from_config(config, attn_implementation=attn, dtype=dtype)
+            module = cls._from_config(config, attn_implementation=_hf_attention(attn), dtype=dtype)
     except Exception as e:  # transformers raises many types for an unusable config
         raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
     is_seq2seq = bool(getattr(config, "is_encoder_decoder", False))
@@ -520,7 +531,7 @@ def _hf_vision(name: str, model_type: str, config: Any, head: str | None, archit
     cls = _hf_class(config, model_type, head, architectures, transformers)
     try:
         with torch.device("meta"):
-            module = cls._from_config(config, attn_implementation=attn, dtype=dtype)
+            module = cls._from_config(config, attn_implementation=_hf_attention(attn), dtype=dtype)
     except Exception as e:  # transformers raises many types for an unusable config
         raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
     channels = int(config.num_channels)

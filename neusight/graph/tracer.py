@@ -47,6 +47,7 @@ AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 SDPA_MARK = "scaled_dot_product_attention on"   # in the note of a trace whose attention backend depends on the GPU
 SDPA_NOTE = SDPA_MARK + " {device} as PyTorch dispatches it: {how}"
+FLASH_ATTN_NOTE = SDPA_MARK + " {device} as transformers' flash-attn integration runs it: {how}"
 SDPA_BACKENDS = {
     "flash": "flash attention (FP16 / BF16 on compute capability 8.0+ or ROCm's AOTriton GPUs, no mask; "
              "grouped-query keys and values read as they are)",
@@ -56,6 +57,11 @@ SDPA_BACKENDS = {
     "efficient": "the memory-efficient fused kernel",
     "cudnn": "cuDNN attention (PyTorch's first choice on compute capability 9.0 / 10.x: FP16 / BF16, masks and "
              "grouped-query keys and values as they are)",
+    "flash_attention_2": "flash-attn 2's kernel, as transformers' attn_implementation='flash_attention_2' calls it "
+                         "(FP16 / BF16; causal by its flag, a mask as unpadded sequences; grouped-query keys and "
+                         "values as they are)",
+    "flash_attention_3": "flash-attn 3's Hopper kernel, as transformers' attn_implementation='flash_attention_3' "
+                         "calls it (FP16 / BF16; causal by its flag; grouped-query keys and values as they are)",
 }
 LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets}), every base weight frozen (no "
              "weight gradient or optimizer state for it)")
@@ -219,9 +225,11 @@ class _CudaPaths(TorchFunctionMode):
     """Route functions whose meta/CPU implementation differs from the CUDA one to the CUDA kernels (of ``device``
     where PyTorch picks them by the GPU: scaled_dot_product_attention's backend)."""
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: Any = None, attn_implementation: str = "eager") -> None:
         super().__init__()
         self.device = device
+        # flash_attention_2 / _3: the model was built with sdpa, whose calls become flash-attn's kernel here
+        self.flash_attn = attn_implementation if attn_implementation in FLASH_ATTN_IMPLEMENTATIONS else None
         self.sdpa: set[str] = set()    # the backends its scaled_dot_product_attention calls took (SDPA_BACKENDS)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -236,6 +244,9 @@ class _CudaPaths(TorchFunctionMode):
                 return torch.zeros_like(x)
             return x
         if func is F.scaled_dot_product_attention:
+            if self.flash_attn:
+                self.sdpa.add(self.flash_attn)
+                return _flash_attn(self.device, self.flash_attn, *args, **kwargs)
             backend = _sdpa_backend(self.device, *args, **kwargs)
             self.sdpa.add(backend)
             return _sdpa(backend, *args, **kwargs)
@@ -254,8 +265,8 @@ class _Recompute(_CudaPaths):
     autocast state itself (not the emulated one). One mode for both: the recomputation runs inside the outer
     modes' handling of ``backward()``, where a second stacked mode cannot be popped again."""
 
-    def __init__(self, amp: torch.dtype | None = None) -> None:
-        super().__init__()
+    def __init__(self, amp: torch.dtype | None = None, device: Any = None, attn_implementation: str = "eager") -> None:
+        super().__init__(device, attn_implementation)
         self.autocast = Autocast(amp) if amp is not None else None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -367,6 +378,40 @@ def _cudnn_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             and max(k.shape[-1], v.shape[-1]) <= CUDNN_MAX_HEAD_DIM and k.shape[-2] != 1
             and dropout_p * 16 == int(dropout_p * 16) and not (dropout_p > 0 and q.shape[-2] == 1)
             and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype)))
+
+
+# transformers' attn_implementation values that call the flash-attn package (not installed here: the model is built
+# with "sdpa" and its scaled_dot_product_attention calls run as flash-attn's kernel, :func:`_flash_attn`)
+FLASH_ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+
+
+def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+    """A scaled_dot_product_attention call of a model built for sdpa, run as flash-attn's kernel, as transformers'
+    flash_attention_2 / _3 integration runs the same attention: causal by flag (a mask of several queries is the
+    causal one; a padding mask would be unpadded into sequences, of which the traced inputs have none). flash-attn 2
+    runs FP16 / BF16 on NVIDIA compute capability 8.0+ and on AMD MI200 / MI300 (its ROCm build); flash-attn 3 on
+    Hopper (9.0); anything else is an InputError, as flash-attn refuses it."""
+    name = implementation.replace("flash_attention_", "flash-attn ")
+    if q.dtype not in FLASH_DTYPES:
+        raise InputError(f"attn_implementation={implementation!r}: {name} runs FP16 / BF16 only, and the attention "
+                         f"inputs are {str(q.dtype).removeprefix('torch.')}. Fix: dtype='bfloat16' (or amp="
+                         "'bfloat16'), or attn_implementation='sdpa'")
+    if q.shape[-1] > FLASH_MAX_HEAD_DIM:
+        raise InputError(f"attn_implementation={implementation!r}: {name} takes head dims up to {FLASH_MAX_HEAD_DIM}, "
+                         f"this model's are {q.shape[-1]}. Fix: attn_implementation='sdpa'")
+    if device is not None:
+        path, cc = sdpa_path(device), _cc(device)
+        runs = (path == "rocm" or (device.vendor == "nvidia" and cc >= FLASH_MIN_CC) if implementation.endswith("2")
+                else device.vendor == "nvidia" and int(cc) == 9)
+        if not runs:
+            where = ("NVIDIA compute capability 8.0+ and AMD MI200 / MI300" if implementation.endswith("2")
+                     else "Hopper GPUs (compute capability 9.0)")
+            raise InputError(f"attn_implementation={implementation!r}: {name} runs on {where}; {device.key} is "
+                             f"{device.compute_capability}. Fix: attn_implementation='sdpa' (PyTorch's own kernels)")
+    causal = bool(is_causal) or (attn_mask is not None and q.shape[-2] > 1)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, causal, False, scale=scale)[0]
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -737,8 +782,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         from neusight.graph.lora import apply_lora
 
         adapted = apply_lora(module, lora_rank, lora_targets)
-    recompute_ctx = (_enable_checkpointing(built, mode, gradient_checkpointing, amp_t) if gradient_checkpointing
-                     else contextlib.nullcontext())
+    recompute_ctx = (_enable_checkpointing(built, mode, gradient_checkpointing, amp_t, device, attn_implementation)
+                     if gradient_checkpointing else contextlib.nullcontext())
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
 
@@ -777,7 +822,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     grad_ctx = contextlib.nullcontext() if training else torch.no_grad()
     ssm_ctx = fused_calls(module, ssm_kernels, rec.fused_region)
     rng_ctx, drop_ctx = _fixed_rng(), _layerdrop_off(module, training)
-    paths = _CudaPaths(device)
+    paths = _CudaPaths(device, attn_implementation)
     try:
         with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, paths, rec, recompute_ctx, ssm_ctx as fused_names:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
@@ -801,7 +846,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     state: list[TensorMeta] = []
     if opt is not None:
         _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
-        with tracker, _CudaPaths(device), rec:
+        with tracker, _CudaPaths(device, attn_implementation), rec:
             rec.phase = "optimizer"
             grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if scaler and (clip_grad_norm is not None or not isinstance(opt, _FusedAdam)):
@@ -850,7 +895,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if ckpt:
         notes += (CHECKPOINT_NOTE.format(which="every layer" if ckpt is True else f"one layer in {ckpt}"),)
     if device is not None and paths.sdpa:
-        notes += (SDPA_NOTE.format(device=device.key, how="; ".join(SDPA_BACKENDS[b] for b in sorted(paths.sdpa))),)
+        how = "; ".join(SDPA_BACKENDS[b] for b in sorted(paths.sdpa))
+        notes += ((FLASH_ATTN_NOTE if paths.flash_attn else SDPA_NOTE).format(device=device.key, how=how),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
@@ -878,11 +924,11 @@ def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype |
     return apply_fp8(module, mode == "training")
 
 
-def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
-                          amp: torch.dtype | None = None) -> contextlib.AbstractContextManager:
+def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: torch.dtype | None = None,
+                          device: Any = None, attn_implementation: str = "eager") -> contextlib.AbstractContextManager:
     """Turn on a Hugging Face model's activation checkpointing for the trace (``every``: True = every layer, an
     integer n = every n-th layer); returns the context the trace runs in. The recomputation in the backward pass
-    runs under :class:`_Recompute` (the forward's CUDA code paths and autocast ``amp``; ``context_fn``);
+    runs under :class:`_Recompute` (the forward's CUDA code paths on ``device`` and autocast ``amp``; ``context_fn``);
     transformers' check for packed sequences, which reads the position ids' values (a device sync on a GPU,
     impossible on meta), is skipped: the traced inputs are plain sequences."""
     module = built.module
@@ -902,7 +948,8 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True,
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", None):
         config.use_cache = False        # what transformers switches to itself under checkpointing (with a warning)
-    kwargs = {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), _Recompute(amp))}
+    kwargs = {"use_reentrant": False,
+              "context_fn": lambda: (contextlib.nullcontext(), _Recompute(amp, device, attn_implementation))}
     if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
         enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n)
     elif every_n > 1:
