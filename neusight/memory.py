@@ -284,14 +284,20 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int]
     phase = {r.index: r.phase for r in graph.ops}
     aten = {r.index: r.call.op for r in graph.ops}
     pointwise = {Family.ELEMENTWISE.value, Family.VIEW.value}
+    made: dict[int, list[_Storage]] = {}
+    read: dict[int, list[_Storage]] = {}
+    for s in storages:
+        made.setdefault(s.start, []).append(s)
+        for u in s.users:
+            read.setdefault(u, []).append(s)
     for unit in units:
         if not all(phase[i] == "forward" and fams.get(i, set()) <= pointwise and aten[i] not in RANDOM_OPS
                    for i in unit):
             continue
-        inputs = [s for s in storages if s.start not in unit and (s.users - views) & unit]
+        inputs = [s for i in unit for s in read.get(i, []) if s.start not in unit]
         last = -1
-        for s in storages:
-            if s.start not in unit or s.held or s.nbytes == 0 or s.kind != "made in forward":
+        for s in (s for i in unit for s in made.get(i, [])):
+            if s.held or s.nbytes == 0 or s.kind != "made in forward":
                 continue
             back = sorted(u for u in s.users - views if phase[u] == "backward")
             if not back or not all(fams.get(u, set()) <= pointwise for u in back):
@@ -334,7 +340,8 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
         added. ``"exact"``: requested tensor bytes only, no rounding, no fixed costs (what a CPU run reports).
     fused : bool
         The run under ``torch.compile`` (as ``predict(..., fused=True)`` forecasts its kernels): what a fused
-        kernel keeps on chip is not allocated (:func:`_unmaterialized`); everything else as the eager run holds it.
+        kernel keeps on chip is not allocated (:func:`_unmaterialized`), what its partitioner recomputes in the
+        backward is not saved (:func:`_recomputed`); everything else as the eager run holds it.
 
     Returns
     -------

@@ -373,8 +373,8 @@ def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def _cudnn_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
                 dropout_p: float = 0.0) -> bool:
     """Whether scaled_dot_product_attention dispatches these inputs to cuDNN attention on ``device``."""
-    return (sdpa_path(device) == "cudnn" and q.dim() == 4 and q.dtype in FLASH_DTYPES and k.dtype == v.dtype == q.dtype
-            and k.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and q.shape[-1] == k.shape[-1]
+    return (sdpa_path(device) == "cudnn" and q.dim() == 4 and q.dtype in FLASH_DTYPES
+            and k.dtype == v.dtype == q.dtype and k.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0 and q.shape[-1] == k.shape[-1]
             and max(k.shape[-1], v.shape[-1]) <= CUDNN_MAX_HEAD_DIM and k.shape[-2] != 1
             and dropout_p * 16 == int(dropout_p * 16) and not (dropout_p > 0 and q.shape[-2] == 1)
             and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype)))
@@ -466,7 +466,7 @@ def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def fused_sdpa_runs(device: Any, dtype: Any, head_dim: int, masked: bool = False) -> bool:
-    """Whether scaled_dot_product_attention runs a fused kernel (flash or memory-efficient) on ``device`` for
+    """Whether scaled_dot_product_attention runs a fused kernel (cuDNN, flash or memory-efficient) on ``device`` for
     multi-head inputs of ``dtype`` (a torch dtype or its name) and ``head_dim``, with an additive mask of the inputs'
     dtype if ``masked``. True without a device (the memory-efficient kernel, as :func:`_sdpa_backend` assumes)."""
     if device is None:
@@ -474,8 +474,8 @@ def fused_sdpa_runs(device: Any, dtype: Any, head_dim: int, masked: bool = False
     dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
     if not isinstance(dt, torch.dtype):
         return False
-    q = torch.empty((1, 1, 1, int(head_dim)), dtype=dt, device="meta")
-    mask = torch.empty((1, 1, 1, 1), dtype=dt, device="meta") if masked else None
+    q = torch.empty((1, 1, 2, int(head_dim)), dtype=dt, device="meta")     # two positions: no single-key case
+    mask = torch.empty((1, 1, 2, 2), dtype=dt, device="meta") if masked else None
     return _sdpa_backend(device, q, q, q, mask) != "math"
 
 
