@@ -463,7 +463,8 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
         A checkpoint directory; the shipped predictor by default.
     fused : bool
         Forecast the model under ``torch.compile`` (TorchInductor's default mode): the memory-bound ops between
-        GEMMs run as fused kernels (see :mod:`neusight.graph.fusion`). Default: eager, one kernel per op.
+        GEMMs run as fused kernels (see :mod:`neusight.graph.fusion`), and the memory is the compiled run's
+        (:func:`neusight.memory.estimate_memory` with ``fused=True``). Default: eager, one kernel per op.
     tf32 : {None, "default", "all", "off"} or bool
         Which FP32 kernels run on TF32 tensor cores on GPUs that have them (Ampere and later): None / "default" as
         PyTorch does by default (convolutions: ``torch.backends.cudnn.allow_tf32``; matmuls stay FP32), "all" /
