@@ -373,6 +373,10 @@ def test_compiled_training_of_rewritten_attention_keeps_no_scores():
     from neusight.cli.predict import _memory_line
 
     assert _memory_line(p).startswith("memory under torch.compile: peak")
+    from neusight.parallel import predict_parallel
+
+    peaks = [predict_parallel(cfg, "a100-pcie-40gb", 8, 256, dp=2, fused=f).memory_peak_bytes for f in (True, False)]
+    assert peaks[0] < peaks[1]                 # on several GPUs too
 
 
 def test_find_max_batch_under_torch_compile_counts_the_compiled_memory():
