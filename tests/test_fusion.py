@@ -356,3 +356,14 @@ def test_what_uses_a_whole_tensor_reduction_runs_in_a_later_kernel_and_reads_its
     # a row reduction is not split: a norm over rows of the same tensor stays one kernel with what uses it
     small = neusight.trace(_RMSNorm(), batch_size=8, input_shapes=[(16384,)], mode="inference")
     assert len(fused_kernels(small)) == 1
+
+
+def test_the_fused_table_is_computed_once_per_graph_and_gpu_and_handed_out_as_a_copy(gpt2):
+    first = fused_kernels(gpt2)
+    first.loc[:, "flops"] = -1.0                     # a caller's edit does not reach the next caller
+    again = fused_kernels(gpt2)
+    assert (again["flops"] >= 0).all() and again.equals(fused_kernels(gpt2))
+    cache = gpt2.__dict__["_fusion_cache"]
+    assert None in cache                             # no device: one entry, whatever ran before
+    fused_kernels(gpt2, load_device("mi100"))
+    assert ("mi100", "amd", "gfx908") in cache

@@ -89,7 +89,17 @@ def fused_units(g: Graph, device: Any = None) -> list[set[int]]:
 
 
 def _fuse(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
-    """:func:`fused_kernels` and :func:`fused_units` in one pass."""
+    """:func:`fused_kernels` and :func:`fused_units` in one pass, kept on the graph per device (a forecast under
+    torch.compile needs both: the kernels and the memory); the table is handed out as a copy."""
+    cache = g.__dict__.setdefault("_fusion_cache", {})
+    key = None if device is None else (device.key, device.vendor, str(device.compute_capability))
+    if key not in cache:
+        cache[key] = _fuse_graph(g, device)
+    table, units = cache[key]
+    return table.copy(), units
+
+
+def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
     k = g.kernels
     by_op = {i: d for i, d in k.groupby("op_index", sort=False)}
     flow = _dataflow(g, by_op)
