@@ -79,6 +79,14 @@ class Device:
         return self.fp32_tflops * 1e12
 
     @property
+    def cc(self) -> float:
+        """Compute capability as a number (8.9 -> 8.9); AMD gfx targets (and anything unparsable) map to 0.0."""
+        try:
+            return float(self.compute_capability)
+        except (TypeError, ValueError):
+            return 0.0
+
+    @property
     def hbm(self) -> bool:
         """Stacked high-bandwidth memory (HBM*) rather than GDDR."""
         return self.memory_type.startswith("HBM")

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from neusight.errors import InputError
 from neusight.graph.graph import Graph
 from neusight.kernels.base import Family
+from neusight.kernels.ops_misc import RANDOM_OPS
 
 __all__ = ["CATEGORIES", "CpuMeasurement", "MemoryReport", "estimate_memory", "find_max_batch", "fixed_costs",
            "measure_cpu", "saved_activations"]
@@ -267,14 +268,10 @@ def _unmaterialized(storages: list[_Storage], units: list[set[int]], views: set[
             s.nbytes = 0
 
 
-# aten ops whose result a backward cannot recompute (random draws): the partitioner saves what they make
-RANDOM_OPS = frozenset({"aten.native_dropout.default", "aten.bernoulli.default", "aten.bernoulli_.float",
-                        "aten.rand_like.default", "aten.rand.default", "aten.randn_like.default"})
-
-
 def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int], graph: Graph) -> None:
     """What torch.compile's partitioner recomputes in the backward instead of saving it (its min-cut
-    rematerialization): what a forward group of pointwise kernels only (no reduction, no random draw) made, where
+    rematerialization): what a forward group of pointwise kernels only (no reduction, no random draw:
+    :data:`neusight.kernels.ops_misc.RANDOM_OPS`) made, where
     only pointwise backward kernels read it, is recomputed inside them from the group's inputs (a GeLU's
     intermediates are not kept, its input is). What a backward GEMM reads stays saved (the partitioner does not
     recompute what the backward materializes anyway). A recomputed storage lives to its last forward use, the
@@ -282,7 +279,8 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int]
     k = graph.kernels
     fams = k.groupby("op_index")["family"].agg(set).to_dict()
     phase = {r.index: r.phase for r in graph.ops}
-    aten = {r.index: r.call.op for r in graph.ops}
+    name = {r.index: r.call.op.split(".")[1] if "." in r.call.op else r.call.op   # aten.native_dropout.default
+            for r in graph.ops}
     pointwise = {Family.ELEMENTWISE.value, Family.VIEW.value}
     made: dict[int, list[_Storage]] = {}
     read: dict[int, list[_Storage]] = {}
@@ -291,7 +289,7 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int]
         for u in s.users:
             read.setdefault(u, []).append(s)
     for unit in units:
-        if not all(phase[i] == "forward" and fams.get(i, set()) <= pointwise and aten[i] not in RANDOM_OPS
+        if not all(phase[i] == "forward" and fams.get(i, set()) <= pointwise and name[i] not in RANDOM_OPS
                    for i in unit):
             continue
         inputs = [s for i in unit for s in read.get(i, []) if s.start not in unit]

@@ -362,7 +362,7 @@ def _flash_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     path = sdpa_path(device)
     d = q.shape[-1]
     max_d = ROCM_FLASH_MAX_HEAD_DIM if path == "rocm" else FLASH_MAX_HEAD_DIM
-    if path == "flash" and (8.6 <= _cc(device) < 9.0 or _cc(device) >= 12.0) and _needs_grad(q, k, v):
+    if path == "flash" and (8.6 <= device.cc < 9.0 or device.cc >= 12.0) and _needs_grad(q, k, v):
         if 192 < d <= 224 or (d > 224 and dropout_p > 0):   # its backward has no kernel for these there
             return False
     return (path in ("cudnn", "flash", "rocm") and attn_mask is None and q.dtype in FLASH_DTYPES
@@ -402,9 +402,8 @@ def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tens
         raise InputError(f"attn_implementation={implementation!r}: {name} takes head dims up to {FLASH_MAX_HEAD_DIM}, "
                          f"this model's are {q.shape[-1]}. Fix: attn_implementation='sdpa'")
     if device is not None:
-        path, cc = sdpa_path(device), _cc(device)
-        runs = (path == "rocm" or (device.vendor == "nvidia" and cc >= FLASH_MIN_CC) if implementation.endswith("2")
-                else device.vendor == "nvidia" and int(cc) == 9)
+        runs = (sdpa_path(device) in ("cudnn", "flash", "rocm") if implementation.endswith("2")
+                else device.vendor == "nvidia" and int(device.cc) == 9)
         if not runs:
             where = ("NVIDIA compute capability 8.0+ and AMD MI200 / MI300" if implementation.endswith("2")
                      else "Hopper GPUs (compute capability 9.0)")
@@ -431,18 +430,10 @@ def _efficient_runs(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
             return False
     else:   # CUDA's GEMM alignment: 16 bytes on tensor cores (16-bit on 7.0+, all on 8.0+), 4 elements on 8.0+
-        cc = _cc(device)
+        cc = device.cc
         tensor_cores = cc >= 8.0 or (cc >= 7.0 and half)
         align = max(4 if cc >= 8.0 else 1, (8 if half else 4) if tensor_cores else 1)
     return k.shape[-1] == q.shape[-1] and q.shape[-1] % align == 0 and v.shape[-1] % align == 0
-
-
-def _cc(device: Any) -> float:
-    """An NVIDIA device's compute capability as a number (0.0 where it does not parse)."""
-    try:
-        return float(device.compute_capability)
-    except (TypeError, ValueError):
-        return 0.0
 
 
 def _sdpa_backend(device: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
@@ -505,9 +496,9 @@ def sdpa_path(device: Any) -> str:
         return "efficient"
     if device.vendor != "nvidia":
         return "rocm" if str(device.compute_capability).lower() in ROCM_FUSED_ARCHS else "math"
-    if int(_cc(device)) in CUDNN_FIRST_MAJORS:
+    if int(device.cc) in CUDNN_FIRST_MAJORS:
         return "cudnn"
-    return "flash" if _cc(device) >= FLASH_MIN_CC else "no-flash"
+    return "flash" if device.cc >= FLASH_MIN_CC else "no-flash"
 
 
 def software_path(device: Any, dtype: Any) -> tuple[bool, str]:

@@ -56,6 +56,9 @@ def _view(c: OpCall) -> list[Kernel]:
 
 
 # ------------------------------------------------------------------------------------------ elementwise
+# aten ops that draw random numbers (what they make cannot be recomputed from their inputs)
+RANDOM_OPS = ("uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_", "random_", "rand", "randn",
+              "rand_like", "randn_like", "randint", "native_dropout")
 ELEMENTWISE_OPS = _ops(
     "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "pow", "pow_", "neg", "neg_", "abs", "abs_",
     "exp", "exp_", "log", "log_", "log1p", "expm1", "sqrt", "sqrt_", "rsqrt", "rsqrt_", "reciprocal", "sin", "cos",
@@ -68,9 +71,8 @@ ELEMENTWISE_OPS = _ops(
     "logical_or", "logical_not", "logical_and_", "logical_or_", "logical_xor", "sign_", "floor_divide",
     "where", "masked_fill", "masked_fill_", "remainder", "fmod", "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv",
     "addcdiv_", "square", "isnan", "isinf", "nan_to_num", "logit", "trunc", "frac", "fill_", "zero_",
-    "uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_", "random_", "rand", "randn", "rand_like",
-    "randn_like", "randint", "_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl",
-    "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward", "native_dropout",
+    *RANDOM_OPS, "_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl",
+    "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward",
     "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2",
 )
 

@@ -251,7 +251,7 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     ridge = rates.gemm_flops / rates.bandwidth
     t["log2_intensity_ratio"] = np.log2(np.maximum(flops, 1.0) / nbytes / ridge)
     t["log2_bytes_over_l2"] = np.log2(nbytes / device.l2_cache_bytes)
-    t["compute_capability"] = _cc(device)
+    t["compute_capability"] = device.cc
     t["log2_tdp"] = np.log2(device.tdp_w)
     t["log2_algo_speedup"] = np.log2(speedup)
     return t
@@ -302,15 +302,7 @@ def backward_kernels(d: pd.DataFrame) -> np.ndarray:
 # The device descriptors the models take, as a GPU's spec sheet gives them: name -> (label, spec value of a
 # device, how to print a value of the feature). A GPU outside the training GPUs' range of one is extrapolated.
 DEVICE_DESCRIPTORS = {
-    "compute_capability": ("compute capability", lambda d: _cc(d), lambda v: f"{v:.1f}"),
+    "compute_capability": ("compute capability", lambda d: d.cc, lambda v: f"{v:.1f}"),
     "log2_tdp": ("board power", lambda d: float(np.log2(d.tdp_w)), lambda v: f"{2.0 ** v:.0f} W"),
     "hbm_memory": ("memory type", lambda d: float(d.hbm), lambda v: "HBM" if v >= 0.5 else "GDDR"),
 }
-
-
-def _cc(device: Device) -> float:
-    """Compute capability as a number (8.9 -> 8.9); AMD gfx targets map to 0 (a separate regime)."""
-    try:
-        return float(device.compute_capability)
-    except ValueError:
-        return 0.0
