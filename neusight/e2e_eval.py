@@ -62,6 +62,7 @@ CNN_PRECISION = "fp32"          # the only precision in issue 4's scope
 # (CNN_AMP: neusight.graph.amp, with GradScaler in training). TF32 rows are FP32 traces whose convolutions run on
 # TF32 tensor cores (neusight.api's tf32="default", what PyTorch does by default); FP32 rows are true FP32.
 CNN_DTYPES = {"fp32": "float32", "tf32": "float32", "amp": "float32", "fp16": "float16"}
+CNN_MEMORY_FORMATS = {"nchw": "contiguous", "nhwc": "channels_last"}   # the benchmarks' layouts -> trace's memory_format
 CNN_AMP = {"amp": "float16"}     # benchmark precision -> trace's amp= (every other precision: none)
 HALF_PRECISIONS = ("amp", "fp16")
 TF32_PRECISIONS = ("tf32",)
@@ -277,7 +278,8 @@ def cnn_device_key(gpu_name: str, precision: str) -> tuple[str | None, str]:
 
 
 def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, models: Sequence[str] | None = None,
-                        precisions: Sequence[str] = (CNN_PRECISION,)) -> tuple[pd.DataFrame, pd.DataFrame]:
+                        precisions: Sequence[str] = (CNN_PRECISION,), by_layout: bool = False
+                        ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Rows of ``cnn_dle.csv`` and ``cnn_lambda.csv`` in scope, and the skipped rows with a reason.
 
     In scope: ``precisions`` (default FP32, issue 4's; any of :data:`CNN_DTYPES`); GPUs in :data:`CNN_GPUS`
@@ -287,12 +289,13 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     EfficientNet); DLE inference at ``batch >= min_batch`` (smaller batches are host-bound), one row per
     (GPU, model, precision, batch): the ``in_head`` row when there is one, else the newest container, never a
     SUSPECT row;
-    DLE training (step = batch / throughput); Lambda training (``step_ms``).
+    DLE training (step = batch / throughput); Lambda training (``step_ms``). ``by_layout``: one DLE row per
+    memory format as well (for :func:`layout_pairs`).
 
     Returns
     -------
     selected : DataFrame
-        ``source_name, gpu_name, gpu, scope, model, mode, precision, dtype, amp, batch, image_size,
+        ``source_name, gpu_name, gpu, scope, model, mode, precision, dtype, amp, batch, image_size, memory_format,
         measured_ms, measure, in_head, version, source``.
     skipped : DataFrame
         ``source_name, gpu_name, model, mode, precision, batch, reason``.
@@ -320,6 +323,11 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     lam["version"] = "era " + lam["era"].astype(str) + ", " + lam["data_backend"].astype(str)
     lam["in_head"] = True
     lam["note"] = lam["note"].fillna("")
+    # the layout the benchmark ran its CNN in: DLE's memory_format column (its --memory-format), Lambda's raw-log note
+    # (its DLE fork's default NCHW where the note does not say)
+    dle["memory_format"] = dle["memory_format"].map(CNN_MEMORY_FORMATS).fillna("contiguous")
+    lam["memory_format"] = (lam["note"].str.extract(r"memory_format=(\w+)", expand=False).map(CNN_MEMORY_FORMATS)
+                            .fillna("contiguous"))
 
     skipped, kept = [], []
     for df in (dle, lam):
@@ -349,11 +357,13 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
         kept.append(df[~small])
 
     dle, lam = kept
-    # one DLE row per (GPU, model, mode, batch): the README's current (in_head) row, else the newest container
+    # one DLE row per (GPU, model, mode, precision, batch): the README's current (in_head) row, else the newest
+    # container (whatever its layout: the superseded rows of the other layout are compared by layout_pairs)
     ranks = [_container_rank(c) for c in dle["container"]]
     dle = dle.assign(_stated=[r[0] for r in ranks], _container=[r[1] for r in ranks])
     dle = dle.sort_values(["in_head", "_stated", "_container"], ascending=False, kind="stable")
-    dup = dle.duplicated(["gpu_name", "model", "mode", "precision", "batch"], keep="first")
+    dup = dle.duplicated(["gpu_name", "model", "mode", "precision", "batch", *(["memory_format"] if by_layout else [])],
+                         keep="first")
     skipped.append(_skip(dle[dup], "superseded by a newer or in_head row of the same GPU, model, precision and batch"))
     dle = dle[~dup].drop(columns=["_stated", "_container"])
     # inference: the table's average latency per batch (p50 in the 2019 tables without an average);
@@ -366,8 +376,8 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
     lam["image_size"] = CNN_IMAGE_SIZE
     lam["measure"] = "step_ms"
 
-    cols = ["source_name", "gpu_name", "gpu", "model", "mode", "precision", "batch", "image_size", "measured_ms",
-            "measure", "in_head", "version", "source"]
+    cols = ["source_name", "gpu_name", "gpu", "model", "mode", "precision", "batch", "image_size", "memory_format",
+            "measured_ms", "measure", "in_head", "version", "source"]
     sel = pd.concat([dle[cols], lam[cols]], ignore_index=True)
     sel.insert(3, "scope", np.where(sel["gpu"].isin(CNN_ACCEPTANCE_GPUS), SCOPE_ACCEPTANCE, SCOPE_OTHER))
     sel.insert(sel.columns.get_loc("precision") + 1, "dtype", sel["precision"].map(CNN_DTYPES))
@@ -380,10 +390,10 @@ def load_cnn_benchmarks(folder: str | os.PathLike, *, min_batch: int = 32, model
 def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "sgd",
                 tf32: str | None = None) -> pd.DataFrame:
     """Predict every selected CNN row: what ``neusight.predict(model, gpu, batch_size=b, image_size=s,
-    mode=m, optimizer="sgd", dtype=d, amp=a, tf32=t)`` returns (``s`` = the row's ``image_size``, ``d`` its
-    ``dtype``, default float32, ``a`` its ``amp`` (none where missing), ``t`` :data:`CNN_TF32` of its precision, else
-    "off"), with each (model, batch, mode, image size, dtype, amp) traced once and shared by the GPUs. ``tf32``
-    overrides ``t`` for every row."""
+    mode=m, optimizer="sgd", dtype=d, amp=a, tf32=t, memory_format=f)`` returns (``s`` = the row's ``image_size``,
+    ``d`` its ``dtype``, default float32, ``a`` its ``amp`` (none where missing), ``t`` :data:`CNN_TF32` of its
+    precision, else "off", ``f`` its ``memory_format``, default "contiguous"), with each (model, batch, mode, image
+    size, dtype, amp, memory format) traced once and shared by the GPUs. ``tf32`` overrides ``t`` for every row."""
     from neusight.api import host_bound_note, predict_graph
     from neusight.graph.tracer import trace
 
@@ -394,10 +404,12 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
         dtype = str(getattr(r, "dtype", "float32"))
         amp = getattr(r, "amp", None)
         amp = None if pd.isna(amp) else str(amp)
-        key = (r.model, int(r.batch), r.mode, size, dtype, amp)
+        layout = str(getattr(r, "memory_format", "contiguous"))
+        key = (r.model, int(r.batch), r.mode, size, dtype, amp, layout)
         if key not in graphs:
             graphs[key] = trace(r.model, batch_size=int(r.batch), mode=r.mode, image_size=size,
-                                optimizer=optimizer if r.mode == "training" else None, dtype=dtype, amp=amp)
+                                optimizer=optimizer if r.mode == "training" else None, dtype=dtype, amp=amp,
+                                memory_format=layout)
         mode = tf32 if tf32 is not None else CNN_TF32.get(str(getattr(r, "precision", "")), "off")
         p = predict_graph(graphs[key], r.gpu, predictor, tf32=mode)
         roof = float(p.kernels["roofline_ms"].sum())
@@ -407,6 +419,25 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
     res["error_pct"] = (res["predicted_ms"] - res["measured_ms"]) / res["measured_ms"] * 100
     res["roofline_error_pct"] = (res["roofline_predicted_ms"] - res["measured_ms"]) / res["measured_ms"] * 100
     return res
+
+
+def layout_pairs(res: pd.DataFrame) -> pd.DataFrame:
+    """The runs a source timed in both layouts (same source, GPU, model, mode, precision, batch and image size; NCHW
+    and NHWC), from :func:`predict_cnn` results of ``load_cnn_benchmarks(..., by_layout=True)``: the measured
+    slow-down of NCHW over NHWC against the forecast one."""
+    key = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size"]
+    rows = []
+    for keys, g in res.groupby(key, sort=True):
+        nchw, nhwc = g[g["memory_format"] == "contiguous"], g[g["memory_format"] == "channels_last"]
+        if nchw.empty or nhwc.empty:
+            continue
+        a, b = nchw.iloc[0], nhwc.iloc[0]
+        measured, forecast_ratio = a["measured_ms"] / b["measured_ms"], a["predicted_ms"] / b["predicted_ms"]
+        rows.append({**dict(zip(key, keys)), "nchw_ms": a["measured_ms"], "nhwc_ms": b["measured_ms"],
+                     "nchw_version": a["version"], "nhwc_version": b["version"], "measured_ratio": measured,
+                     "forecast_ratio": forecast_ratio, "ratio_error_pct": (forecast_ratio / measured - 1) * 100})
+    return pd.DataFrame(rows, columns=[*key, "nchw_ms", "nhwc_ms", "nchw_version", "nhwc_version", "measured_ratio",
+                                       "forecast_ratio", "ratio_error_pct"])
 
 
 def cnn_summary(res: pd.DataFrame) -> pd.DataFrame:
@@ -436,6 +467,8 @@ def precision_summary(res: pd.DataFrame) -> pd.DataFrame:
                      "roofline mean abs err %": g["roofline_error_pct"].abs().mean(),
                      **({"as FP32 mean abs err %": g["fp32_error_pct"].abs().mean()} if "fp32_error_pct" in g else {}),
                      **({"as pure FP16 mean abs err %": g["fp16_error_pct"].abs().mean()} if "fp16_error_pct" in g
+                        else {}),
+                     **({"as NHWC mean abs err %": g["nhwc_error_pct"].abs().mean()} if "nhwc_error_pct" in g
                         else {})})
     return pd.DataFrame(rows).sort_values(["source", "precision", "mode"]).reset_index(drop=True)
 
@@ -483,7 +516,8 @@ def _summary_md(summary: pd.DataFrame) -> str:
 def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.DataFrame | None = None,
                     cnn_skipped: pd.DataFrame | None = None, header: str = "", footer: str = "",
                     targets: tuple[float, float] | None = None, cnn_half: pd.DataFrame | None = None,
-                    cnn_small: pd.DataFrame | None = None, cnn_tf32: pd.DataFrame | None = None) -> str:
+                    cnn_small: pd.DataFrame | None = None, cnn_tf32: pd.DataFrame | None = None,
+                    cnn_layouts: pd.DataFrame | None = None) -> str:
     """The evaluation report: per-GPU summary, NeuSight-layout error tables (NeuSight and roofline), CNNs in
     FP32 and, apart, in TF32, in half precision and at small inference batches."""
     gpus = gpu_order(labels["gpu"].unique(), trained_on) if not labels.empty else []
@@ -547,6 +581,8 @@ def render_markdown(labels: pd.DataFrame, trained_on: Sequence[str], *, cnn: pd.
         parts.append(_tf32_md(cnn_tf32))
     if cnn_half is not None and not cnn_half.empty:
         parts.append(_half_md(cnn_half))
+    if cnn_layouts is not None and not cnn_layouts.empty:
+        parts.append(_layout_md(cnn_layouts))
     if cnn_small is not None and not cnn_small.empty:
         parts.append(_small_md(cnn_small))
     if footer:
@@ -584,17 +620,20 @@ def _small_md(res: pd.DataFrame) -> str:
 
 
 def _precision_rows_md(res: pd.DataFrame) -> str:
-    cols = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size", "measured_ms", "predicted_ms",
-            "error_pct", "roofline_error_pct", *[c for c in ("fp32_error_pct", "fp16_error_pct") if c in res], "version"]
+    extra = [c for c in ("fp32_error_pct", "fp16_error_pct", "nhwc_error_pct") if c in res]
+    cols = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size",
+            *(["memory_format"] if "memory_format" in res else []), "measured_ms", "predicted_ms", "error_pct",
+            "roofline_error_pct", *extra, "version"]
+    names = {"fp32_error_pct": "as FP32 err %", "fp16_error_pct": "as pure FP16 err %", "nhwc_error_pct": "as NHWC err %"}
     rows = res[cols].rename(columns={"source_name": "source", "error_pct": "err %", "roofline_error_pct": "roofline err %",
-                                     "fp32_error_pct": "as FP32 err %", "fp16_error_pct": "as pure FP16 err %",
-                                     "image_size": "image"})
+                                     "image_size": "image", "memory_format": "layout", **names})
+    if "layout" in rows:
+        rows["layout"] = rows["layout"].map({v: k for k, v in CNN_MEMORY_FORMATS.items()})
     return (markdown_table(precision_summary(res), index=False, signed=("mean err %",))
             + "\nPer model (all sources and GPUs):\n\n"
             + markdown_table(_per_model(res), index=False, signed=("mean err %",))
             + "\nEvery row (signed % error):\n\n"
-            + markdown_table(rows, index=False, signed=("err %", "roofline err %", "as FP32 err %",
-                                                        "as pure FP16 err %")))
+            + markdown_table(rows, index=False, signed=("err %", "roofline err %", *[names[c] for c in extra])))
 
 
 def _tf32_md(res: pd.DataFrame) -> str:
@@ -620,10 +659,38 @@ def _half_md(res: pd.DataFrame) -> str:
             "with automatic mixed precision (`amp`), forecast as the FP32 model under `torch.autocast(float16)` "
             "(`amp=\"float16\"`, neusight/graph/amp.py: GEMMs and "
             "convolutions in FP16, softmax, norms and the loss in FP32, the casts between them, FP32 weights and "
-            "optimizer, GradScaler in training). `as pure FP16` is the same row forecast as a pure FP16 model, as "
-            "before autocast was emulated. No FP16 kernel trains the predictor (it learned FP32 kernels); nothing "
-            "here was fitted.\n\n"
+            "optimizer, GradScaler in training). Each row in the layout the benchmark ran (`layout`: DLE's "
+            "memory_format column, Lambda's raw-log note): in NCHW, cuDNN transposes every tensor-core convolution's "
+            "operands to NHWC and back (neusight/graph/layout.py); `as NHWC` is the same row forecast without those "
+            "transposes (`memory_format=\"channels_last\"`), as before layouts were modelled. `as pure FP16` is the "
+            "same row forecast as a pure FP16 model, as before autocast was emulated. No FP16 kernel trains the "
+            "predictor (it learned FP32 kernels); nothing here was fitted.\n\n"
             + _precision_rows_md(res))
+
+
+def _layout_md(pairs: pd.DataFrame) -> str:
+    if pairs.empty:
+        return ""
+    rows = pairs.rename(columns={"source_name": "source", "image_size": "image", "nchw_ms": "NCHW ms",
+                                 "nhwc_ms": "NHWC ms", "nchw_version": "NCHW version", "nhwc_version": "NHWC version",
+                                 "measured_ratio": "measured NCHW / NHWC", "forecast_ratio": "forecast NCHW / NHWC",
+                                 "ratio_error_pct": "ratio err %"})
+    blind = pairs.assign(blind=(1 / pairs["measured_ratio"] - 1) * 100)   # a ratio of 1 against the measured one
+    summary = blind.groupby(["gpu", "mode"]).agg(
+        pairs=("blind", "size"), measured=("measured_ratio", "mean"), forecast=("forecast_ratio", "mean"),
+        blind=("blind", lambda v: v.abs().mean()), err=("ratio_error_pct", lambda v: v.abs().mean())).reset_index()
+    summary = summary.rename(columns={"measured": "mean measured ratio", "forecast": "mean forecast ratio",
+                                      "blind": "layout-blind mean abs err %", "err": "this forecast mean abs err %"})
+    return ("\n### The same run in NCHW and in NHWC\n\n"
+            "Runs a source timed in both layouts (DLE: an older container in NCHW, a newer one channels-last; "
+            "superseded rows included here only), the measured slow-down of NCHW over NHWC against the forecast one "
+            "(ratio err % = forecast / measured ratio - 1). A layout-blind forecast says 1.00 for every row. The "
+            "containers differ in more than the layout (cuDNN and PyTorch versions), which the measured ratio "
+            "includes: T4's 2019 NCHW tables (pytorch-19.10) ran 1.5-2x faster than its 2021 channels-last ones, "
+            "which no layout explains (the same era's T4 FP32 tables are flagged SUSPECT by the dataset).\n\n"
+            + markdown_table(summary, index=False)
+            + "\nEvery pair:\n\n"
+            + markdown_table(rows, index=False, signed=("ratio err %",)))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -251,14 +251,17 @@ def test_half_precision_rows_are_selected_apart_and_forecast_in_fp16():
     assert set(skipped.loc[skipped["reason"].str.contains("not in this selection"), "precision"]) == {"fp32", "tf32"}
     row = sel[(sel["gpu"] == "t4") & (sel["model"] == "resnet50") & (sel["batch"] == 64)]
     assert row["precision"].tolist() == ["amp"]
+    # DLE ran it channels-last (its memory_format column says nhwc); Lambda's runs are NCHW (their raw logs say so)
+    assert row["memory_format"].tolist() == ["channels_last"]
+    assert set(sel.loc[sel["source_name"] == "Lambda", "memory_format"]) == {"contiguous"}
     res = predict_cnn(row)
     p = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", amp="float16",
-                         memory=False)
+                         memory=False, memory_format="channels_last")
     assert len(res) == 1 and res["predicted_ms"].iloc[0] == p.latency_ms
     assert set(p.kernels.loc[p.kernels["family"] == "conv", "dtype"]) == {"float16"}
     pure = predict_cnn(row.assign(dtype="float16", amp=None))
     p16 = neusight.predict("resnet50", "t4", batch_size=64, image_size=224, mode="inference", dtype="float16",
-                           memory=False)
+                           memory=False, memory_format="channels_last")
     assert pure["predicted_ms"].iloc[0] == p16.latency_ms and (p16.kernels["dtype"] == "float16").all()
 
 

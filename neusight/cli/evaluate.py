@@ -156,7 +156,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     speedups = ev.speedup_frame(labels, ev.LABEL_CONFIG, trained_on)
     atomic_write_text(out / "speedups.csv", speedups.to_csv(index=False))
 
-    cnn = skipped = half = small = tf32 = None
+    cnn = skipped = half = small = tf32 = layouts = None
     if cfg.cnn.enabled:
         sel, skipped = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch)
         cnn = ev.predict_cnn(sel, pred)
@@ -172,7 +172,14 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
             half_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS)
             half = ev.predict_cnn(half_sel, pred)
             half["fp16_error_pct"] = ev.predict_cnn(half_sel.assign(dtype="float16", amp=None), pred)["error_pct"]
+            half["nhwc_error_pct"] = ev.predict_cnn(half_sel.assign(memory_format="channels_last"), pred)["error_pct"]
             atomic_write_text(out / "cnn_half_results.csv", half.to_csv(index=False))
+            both, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS,
+                                             by_layout=True)
+            key = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size"]
+            both = both[both.groupby(key)["memory_format"].transform("nunique") > 1].reset_index(drop=True)
+            layouts = ev.layout_pairs(ev.predict_cnn(both, pred))
+            atomic_write_text(out / "cnn_layout_pairs.csv", layouts.to_csv(index=False))
         if cfg.cnn.small_batches:
             small_sel, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=1)
             small_sel = small_sel[(small_sel["mode"] == "inference") & (small_sel["batch"] < cfg.cnn.min_batch)]
@@ -199,7 +206,7 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
     footer = ("The predicted-vs-measured log-log plot (NeuSight and roofline side by side) is written to the run "
               "directory as `predicted_vs_measured.png`.")
     md = ev.render_markdown(labels, trained_on, cnn=cnn, cnn_skipped=skipped, header=header, footer=footer,
-                            targets=targets, cnn_half=half, cnn_small=small, cnn_tf32=tf32)
+                            targets=targets, cnn_half=half, cnn_small=small, cnn_tf32=tf32, cnn_layouts=layouts)
     atomic_write_text(out / "evaluation.md", md)
     if out_md:
         atomic_write_text(out_md, md)

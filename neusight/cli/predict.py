@@ -67,6 +67,7 @@ class PredictConfig:
     gpus_per_node: int = 8               # GPUs per node sharing NVLink; groups spanning nodes use the network
     internode_gbps: float = 100.0        # per-GPU network link between nodes, bidirectional GB/s (400 Gb/s IB = 100)
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
+    memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling; Ada / Hopper / CDNA3)
@@ -280,7 +281,8 @@ def _step_options(cfg: Any) -> dict[str, Any]:
     out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets,
            "moe_kernels": getattr(cfg, "moe_kernels", "auto"), "ssm_kernels": getattr(cfg, "ssm_kernels", "fused"),
            "fp8": getattr(cfg, "fp8", False), "weight_quant": getattr(cfg, "weight_quant", None),
-           "static_cache": getattr(cfg, "static_cache", False)}
+           "static_cache": getattr(cfg, "static_cache", False),
+           "memory_format": getattr(cfg, "memory_format", "contiguous")}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
         from omegaconf import OmegaConf

@@ -28,6 +28,7 @@ class TraceConfig:
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training only)
     attn_implementation: str = "eager"   # eager | sdpa | flash_attention_2 | flash_attention_3
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
+    memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling)

@@ -12,7 +12,7 @@ from neusight.graph.records import OpRecord, TensorMeta
 from neusight.kernels.base import Family
 
 KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", "dims", "dtype", "flops", "algo_flops",
-                  "bytes", "modeled", "channel_align"]
+                  "bytes", "modeled", "channel_align", "nchw_operands"]
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Graph:
     # every call of a mixture-of-experts layer: (its module path, "forward" or "backward" (a checkpointed layer's
     # recomputation), bytes of the token rows it hands to its experts), what expert parallelism all-to-alls
     expert_dispatch: list[tuple[str, str, float]] = field(default_factory=list)
+    memory_format: str = "contiguous"   # the CNN's layout: "contiguous" (NCHW) or "channels_last" (neusight.graph.layout)
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:
@@ -66,6 +67,7 @@ class Graph:
                 rows["bytes"].append(k.bytes)
                 rows["modeled"].append(r.modeled)
                 rows["channel_align"].append(k.channel_align)
+                rows["nchw_operands"].append(k.nchw_operands)
         df = pd.DataFrame(rows)
         df["flops"] = df["flops"].astype("float64")
         df["algo_flops"] = df["algo_flops"].astype("float64")

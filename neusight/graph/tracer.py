@@ -30,6 +30,7 @@ from neusight.errors import InputError, ModelError, TraceError
 from neusight.graph import fastmeta
 from neusight.graph.amp import Autocast, amp_dtype, model_dtype
 from neusight.graph.graph import Graph
+from neusight.graph.layout import check_memory_format
 from neusight.graph.models import BuiltModel, build_model
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
 from neusight.kernels.registry import build_kernels
@@ -631,7 +632,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
-          ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False) -> Graph:
+          ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
+          memory_format: str = "contiguous") -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -717,6 +719,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         With ``kv_cache``: the cache is a buffer sized for the run, and each step writes its new tokens' keys and
         values in place (one copy of their bytes), as transformers' ``StaticCache`` (compiled generation) and the
         paged caches of serving engines do, instead of concatenating the whole cache again every step.
+    memory_format : {"contiguous", "channels_last"}
+        The layout of a CNN's activations and weights: PyTorch's default NCHW, or NHWC as
+        ``model.to(memory_format=torch.channels_last)`` and a channels-last input run it (4-D tensors channels-last,
+        5-D ones channels-last-3d). It decides which convolutions cuDNN transposes on tensor cores
+        (:mod:`neusight.graph.layout`).
 
     Returns
     -------
@@ -736,6 +743,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
 
     check_moe_kernels(moe_kernels)
     check_ssm_kernels(ssm_kernels)
+    memory_format = check_memory_format(memory_format)
     if device is not None:
         from neusight.devices import load_device
 
@@ -795,6 +803,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     training = mode == "training"
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
+    if memory_format == "channels_last":
+        args, kwargs = _channels_last(module, args, kwargs)
     if kv_cache:
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0))
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
@@ -894,7 +904,23 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  image_size=built.image_size, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
-                 lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch)
+                 lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch,
+                 memory_format=memory_format)
+
+
+def _channels_last(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``model.to(memory_format=torch.channels_last)`` and a channels-last input: every 4-D parameter, buffer and
+    floating-point input channels-last, every 5-D one channels-last-3d (torch's own ``to`` refuses 5-D tensors)."""
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
+            return t
+        return t.to(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+    with torch.no_grad():
+        for p in list(module.parameters()) + list(module.buffers()):
+            if p.dim() in (4, 5):
+                p.data = convert(p.data)
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
 
 
 def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype | None, lora_rank: int | None,

@@ -86,6 +86,11 @@ class Kernel:
         Convolutions only: the largest of 1, 2, 4, 8 that divides both the input and the output channel counts
         (of the whole convolution, not per group). A convolution is forecast on tensor cores only from
         :data:`TC_CHANNEL_ALIGN` of its precision; None for every other kernel.
+    nchw_operands : tuple[int, int, int], optional
+        Convolutions that run in PyTorch's default NCHW layout (neither the input nor the weight channels-last):
+        the element counts of the forward convolution's (input, weight, output), which cuDNN transposes to NHWC
+        and back when it runs the convolution on tensor cores (:mod:`neusight.graph.layout`); None for NHWC
+        (``channels_last``) convolutions and every other kernel.
     """
 
     family: Family
@@ -96,6 +101,7 @@ class Kernel:
     dtype: str = "float32"
     algo_flops: float | None = None
     channel_align: int | None = None
+    nchw_operands: tuple[int, int, int] | None = None
 
     @property
     def min_flops(self) -> float:

@@ -130,6 +130,30 @@ def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups
                   channel_alignment(x.shape[1], w.shape[0]))
 
 
+def _channels_last(t: TensorMeta) -> bool:
+    """A 4-D (5-D) tensor whose strides say NHWC (NDHWC), as PyTorch's ``suggest_memory_format`` reads them: going
+    through the dims C, W, H (, D), N, each stride is at least the span of the dims before it. Strides that fit
+    both layouts (a contiguous N x C x 1 x 1) read as the default NCHW, as PyTorch reads them."""
+    order = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}.get(len(t.shape))
+    if order is None or len(t.stride) != len(t.shape) or t.stride[1] == 0:
+        return False
+    span = 0
+    for d in order:
+        if t.shape[d] == 0 or t.stride[d] < span or (d == 0 and span == t.stride[1]):
+            return False
+        span = t.stride[d] * (t.shape[d] if t.shape[d] > 1 else 1)
+    return True
+
+
+def _nchw_operands(x: TensorMeta, w: TensorMeta, y: TensorMeta) -> tuple[int, int, int] | None:
+    """(input, weight, output) element counts of a convolution cuDNN is handed in NCHW, None for one it runs in
+    NHWC: PyTorch picks channels-last for a 2-D (3-D) convolution when its input or its weight is channels-last
+    (``cudnn_conv_suggest_memory_format``); 1-D convolutions are NCHW always."""
+    if len(w.shape) in (4, 5) and (_channels_last(x) or _channels_last(w)):
+        return None
+    return (x.numel, w.numel, y.numel)
+
+
 STRIDED_SUFFIX = "_strided"   # conv_dgrad_strided, conv_wgrad_strided: gradients of a conv with stride > 1
 DEPTHWISE_PREFIX = "conv_dw_"   # kernel names of depthwise convolutions: conv_dw_fwd, conv_dw_dgrad, conv_dw_wgrad
 
@@ -167,15 +191,18 @@ def _convolution(c: OpCall) -> list[Kernel]:
     """Forward convolution (+ a bias add kernel when a bias is given)."""
     x, w, bias = c.args[0], c.args[1], c.args[2] if len(c.args) > 2 else None
     stride, padding, dilation, transposed, groups = _conv_params(c, 3)
+    layout = _nchw_operands(x, w, c.outputs[0])
     if transposed:
         # a transposed conv is the data gradient of the conv that maps its output back to its input: that conv's
         # GEMM, over the output y, with the transposed conv's weight (C_in, C_out / groups, ...) as its own
         # (out channels, in channels / groups, ...)
-        ks = [_conv_kernel(c.outputs[0], w, stride, padding, dilation, groups, "conv_transpose")]
+        k = _conv_kernel(c.outputs[0], w, stride, padding, dilation, groups, "conv_transpose")
+        ks = [dataclasses.replace(k, nchw_operands=layout)]
     elif _is_depthwise(x, groups):
         ks = _depthwise_kernels(x, w, c.outputs[0], stride, padding, dilation, groups, ("fwd",))
     else:
-        ks = [_conv_kernel(x, w, stride, padding, dilation, groups, "conv_fwd")]
+        ks = [dataclasses.replace(_conv_kernel(x, w, stride, padding, dilation, groups, "conv_fwd"),
+                                  nchw_operands=layout)]
     if isinstance(bias, TensorMeta):
         out = c.outputs[0]
         ks.append(formulas.elementwise("conv_bias", out.numel, n_tensor_inputs=1, cols=math.prod(out.shape[2:]) or 1,
@@ -195,6 +222,7 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
         return ks + ([_bias_grad(dy)] if len(mask) > 2 and mask[2] else [])
     # the GEMM of the underlying conv: over x, or for a transposed conv over its output (dy), as in _convolution
     fwd = _conv_kernel(dy if transposed else x, w, stride, padding, dilation, groups, "conv")
+    layout = _nchw_operands(x, w, dy)
     g, m, n, k = fwd.dims
     size = formulas.itemsize(x.dtype)
     # A strided convolution's gradients are kernels of their own in cuDNN (the data gradient scatters into
@@ -206,10 +234,12 @@ def _convolution_backward(c: OpCall) -> list[Kernel]:
     if mask[0]:  # dX (M x N) = dY (M x K) @ W^T (K x N): reduction over K; transposed: the underlying forward
         ks.append(Kernel(Family.CONV, "conv_dgrad" + ("" if transposed else suffix),
                          (g, m, n, k) if transposed else (g, m, k, n), fwd.flops,
-                         float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops, fwd.channel_align))
+                         float(size * (dy.numel + w.numel + x.numel)), x.dtype, fwd.algo_flops, fwd.channel_align,
+                         layout))
     if mask[1]:  # dW (N x K) = X^T (N x M) @ dY (M x K): reduction over M
         ks.append(Kernel(Family.CONV, "conv_wgrad" + suffix, (g, n, m, k), fwd.flops,
-                         float(size * (dy.numel + x.numel + w.numel)), x.dtype, fwd.algo_flops, fwd.channel_align))
+                         float(size * (dy.numel + x.numel + w.numel)), x.dtype, fwd.algo_flops, fwd.channel_align,
+                         layout))
     if len(mask) > 2 and mask[2]:
         ks.append(_bias_grad(dy))
     return ks

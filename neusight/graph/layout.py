@@ -1,0 +1,91 @@
+"""Tensor layouts of convolutions: what cuDNN does with PyTorch's default NCHW on tensor cores.
+
+cuDNN's tensor-core convolution kernels work on NHWC data. PyTorch keeps activations NCHW unless the model and
+its input are converted (``model.to(memory_format=torch.channels_last)``), so on a GPU with tensor cores every
+FP16 / BF16 convolution handed over in NCHW is run as: transpose its inputs to NHWC, the NHWC kernel, transpose
+its output back (NVIDIA's "Convolutional Layers User's Guide", "Tensor Layouts In Memory: NCHW vs NHWC"; the
+PyTorch channels-last tutorial and ``torch.nn.utils.convert_conv2d_weight_memory_format``, which names FP16 on
+compute capability 7.0+). Those transposes are kernels of their own, memory-bound, and they are what a
+channels-last model saves.
+
+:func:`with_layout_transposes` adds them to a forecast's kernel table: per such convolution kernel, one
+transpose per operand (forward: input and weight in, output back; data gradient: output gradient and weight in,
+input gradient back; weight gradient: input and output gradient in, weight gradient back), each read once and
+written once, forecast by the elementwise model on its bytes like any copy. Nothing is fitted.
+
+What is not modelled: TF32 convolutions (FP32 models on Ampere and later; whether cuDNN transposes for them is
+not documented), AMD's MIOpen (NCHW kernels of its own), depthwise convolutions (PyTorch's own kernels), and
+cuDNN picking an NCHW kernel over transposes for some shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from neusight.devices import Device
+from neusight.errors import InputError
+from neusight.kernels import formulas
+from neusight.kernels.base import Family
+
+MEMORY_FORMATS = ("contiguous", "channels_last")   # torch.contiguous_format (NCHW, PyTorch's default), channels_last
+TO_NHWC, TO_NCHW = "nchw_to_nhwc", "nhwc_to_nchw"   # the transposes' kernel names
+# which operand a convolution kernel reads (in) and writes (out), by index into nchw_operands (input, weight, output)
+_OPERANDS = {"conv_dgrad": ((2, 1), 0), "conv_wgrad": ((0, 2), 1)}
+_FORWARD = ((0, 1), 2)
+# the precisions whose convolutions run on tensor cores, with the spec-sheet peak that says a GPU has them
+_TENSOR_CORE_PEAK = {"float16": "fp16_tensor_tflops", "bfloat16": "bf16_tensor_tflops"}
+FIRST_TENSOR_CORE_CC = {"float16": 7.0, "bfloat16": 8.0}   # Volta's FP16, Ampere's BF16 tensor cores
+
+LAYOUT_NOTE = ("{n} FP16 / BF16 convolution kernels get their operands in PyTorch's default NCHW layout: cuDNN's "
+               "tensor-core kernels transpose them to NHWC and back, {m} transpose kernels, {ms:.2f} ms of this "
+               "forecast (memory_format='channels_last', the model and its input converted with "
+               "model.to(memory_format=torch.channels_last), saves them)")
+
+
+def check_memory_format(memory_format: Any) -> str:
+    """The trace's memory format, checked: ``"contiguous"`` (NCHW, PyTorch's default) or ``"channels_last"``."""
+    text = str(memory_format).removeprefix("torch.")
+    if text not in MEMORY_FORMATS:
+        raise InputError(f"memory_format={memory_format!r} is not a memory format the forecast knows. Fix: "
+                         "'contiguous' (NCHW, PyTorch's default) or 'channels_last' (NHWC, as "
+                         "model.to(memory_format=torch.channels_last) runs a CNN)")
+    return text
+
+
+def transposing(k: pd.DataFrame, device: Device, tensor_cores: pd.Series) -> pd.Series:
+    """The convolution kernels of ``k`` that cuDNN runs through NCHW -> NHWC transposes on ``device``: NCHW
+    operands, FP16 / BF16 math on NVIDIA tensor cores (``tensor_cores``: the rows whose channels let them use
+    them)."""
+    if "nchw_operands" not in k or device.vendor != "nvidia":
+        return pd.Series(False, index=k.index)
+    dtype = k["dtype"].astype(str)
+    has_tc = dtype.map(lambda d: d in _TENSOR_CORE_PEAK and getattr(device, _TENSOR_CORE_PEAK[d]) is not None
+                       and device.cc >= FIRST_TENSOR_CORE_CC[d])
+    return (k["family"] == Family.CONV.value) & k["nchw_operands"].map(lambda o: isinstance(o, tuple)) \
+        & has_tc & tensor_cores
+
+
+def with_layout_transposes(k: pd.DataFrame, device: Device, tensor_cores: pd.Series
+                           ) -> tuple[pd.DataFrame, pd.Series, int]:
+    """``k`` with cuDNN's layout transposes after each convolution kernel :func:`transposing` selects (they take
+    its op index, phase and module), a mask of the added rows, and how many convolution kernels got them."""
+    sel = transposing(k, device, tensor_cores)
+    if not sel.any():
+        return k, pd.Series(False, index=k.index), 0
+    rows, order = [], []
+    for i, row in k[sel].iterrows():
+        ins, out = _OPERANDS.get(str(row["kernel"]).removesuffix("_strided"), _FORWARD)
+        for j, name in [(j, TO_NHWC) for j in ins] + [(out, TO_NCHW)]:
+            t = formulas.elementwise(name, int(row["nchw_operands"][j]), n_tensor_inputs=1, flops_per_elem=0.0,
+                                     dtype=str(row["dtype"]))
+            rows.append({"op_index": row["op_index"], "phase": row["phase"], "module": row["module"],
+                         "aten_op": row["aten_op"], "family": t.family.value, "kernel": t.name, "dims": t.dims,
+                         "dtype": t.dtype, "flops": t.flops, "algo_flops": t.flops, "bytes": t.bytes,
+                         "modeled": bool(row["modeled"]), "channel_align": float("nan"), "nchw_operands": None})
+            order.append(i + 0.5)   # right after its convolution
+    added = pd.DataFrame(rows, index=order).assign(_added=True)
+    out = pd.concat([k.set_axis(k.index.astype(float)).assign(_added=False), added]).sort_index(kind="stable")
+    out = out.reset_index(drop=True).astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
+    return out.drop(columns="_added"), out["_added"].astype(bool), int(sel.sum())

@@ -1,0 +1,138 @@
+"""Convolution layouts: which convolutions cuDNN gets in NCHW, and the transposes that costs on tensor cores
+(neusight.graph.layout)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+import neusight
+from neusight.api import predict_graph
+from neusight.errors import InputError
+from neusight.graph.layout import TO_NCHW, TO_NHWC
+from neusight.graph.records import TensorMeta
+from neusight.kernels.ops_gemm import _channels_last, _nchw_operands
+
+TRANSPOSES = (TO_NHWC, TO_NCHW)
+
+
+@pytest.fixture(scope="module")
+def amp_graphs():
+    """ResNet-18 mixed-precision training, traced in either layout."""
+    return {mf: neusight.trace("resnet18", batch_size=4, mode="training", optimizer="sgd", amp="float16",
+                               memory_format=mf) for mf in ("contiguous", "channels_last")}
+
+
+def _meta(shape, memory_format=torch.contiguous_format) -> TensorMeta:
+    return TensorMeta.of(torch.empty(shape, device="meta").to(memory_format=memory_format))
+
+
+def test_channels_last_is_read_from_strides_as_pytorch_reads_them():
+    cl = torch.channels_last
+    assert _channels_last(_meta((8, 64, 56, 56), cl)) and not _channels_last(_meta((8, 64, 56, 56)))
+    # a 1x1 weight is dense either way; its strides still tell the layouts apart
+    assert _channels_last(_meta((256, 64, 1, 1), cl)) and not _channels_last(_meta((256, 64, 1, 1)))
+    # strides that fit both layouts (a contiguous N x C x 1 x 1) read as the default NCHW, as in PyTorch; 5-D tensors
+    # have their own channels-last
+    assert not _channels_last(_meta((8, 2048, 1, 1))) and _channels_last(_meta((8, 2048, 1, 1), cl))
+    assert not _channels_last(_meta((8, 1, 32, 32))) and not _channels_last(_meta((8, 64)))
+    assert _channels_last(_meta((2, 16, 4, 8, 8), torch.channels_last_3d))
+    # PyTorch runs a 2-D convolution channels-last when its input or its weight is; 1-D convolutions never
+    x, w, y = _meta((8, 64, 56, 56)), _meta((64, 64, 3, 3)), _meta((8, 64, 56, 56))
+    assert _nchw_operands(x, w, y) == (8 * 64 * 56 * 56, 64 * 64 * 9, 8 * 64 * 56 * 56)
+    assert _nchw_operands(x, _meta((64, 64, 3, 3), cl), y) is None
+    assert _nchw_operands(_meta((8, 64, 56, 56), cl), w, y) is None
+    assert _nchw_operands(_meta((8, 64, 100)), _meta((64, 64, 3)), _meta((8, 64, 98))) is not None
+
+
+def test_the_trace_records_each_convolutions_layout(amp_graphs):
+    nchw, nhwc = (g.kernels for g in amp_graphs.values())
+    conv = nchw["family"] == "conv"
+    assert conv.any() and nchw.loc[conv, "nchw_operands"].map(lambda o: isinstance(o, tuple)).all()
+    assert nchw.loc[~conv, "nchw_operands"].isna().all()
+    stem = nchw[conv & (nchw["module"] == "conv1") & (nchw["kernel"] == "conv_fwd")].iloc[0]
+    assert stem["nchw_operands"] == (4 * 3 * 224 * 224, 64 * 3 * 7 * 7, 4 * 64 * 112 * 112)
+    # the operands are the forward convolution's for its gradient kernels too
+    ops = nchw[conv & (nchw["module"] == "layer1.0.conv1")]
+    assert ops["nchw_operands"].nunique() == 1 and len(ops) == 3
+    assert nhwc.loc[nhwc["family"] == "conv", "nchw_operands"].isna().all()
+    assert amp_graphs["channels_last"].memory_format == "channels_last"
+    # the layout changes no kernel's work: the same kernels, FLOPs and bytes
+    pd.testing.assert_frame_equal(nchw.drop(columns="nchw_operands"), nhwc.drop(columns="nchw_operands"))
+
+
+def test_nchw_tensor_core_convolutions_get_transposes_of_their_operands(amp_graphs):
+    p = predict_graph(amp_graphs["contiguous"], "v100-sxm2-16gb")
+    k = p.kernels
+    t = k["kernel"].isin(TRANSPOSES)
+    conv = k["family"] == "conv"
+    # every convolution on tensor cores (all but the 3-channel first layer's) gets three: two operands in, one out
+    tc = conv & (k["channel_align"] >= 8)
+    assert t.sum() == 3 * tc.sum() and (k.loc[t, "kernel"] == TO_NHWC).sum() == 2 * tc.sum()
+    assert not (conv & (k["channel_align"] < 8) & k["op_index"].isin(k.loc[t, "op_index"]) &
+                (k["module"] == "conv1")).any()
+    for i in k.index[tc]:
+        rows = k.loc[i + 1:i + 3]   # right after their convolution, in its op, phase and module
+        assert list(rows["kernel"].isin(TRANSPOSES)) == [True] * 3
+        assert (rows[["op_index", "phase", "module"]] == k.loc[i, ["op_index", "phase", "module"]]).all().all()
+        assert rows["bytes"].sum() == 2 * 2 * sum(k.loc[i, "nchw_operands"])   # each read and written, FP16
+        assert (rows["family"] == "elementwise").all() and (rows["flops"] == 0).all()
+    # they only add time: the channels-last run is the same kernels without them
+    q = predict_graph(amp_graphs["channels_last"], "v100-sxm2-16gb")
+    assert not q.kernels["kernel"].isin(TRANSPOSES).any()
+    assert math.isclose(p.latency_ms, q.latency_ms + k.loc[t, "latency_ms"].sum(), rel_tol=1e-9)
+    assert p.latency_ms > q.latency_ms
+    assert (k["isolated_ms"] >= k["roofline_ms"]).all()
+    note = [n for n in p.notes if "NCHW" in n]
+    assert len(note) == 1 and note[0].startswith(f"{tc.sum()} FP16 / BF16 convolution kernels")
+    assert not any("NCHW" in n for n in q.notes)
+
+
+@pytest.mark.parametrize("device, trace_kwargs, why", [
+    ("p100-pcie-16gb", {"amp": "float16"}, "no tensor cores"),
+    ("mi210", {"amp": "float16"}, "MIOpen: not modelled"),
+    ("a100-pcie-40gb", {}, "FP32 / TF32: not modelled"),
+    ("v100-sxm2-16gb", {"amp": "bfloat16"}, "no BF16 tensor cores before Ampere"),
+    ("a100-pcie-40gb", {"amp": "float16", "memory_format": "channels_last"}, "NHWC already"),
+])
+def test_no_transposes_where_cudnn_runs_no_nchw_tensor_core_kernel(device, trace_kwargs, why):
+    g = neusight.trace("resnet18", batch_size=2, mode="training", optimizer="sgd", **trace_kwargs)
+    assert not predict_graph(g, device).kernels["kernel"].isin(TRANSPOSES).any(), why
+
+
+def test_bf16_convolutions_transpose_on_ampere():
+    g = neusight.trace("resnet18", batch_size=2, mode="inference", dtype="bfloat16")
+    k = predict_graph(g, "a100-pcie-40gb").kernels
+    assert (k.loc[k["kernel"].isin(TRANSPOSES), "dtype"] == "bfloat16").all() and k["kernel"].isin(TRANSPOSES).any()
+
+
+def test_fused_forecasts_keep_the_transposes(amp_graphs):
+    k = predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb", fused=True).kernels
+    assert k["kernel"].isin(TRANSPOSES).sum() == 3 * ((k["family"] == "conv") & (k["channel_align"] >= 8)).sum()
+
+
+def test_an_unknown_memory_format_is_refused_with_the_choices():
+    with pytest.raises(InputError, match=r"memory_format='nhwc'.*'contiguous'.*'channels_last'"):
+        neusight.trace("resnet18", batch_size=2, memory_format="nhwc")
+
+
+def test_layout_pairs_compare_measured_and_forecast_slow_downs():
+    from neusight.e2e_eval import layout_pairs
+
+    base = {"source_name": "DeepLearningExamples", "gpu": "v100-sxm2-16gb", "model": "resnet50", "mode": "training",
+            "precision": "amp", "batch": 256, "image_size": 224}
+    res = pd.DataFrame([{**base, "memory_format": "contiguous", "measured_ms": 300.0, "predicted_ms": 290.0,
+                         "version": "old"},
+                        {**base, "memory_format": "channels_last", "measured_ms": 200.0, "predicted_ms": 220.0,
+                         "version": "new"},
+                        {**base, "batch": 128, "memory_format": "contiguous", "measured_ms": 1.0, "predicted_ms": 1.0,
+                         "version": "old"}])   # no NHWC partner: no pair
+    pairs = layout_pairs(res)
+    assert len(pairs) == 1
+    row = pairs.iloc[0]
+    assert row["measured_ratio"] == 1.5 and math.isclose(row["forecast_ratio"], 290 / 220)
+    assert math.isclose(row["ratio_error_pct"], (290 / 220 / 1.5 - 1) * 100)
+    assert layout_pairs(res.iloc[:0]).empty
