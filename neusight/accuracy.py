@@ -236,12 +236,14 @@ def format_accuracy(acc: dict[str, Any] | None) -> str | None:
 
 
 def short_accuracy(acc: dict[str, Any] | None) -> str | None:
-    """A table cell: "5.7 % (14 runs on this GPU)", "9.1 % (8 runs on l4)", "none", or None when no accuracy
-    file is about the forecast's predictor."""
+    """A table cell: "5.7 % (14 runs on this GPU)", "9.1 % (8 runs on l4)", "13.8 % (23 runs on 9 GPUs)" (more
+    than two GPUs are counted, not named: the summary line names them), "none", or None when no accuracy file is
+    about the forecast's predictor."""
     if not acc or not acc.get("predictor_measured"):
         return None
     r = acc["record"]
     if r is None:
         return "none"
-    where = "this GPU" if r["gpu"] is not None else ", ".join(r["gpus"])
+    where = ("this GPU" if r["gpu"] is not None else ", ".join(r["gpus"]) if len(r["gpus"]) <= 2
+             else f"{len(r['gpus'])} GPUs")
     return f"{r['mean_abs_error_pct']:.1f} % ({r['runs']} run{'s' if r['runs'] != 1 else ''} on {where})"

@@ -134,3 +134,15 @@ def test_a_forecast_carries_its_measured_accuracy():
     assert p.to_dict()["measured_accuracy"]["record"] == r
     h100 = neusight.predict("gpt2-large", "h100-sxm5-80gb", batch_size=4, seq_len=1024)
     assert h100.accuracy["record"]["gpu"] is None and not h100.accuracy["record"]["gpu_seen"]
+
+
+def test_the_side_by_side_cell_names_two_gpus_and_counts_more():
+    from neusight.accuracy import short_accuracy
+
+    def acc(gpu, gpus):
+        return {"predictor_measured": True, "record": {"gpu": gpu, "gpus": gpus, "runs": 4, "mean_abs_error_pct": 5.25}}
+
+    assert short_accuracy(acc("t4", ["t4"])) == "5.2 % (4 runs on this GPU)"
+    assert short_accuracy(acc(None, ["l4", "t4"])) == "5.2 % (4 runs on l4, t4)"
+    assert short_accuracy(acc(None, ["a10", "l4", "t4"])) == "5.2 % (4 runs on 3 GPUs)"
+    assert short_accuracy({"predictor_measured": True, "record": None}) == "none" and short_accuracy(None) is None
