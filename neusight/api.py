@@ -18,7 +18,8 @@ from neusight.devices import Device, load_device
 from neusight.errors import DataError, InputError
 from neusight.graph.fusion import REWRITE_NOTE, REWRITTEN_ATTENTION, fused_kernels
 from neusight.graph.graph import Graph
-from neusight.graph.layout import LAYOUT_NOTE, with_layout_transposes
+from neusight.graph.layout import (INDUCTOR_NOTE, LAYOUT_NOTE, inductor_channels_last, transposing,
+                                   with_layout_transposes)
 from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
 from neusight.kernels.base import ATTENTION_KERNEL
@@ -399,7 +400,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     # stay FP32; Predictor.predict puts the former at the FP32 rates
     no_tc = without_tensor_cores(k.assign(dtype=math_dtype))
     k = k.assign(dtype=math_dtype.where(~(no_tc & (math_dtype == "tf32")), "float32"))
-    k, transposes, n_nchw = with_layout_transposes(k, device, ~no_tc)
+    on_tc = ~no_tc
+    # torch.compile picks the layout itself: no transposes where Inductor runs the convolutions channels-last
+    compiled_cl = int(transposing(k, device, on_tc).sum()) if fused and inductor_channels_last(g) else 0
+    k, transposes, n_nchw = with_layout_transposes(k, device, on_tc & (compiled_cl == 0))
     no_tc = pd.Series(False, index=k.index).mask(~transposes, no_tc.set_axis(k.index[~transposes]))
     n_tf32 = int((k["dtype"] == "tf32").sum())
     cols = [c for c in ("family", "kernel", "flops", "algo_flops", "bytes", "dtype", "channel_align") if c in k]
@@ -430,6 +434,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         names = {"float16": "FP16", "bfloat16": "BF16", "float32": "TF32"}   # float32 here: kept off TF32
         what = sorted({names.get(d, d) for d in k.loc[no_tc, "dtype"]})
         notes += (NO_TENSOR_CORE_NOTE.format(n=int(no_tc.sum()), what=" / ".join(what)),)
+    if compiled_cl:
+        notes += (INDUCTOR_NOTE.format(n=compiled_cl),)
     if n_nchw:
         notes += (LAYOUT_NOTE.format(n=n_nchw, m=int(transposes.sum()),
                                      ms=float(kernels.loc[transposes.to_numpy(), "latency_ms"].sum())),)

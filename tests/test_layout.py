@@ -109,9 +109,38 @@ def test_bf16_convolutions_transpose_on_ampere():
     assert (k.loc[k["kernel"].isin(TRANSPOSES), "dtype"] == "bfloat16").all() and k["kernel"].isin(TRANSPOSES).any()
 
 
-def test_fused_forecasts_keep_the_transposes(amp_graphs):
-    k = predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb", fused=True).kernels
-    assert k["kernel"].isin(TRANSPOSES).sum() == 3 * ((k["family"] == "conv") & (k["channel_align"] >= 8)).sum()
+def test_torch_compile_runs_resnets_channels_last_and_charges_no_transposes(amp_graphs):
+    """Inductor's layout optimization picks channels-last for a ResNet's convolutions (training and inference), so a
+    compiled NCHW model pays no transposes, and says why; eager forecasts of the same graph keep them."""
+    p = predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb", fused=True)
+    assert not p.kernels["kernel"].isin(TRANSPOSES).any()
+    assert any(n.startswith("torch.compile runs this graph's convolutions channels-last") for n in p.notes)
+    assert predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb").kernels["kernel"].isin(TRANSPOSES).any()
+    # FP32 has no transposes to spare: no note
+    g32 = neusight.trace("resnet18", batch_size=2, mode="inference")
+    assert not any("torch.compile runs" in n for n in predict_graph(g32, "v100-sxm2-16gb", fused=True).notes)
+
+
+def _conv_net(*convs):
+    """An nn.Sequential of 2-D convolutions (c_in, c_out, kernel, groups) on a 16 x 16 image."""
+    return torch.nn.Sequential(*(torch.nn.Conv2d(i, o, k, padding=k // 2, groups=grp) for i, o, k, grp in convs))
+
+
+@pytest.mark.parametrize("convs, mode, expected", [
+    ([(64, 128, 3, 1), (128, 128, 3, 1)], "training", True),                   # plain convolutions
+    ([(64, 128, 3, 1), (128, 128, 3, 32)], "training", False),                 # grouped, 4 channels per group
+    ([(128, 128, 3, 128)], "training", True),                                   # depthwise: 1 channel per group
+    ([(256, 64, 3, 1), (64, 256, 1, 1)], "training", False),                    # 3x3 halving the channels
+    ([(32, 64, 3, 1), (64, 32, 3, 1)], "training", False),                      # all small
+    ([(64, 128, 3, 1), (128, 128, 3, 32)], "inference", True),                  # grouped, but a minority of the FLOPs
+    ([(64, 128, 1, 1), (128, 128, 3, 32), (128, 128, 3, 32)], "inference", False),   # grouped FLOPs dominate
+])
+def test_inductor_layout_heuristic(convs, mode, expected):
+    from neusight.graph.layout import inductor_channels_last
+
+    g = neusight.trace(_conv_net(*convs), batch_size=2, mode=mode, input_shapes=[(convs[0][0], 16, 16)],
+                       optimizer=None)
+    assert inductor_channels_last(g) is expected
 
 
 def test_an_unknown_memory_format_is_refused_with_the_choices():

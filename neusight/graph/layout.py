@@ -13,6 +13,9 @@ transpose per operand (forward: input and weight in, output back; data gradient:
 input gradient back; weight gradient: input and output gradient in, weight gradient back), each read once and
 written once, forecast by the elementwise model on its bytes like any copy. Nothing is fitted.
 
+Under ``torch.compile`` (``fused=True``) Inductor decides the layout itself (:func:`inductor_channels_last`): where its
+heuristic picks channels-last for a graph's convolutions, no transposes are charged.
+
 What is not modelled: TF32 convolutions (FP32 models on Ampere and later; whether cuDNN transposes for them is
 not documented), AMD's MIOpen (NCHW kernels of its own), depthwise convolutions (PyTorch's own kernels), and
 cuDNN picking an NCHW kernel over transposes for some shapes.
@@ -42,6 +45,46 @@ LAYOUT_NOTE = ("{n} FP16 / BF16 convolution kernels get their operands in PyTorc
                "tensor-core kernels transpose them to NHWC and back, {m} transpose kernels, {ms:.2f} ms of this "
                "forecast (memory_format='channels_last', the model and its input converted with "
                "model.to(memory_format=torch.channels_last), saves them)")
+
+
+# Inductor's layout optimization (torch/_inductor/graph.py, GraphLowering.decide_layout_opt, torch 2.x): a graph's
+# convolutions go channels-last unless it has few of them among its nodes, or, in training, one of them is a grouped
+# convolution with more than one input channel per group, one has a spatial kernel and at most half as many output
+# as input channels, or all have at most 64 channels in and out; in inference it weighs each kind of convolution's
+# FLOPs by the channels-last speed-up PyTorch benchmarked for it (below 1: faster) and goes channels-last if the
+# weighted sum is no larger.
+INDUCTOR_NODES_PER_CONV = 300
+INDUCTOR_CL_SPEED = {"grouped": 1.358, "small": 0.783, "in_out": 0.725, "default": 0.823}
+INDUCTOR_NOTE = ("torch.compile runs this graph's convolutions channels-last (Inductor's layout optimization): the "
+                 "{n} FP16 / BF16 convolution kernels that eager PyTorch hands cuDNN in NCHW need no transposes here")
+
+
+def _conv_kind(weight_shape: tuple[int, ...], groups: int) -> str:
+    """Inductor's kind of a convolution, from its weight (C_out, C_in / groups, kernel...) and groups."""
+    c_out, c_in = weight_shape[0], weight_shape[1]
+    if groups > 1 and c_in > 1:
+        return "grouped"
+    if c_out <= 64 and c_in <= 64:
+        return "small"
+    if c_out * 2 <= c_in and len(weight_shape) > 2 and weight_shape[2] > 1:
+        return "in_out"
+    return "default"
+
+
+def inductor_channels_last(g: Any) -> bool:
+    """Whether ``torch.compile`` runs the convolutions of graph ``g`` channels-last: Inductor's layout heuristic on
+    the forward pass's convolutions (kinds as in :func:`_conv_kind`; nodes counted as the forward's aten ops)."""
+    forward = [r for r in g.ops if r.phase == "forward"]
+    convs = [r for r in forward if r.call.op.startswith("aten.convolution.")]
+    if not convs or len(forward) >= INDUCTOR_NODES_PER_CONV * len(convs):
+        return False
+    kinds = [(_conv_kind(tuple(r.call.args[1].shape), int(r.call.args[8])), sum(k.flops for k in r.kernels))
+             for r in convs]
+    if g.mode != "training":
+        total = sum(f for _, f in kinds)
+        return sum(INDUCTOR_CL_SPEED[kind] * f for kind, f in kinds) <= total
+    names = {kind for kind, _ in kinds}
+    return not ({"grouped", "in_out"} & names) and names != {"small"}
 
 
 def check_memory_format(memory_format: Any) -> str:
