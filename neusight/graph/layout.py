@@ -16,8 +16,9 @@ written once, forecast by the elementwise model on its bytes like any copy. Noth
 Under ``torch.compile`` (``fused=True``) Inductor decides the layout itself (:func:`inductor_channels_last`): where its
 heuristic picks channels-last for a graph's convolutions, no transposes are charged.
 
-What is not modelled: TF32 convolutions (FP32 models on Ampere and later; whether cuDNN transposes for them is
-not documented), AMD's MIOpen (NCHW kernels of its own), depthwise convolutions (PyTorch's own kernels), and
+What is not modelled: TF32 convolutions (FP32 models on Ampere and later) are taken to run NCHW natively: NVIDIA's
+TensorFlow engineers reverted NHWC-by-default for TF32 because cuDNN's NCHW kernels were faster in some cases
+(tensorflow/tensorflow PR #56744); AMD's MIOpen (NCHW kernels of its own), depthwise convolutions (PyTorch's own kernels), and
 cuDNN picking an NCHW kernel over transposes for some shapes.
 """
 
