@@ -57,6 +57,8 @@ BAD = {
                                     "total_tokens=-5"),
     "predict-unknown-dtype": (("neusight-predict", "model=gpt2", "device=t4", "dtype=float8"), "dtype='float8'"),
     "predict-unknown-tf32": (("neusight-predict", "model=gpt2", "device=a100-pcie-40gb", "tf32=fast"), "tf32='fast'"),
+    "predict-unknown-memory-format": (("neusight-predict", "model=resnet18", "device=t4", "memory_format=nhwc"),
+                                      "memory_format='nhwc'"),
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
     "predict-fp8-without-fp8-cores": (("neusight-predict", "model=llama-3-8b", "device=a100-80gb-pcie", "fp8=true",
                                       "dtype=bfloat16"), "fp8=True needs FP8 tensor cores; a100-80gb-pcie"),
