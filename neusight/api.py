@@ -404,7 +404,9 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     # torch.compile picks the layout itself: no transposes where Inductor runs the convolutions channels-last
     compiled_cl = int(transposing(k, device, on_tc).sum()) if fused and inductor_channels_last(g) else 0
     k, transposes, n_nchw = with_layout_transposes(k, device, on_tc & (compiled_cl == 0))
-    no_tc = pd.Series(False, index=k.index).mask(~transposes, no_tc.set_axis(k.index[~transposes]))
+    realigned = pd.Series(False, index=k.index)   # the added transposes run on no tensor core to speak of
+    realigned[~transposes] = no_tc.to_numpy()
+    no_tc = realigned
     n_tf32 = int((k["dtype"] == "tf32").sum())
     cols = [c for c in ("family", "kernel", "flops", "algo_flops", "bytes", "dtype", "channel_align") if c in k]
     frame = pd.concat([k[cols], kernel_dims(k)], axis=1)
