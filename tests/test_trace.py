@@ -1331,3 +1331,14 @@ def test_kernels_go_to_the_same_modules_in_every_process():
     # the middle layers alike; the first passes no gradient to a layer before it, the last also gets the norm's
     assert len(counts) == 12 and counts.loc[list(range(1, 11))].nunique() == 1
     assert abs(counts[0] - counts[1]) <= 2 and abs(counts[11] - counts[1]) <= 2
+
+
+def test_a_head_predicting_its_own_positions_is_trained_on_all_of_them():
+    """Perceiver's masked-LM decoder predicts max_position_embeddings positions whatever the input's length: the
+    cross-entropy covers every one of them (2 x 256 rows of the 500-word vocabulary here), not the 2 x 64 input ids."""
+    cfg = {"model_type": "perceiver", "num_self_attends_per_block": 1, "num_blocks": 1, "d_latents": 64,
+           "num_latents": 32, "d_model": 64, "max_position_embeddings": 256, "vocab_size": 500,
+           "num_cross_attention_heads": 1, "num_self_attention_heads": 2}
+    k = neusight.trace(cfg, batch_size=2, seq_len=64, mode="training").kernels
+    ce = k[(k["phase"] == "loss") & (k["aten_op"] == "aten._log_softmax.default")]
+    assert ce["dims"].tolist() == [(2 * 256, 500)]

@@ -469,7 +469,11 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         ids = kw["input_ids"]
         if logits.dim() == 2:  # sequence classification: (B, num_labels)
             return F.cross_entropy(logits, ids[:, 0] % logits.shape[-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1) % vocab)
+        if tuple(logits.shape[:-1]) != tuple(ids.shape):   # a head that predicts its own positions (Perceiver's
+            target = torch.zeros(logits.shape[:-1].numel(), dtype=torch.long, device=logits.device)   # decoder)
+        else:
+            target = ids.reshape(-1) % vocab
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target)
 
     notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
     if bare:
