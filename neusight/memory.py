@@ -245,6 +245,27 @@ def _walk(graph: Graph) -> list[_Storage]:
     return storages
 
 
+def _layout_workspace(graph: Graph, device: Any, fused: bool) -> list[_Storage]:
+    """cuDNN's NHWC copies of the operands of each convolution it transposes on ``device``
+    (:mod:`neusight.graph.layout`), workspace while the convolution runs: cuDNN allocates no device memory of its
+    own, it works in the workspace PyTorch hands it. An op's kernels (a data and a weight gradient) run one after
+    the other, so the op needs the largest of theirs."""
+    if device is None:
+        return []
+    from neusight.graph.layout import inductor_channels_last, transposing
+    from neusight.kernels.formulas import itemsize
+    from neusight.predictor.features import without_tensor_cores
+
+    if fused and inductor_channels_last(graph):
+        return []
+    k = graph.kernels
+    sel = k[transposing(k, device, ~without_tensor_cores(k))]
+    need = sel.assign(nbytes=[itemsize(d) * sum(o) for d, o in zip(sel["dtype"], sel["nchw_operands"])])
+    modules = {r.index: r.module for r in graph.ops}
+    return [_Storage(int(b), int(i), int(i), "cudnn workspace", module=modules[int(i)])
+            for i, b in need.groupby("op_index")["nbytes"].max().items()]
+
+
 def _category(s: _Storage, mode: str) -> str:
     if s.kind in ("weights", "gradients", "optimizer"):
         return s.kind
@@ -373,6 +394,7 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
         _unmaterialized(storages, units, views)
         _recomputed(storages, units, views, graph)
     _lifetimes(storages, n, keep_grads=graph.keeps_grads)
+    storages += _layout_workspace(graph, device, fused)
     sizes = np.array([s.nbytes for s in storages], dtype=np.int64)
     blocks = _block(sizes) if allocator == "cuda" else sizes
     start = np.array([s.start for s in storages], dtype=np.int64)

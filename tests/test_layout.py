@@ -165,3 +165,21 @@ def test_layout_pairs_compare_measured_and_forecast_slow_downs():
     assert row["measured_ratio"] == 1.5 and math.isclose(row["forecast_ratio"], 290 / 220)
     assert math.isclose(row["ratio_error_pct"], (290 / 220 / 1.5 - 1) * 100)
     assert layout_pairs(res.iloc[:0]).empty
+
+
+def test_the_transposed_copies_are_cudnn_workspace_while_the_convolution_runs():
+    """cuDNN allocates nothing itself: the NHWC copies of an NCHW convolution's operands live in the workspace PyTorch
+    hands it, for the duration of that convolution. A lone FP16 convolution's peak grows by exactly their bytes."""
+    from neusight.memory import estimate_memory
+
+    conv = torch.nn.Conv2d(64, 128, 3, padding=1, bias=False).half()
+    x, w, y = 8 * 64 * 32 * 32, 128 * 64 * 9, 8 * 128 * 32 * 32
+    peaks = {mf: estimate_memory(neusight.trace(conv, batch_size=8, input_shapes=[(64, 32, 32)], dtype="float16",
+                                                memory_format=mf), "v100-sxm2-16gb", allocator="exact")
+             for mf in ("contiguous", "channels_last")}
+    assert peaks["contiguous"].tensor_peak_bytes - peaks["channels_last"].tensor_peak_bytes == 2 * (x + w + y)
+    assert peaks["contiguous"].where["aten_op"].startswith("aten.convolution")
+    # no transposes, no copies: a GPU without tensor cores, or no GPU at all
+    g = neusight.trace(conv, batch_size=8, input_shapes=[(64, 32, 32)], dtype="float16")
+    assert estimate_memory(g, "p100-pcie-16gb", allocator="exact").tensor_peak_bytes == \
+        estimate_memory(g, allocator="exact").tensor_peak_bytes == peaks["channels_last"].tensor_peak_bytes
