@@ -62,7 +62,7 @@ CNN_PRECISION = "fp32"          # the only precision in issue 4's scope
 # (CNN_AMP: neusight.graph.amp, with GradScaler in training). TF32 rows are FP32 traces whose convolutions run on
 # TF32 tensor cores (neusight.api's tf32="default", what PyTorch does by default); FP32 rows are true FP32.
 CNN_DTYPES = {"fp32": "float32", "tf32": "float32", "amp": "float32", "fp16": "float16"}
-CNN_MEMORY_FORMATS = {"nchw": "contiguous", "nhwc": "channels_last"}   # the benchmarks' layouts -> trace's memory_format
+CNN_MEMORY_FORMATS = {"nchw": "contiguous", "nhwc": "channels_last"}   # benchmark layouts -> trace's memory_format
 CNN_AMP = {"amp": "float16"}     # benchmark precision -> trace's amp= (every other precision: none)
 HALF_PRECISIONS = ("amp", "fp16")
 TF32_PRECISIONS = ("tf32",)

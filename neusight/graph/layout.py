@@ -18,8 +18,8 @@ heuristic picks channels-last for a graph's convolutions, no transposes are char
 
 What is not modelled: TF32 convolutions (FP32 models on Ampere and later) are taken to run NCHW natively: NVIDIA's
 TensorFlow engineers reverted NHWC-by-default for TF32 because cuDNN's NCHW kernels were faster in some cases
-(tensorflow/tensorflow PR #56744); AMD's MIOpen (NCHW kernels of its own), depthwise convolutions (PyTorch's own kernels), and
-cuDNN picking an NCHW kernel over transposes for some shapes.
+(tensorflow/tensorflow PR #56744); AMD's MIOpen (NCHW kernels of its own), depthwise convolutions (PyTorch's own
+kernels), and cuDNN picking an NCHW kernel over transposes for some shapes.
 """
 
 from __future__ import annotations
