@@ -18,8 +18,8 @@ from neusight.devices import Device, load_device
 from neusight.errors import DataError, InputError
 from neusight.graph.fusion import REWRITE_NOTE, REWRITTEN_ATTENTION, fused_kernels
 from neusight.graph.graph import Graph
-from neusight.graph.layout import (INDUCTOR_NOTE, LAYOUT_NOTE, inductor_channels_last, transposing,
-                                   with_layout_transposes)
+from neusight.graph.layout import (INDUCTOR_NOTE, LAYOUT_NOTE, TRANSPOSE_KERNELS, inductor_channels_last,
+                                   transposing, with_layout_transposes)
 from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
 from neusight.kernels.base import ATTENTION_KERNEL
@@ -126,6 +126,8 @@ class Prediction:
              "gradient_checkpointing": getattr(self.graph, "gradient_checkpointing", False),
              "lora_rank": getattr(self.graph, "lora_rank", None),
              "tf32_kernels": int((self.kernels["dtype"] == "tf32").sum()),
+             "memory_format": getattr(self.graph, "memory_format", "contiguous"),
+             "layout_transposes": int(self.kernels["kernel"].isin(TRANSPOSE_KERNELS).sum()),
              "latency_ms": self.latency_ms,
              "throughput": rate, "throughput_unit": unit, "phases": self.phases,
              "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),

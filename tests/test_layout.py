@@ -12,11 +12,9 @@ import torch
 import neusight
 from neusight.api import predict_graph
 from neusight.errors import InputError
-from neusight.graph.layout import TO_NCHW, TO_NHWC
+from neusight.graph.layout import TO_NHWC, TRANSPOSE_KERNELS
 from neusight.graph.records import TensorMeta
 from neusight.kernels.ops_gemm import _channels_last, _nchw_operands
-
-TRANSPOSES = (TO_NHWC, TO_NCHW)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +65,7 @@ def test_the_trace_records_each_convolutions_layout(amp_graphs):
 def test_nchw_tensor_core_convolutions_get_transposes_of_their_operands(amp_graphs):
     p = predict_graph(amp_graphs["contiguous"], "v100-sxm2-16gb")
     k = p.kernels
-    t = k["kernel"].isin(TRANSPOSES)
+    t = k["kernel"].isin(TRANSPOSE_KERNELS)
     conv = k["family"] == "conv"
     # every convolution on tensor cores (all but the 3-channel first layer's) gets three: two operands in, one out
     tc = conv & (k["channel_align"] >= 8)
@@ -76,16 +74,18 @@ def test_nchw_tensor_core_convolutions_get_transposes_of_their_operands(amp_grap
                 (k["module"] == "conv1")).any()
     for i in k.index[tc]:
         rows = k.loc[i + 1:i + 3]   # right after their convolution, in its op, phase and module
-        assert list(rows["kernel"].isin(TRANSPOSES)) == [True] * 3
+        assert list(rows["kernel"].isin(TRANSPOSE_KERNELS)) == [True] * 3
         assert (rows[["op_index", "phase", "module"]] == k.loc[i, ["op_index", "phase", "module"]]).all().all()
         assert rows["bytes"].sum() == 2 * 2 * sum(k.loc[i, "nchw_operands"])   # each read and written, FP16
         assert (rows["family"] == "elementwise").all() and (rows["flops"] == 0).all()
     # they only add time: the channels-last run is the same kernels without them
     q = predict_graph(amp_graphs["channels_last"], "v100-sxm2-16gb")
-    assert not q.kernels["kernel"].isin(TRANSPOSES).any()
+    assert not q.kernels["kernel"].isin(TRANSPOSE_KERNELS).any()
     assert math.isclose(p.latency_ms, q.latency_ms + k.loc[t, "latency_ms"].sum(), rel_tol=1e-9)
     assert p.latency_ms > q.latency_ms
     assert (k["isolated_ms"] >= k["roofline_ms"]).all()
+    assert (p.to_dict()["memory_format"], p.to_dict()["layout_transposes"]) == ("contiguous", int(t.sum()))
+    assert (q.to_dict()["memory_format"], q.to_dict()["layout_transposes"]) == ("channels_last", 0)
     note = [n for n in p.notes if "NCHW" in n]
     assert len(note) == 1 and note[0].startswith(f"{tc.sum()} FP16 / BF16 convolution kernels")
     assert not any("NCHW" in n for n in q.notes)
@@ -100,22 +100,22 @@ def test_nchw_tensor_core_convolutions_get_transposes_of_their_operands(amp_grap
 ])
 def test_no_transposes_where_cudnn_runs_no_nchw_tensor_core_kernel(device, trace_kwargs, why):
     g = neusight.trace("resnet18", batch_size=2, mode="training", optimizer="sgd", **trace_kwargs)
-    assert not predict_graph(g, device).kernels["kernel"].isin(TRANSPOSES).any(), why
+    assert not predict_graph(g, device).kernels["kernel"].isin(TRANSPOSE_KERNELS).any(), why
 
 
 def test_bf16_convolutions_transpose_on_ampere():
     g = neusight.trace("resnet18", batch_size=2, mode="inference", dtype="bfloat16")
     k = predict_graph(g, "a100-pcie-40gb").kernels
-    assert (k.loc[k["kernel"].isin(TRANSPOSES), "dtype"] == "bfloat16").all() and k["kernel"].isin(TRANSPOSES).any()
+    assert (k.loc[k["kernel"].isin(TRANSPOSE_KERNELS), "dtype"] == "bfloat16").all() and k["kernel"].isin(TRANSPOSE_KERNELS).any()
 
 
 def test_torch_compile_runs_resnets_channels_last_and_charges_no_transposes(amp_graphs):
     """Inductor's layout optimization picks channels-last for a ResNet's convolutions (training and inference), so a
     compiled NCHW model pays no transposes, and says why; eager forecasts of the same graph keep them."""
     p = predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb", fused=True)
-    assert not p.kernels["kernel"].isin(TRANSPOSES).any()
+    assert not p.kernels["kernel"].isin(TRANSPOSE_KERNELS).any()
     assert any(n.startswith("torch.compile runs this graph's convolutions channels-last") for n in p.notes)
-    assert predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb").kernels["kernel"].isin(TRANSPOSES).any()
+    assert predict_graph(amp_graphs["contiguous"], "a100-pcie-40gb").kernels["kernel"].isin(TRANSPOSE_KERNELS).any()
     # FP32 has no transposes to spare: no note
     g32 = neusight.trace("resnet18", batch_size=2, mode="inference")
     assert not any("torch.compile runs" in n for n in predict_graph(g32, "v100-sxm2-16gb", fused=True).notes)

@@ -35,6 +35,7 @@ from neusight.kernels.base import Family
 
 MEMORY_FORMATS = ("contiguous", "channels_last")   # torch.contiguous_format (NCHW, PyTorch's default), channels_last
 TO_NHWC, TO_NCHW = "nchw_to_nhwc", "nhwc_to_nchw"   # the transposes' kernel names
+TRANSPOSE_KERNELS = (TO_NHWC, TO_NCHW)
 # which operand a convolution kernel reads (in) and writes (out), by index into nchw_operands (input, weight, output)
 _OPERANDS = {"conv_dgrad": ((2, 1), 0), "conv_wgrad": ((0, 2), 1)}
 _FORWARD = ((0, 1), 2)
