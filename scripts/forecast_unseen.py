@@ -181,32 +181,28 @@ def render_cnn(df: pd.DataFrame, kin: pd.DataFrame, title: str, intro: str, kin_
                       *([tail, ""] if tail else [])])
 
 
-def render_cnn_fp32(df: pd.DataFrame, kin: pd.DataFrame) -> str:
-    return render_cnn(df, kin, "Older cards: ResNet-50, FP32",
-                      "Forecast of one training step (SGD) or inference pass at 224 x 224, FP32 (no tensor cores), "
-                      "from the spec files; the measurements these can be checked against (Lambda, DeepLearningExamples "
-                      "tables of these cards) are left out of public-benchmarks.",
-                      "Where the same predictor could be checked on ResNet-50 (the public CNN rows of "
-                      "docs/evaluation.md; signed error, predicted - measured):",
-                      "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + ".")
-
-
-def render_cnn_tf32(df: pd.DataFrame, kin: pd.DataFrame) -> str:
-    return render_cnn(df, kin, "A100 80GB and H100: ResNet-50, TF32 (PyTorch's default for float convolutions)",
-                      "The same runs as PyTorch runs a float model on these GPUs by default: convolutions on TF32 tensor "
-                      "cores, everything else FP32 (`tf32=\"default\"`; the predictor learned FP32 kernels only, and "
-                      "no TF32 measurement was fitted).",
-                      "The same predictor on the measured TF32 ResNet-50 rows of their kin (docs/evaluation.md's TF32 "
-                      "section; signed error, predicted - measured):")
-
-
-def render_cnn_half(df: pd.DataFrame, kin: pd.DataFrame) -> str:
-    return render_cnn(df, kin, "Tensor-core cards: ResNet-50 AMP training, NCHW",
-                      "One SGD step under `torch.autocast(float16)` with GradScaler, the model in PyTorch's default NCHW "
-                      "layout (`memory_format=\"contiguous\"`: cuDNN's transposes to NHWC and back are charged, "
-                      "neusight/graph/layout.py), as Lambda ran its AMP benchmarks.",
-                      "The same predictor on the measured AMP and FP16 ResNet-50 rows of their kin (GA100, GV100, TU102; "
-                      "docs/evaluation.md's half-precision section; signed error, predicted - measured):")
+# each CNN section of the document: title, the forecasts' intro, the kin table's intro, and an optional tail
+CNN_SECTIONS = {
+    "fp32": ("Older cards: ResNet-50, FP32",
+             "Forecast of one training step (SGD) or inference pass at 224 x 224, FP32 (no tensor cores), from the spec "
+             "files; the measurements these can be checked against (Lambda, DeepLearningExamples tables of these "
+             "cards) are left out of public-benchmarks.",
+             "Where the same predictor could be checked on ResNet-50 (the public CNN rows of docs/evaluation.md; signed "
+             "error, predicted - measured):",
+             "Kin of the left-out cards: " + "; ".join(f"{g}: {v}" for g, v in CNN_KIN.items()) + "."),
+    "tf32": ("A100 80GB and H100: ResNet-50, TF32 (PyTorch's default for float convolutions)",
+             "The same runs as PyTorch runs a float model on these GPUs by default: convolutions on TF32 tensor cores, "
+             "everything else FP32 (`tf32=\"default\"`; the predictor learned FP32 kernels only, and no TF32 "
+             "measurement was fitted).",
+             "The same predictor on the measured TF32 ResNet-50 rows of their kin (docs/evaluation.md's TF32 section; "
+             "signed error, predicted - measured):", ""),
+    "half": ("Tensor-core cards: ResNet-50 AMP training, NCHW",
+             "One SGD step under `torch.autocast(float16)` with GradScaler, the model in PyTorch's default NCHW layout "
+             "(`memory_format=\"contiguous\"`: cuDNN's transposes to NHWC and back are charged, "
+             "neusight/graph/layout.py), as Lambda ran its AMP benchmarks.",
+             "The same predictor on the measured AMP and FP16 ResNet-50 rows of their kin (GA100, GV100, TU102; "
+             "docs/evaluation.md's half-precision section; signed error, predicted - measured):", ""),
+}
 
 
 def render(df: pd.DataFrame, seconds: float) -> str:
@@ -258,8 +254,9 @@ def main() -> None:
     kin_half = kin_half[kin_half["gpu"].isin(CNN_HALF_KIN)]
     n_cnn = len(cnn) + len(cnn_tf32) + len(cnn_half)
     text = render(df, time.time() - t0).replace(" forecasts in ", f" + {len(meg)} multi-GPU + {n_cnn} CNN forecasts in ", 1)
-    text += ("\n" + render_megatron(meg) + "\n" + render_cnn_fp32(cnn, kin) + "\n"
-             + render_cnn_tf32(cnn_tf32, kin_tf32) + "\n" + render_cnn_half(cnn_half, kin_half))
+    text += ("\n" + render_megatron(meg) + "\n" + render_cnn(cnn, kin, *CNN_SECTIONS["fp32"]) + "\n"
+             + render_cnn(cnn_tf32, kin_tf32, *CNN_SECTIONS["tf32"]) + "\n"
+             + render_cnn(cnn_half, kin_half, *CNN_SECTIONS["half"]))
     atomic_write_text(args.out, text + "\n")
     print(text)
 
