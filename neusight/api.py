@@ -18,8 +18,7 @@ from neusight.devices import Device, load_device
 from neusight.errors import DataError, InputError
 from neusight.graph.fusion import REWRITE_NOTE, REWRITTEN_ATTENTION, fused_kernels
 from neusight.graph.graph import Graph
-from neusight.graph.layout import (INDUCTOR_NOTE, LAYOUT_NOTE, TRANSPOSE_KERNELS, inductor_channels_last,
-                                   transposing, with_layout_transposes)
+from neusight.graph.layout import INDUCTOR_NOTE, LAYOUT_NOTE, TRANSPOSE_KERNELS, charged, with_layout_transposes
 from neusight.graph.megatron import megatron_kernels
 from neusight.graph.tracer import trace
 from neusight.kernels.base import ATTENTION_KERNEL
@@ -402,10 +401,8 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     # stay FP32; Predictor.predict puts the former at the FP32 rates
     no_tc = without_tensor_cores(k.assign(dtype=math_dtype))
     k = k.assign(dtype=math_dtype.where(~(no_tc & (math_dtype == "tf32")), "float32"))
-    on_tc = ~no_tc
-    # torch.compile picks the layout itself: no transposes where Inductor runs the convolutions channels-last
-    compiled_cl = int(transposing(k, device, on_tc).sum()) if fused and inductor_channels_last(g) else 0
-    k, transposes, n_nchw = with_layout_transposes(k, device, on_tc & (compiled_cl == 0))
+    sel, compiled_cl = charged(g, k, device, ~no_tc, fused)
+    k, transposes, n_nchw = with_layout_transposes(k, sel)
     realigned = pd.Series(False, index=k.index)   # the added transposes run on no tensor core to speak of
     realigned[~transposes] = no_tc.to_numpy()
     no_tc = realigned

@@ -421,11 +421,15 @@ def predict_cnn(rows: pd.DataFrame, predictor: Any = None, *, optimizer: str = "
     return res
 
 
+# a run that a source may have timed in both layouts (layout_pairs)
+LAYOUT_PAIR_KEY = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size"]
+
+
 def layout_pairs(res: pd.DataFrame) -> pd.DataFrame:
-    """The runs a source timed in both layouts (same source, GPU, model, mode, precision, batch and image size; NCHW
-    and NHWC), from :func:`predict_cnn` results of ``load_cnn_benchmarks(..., by_layout=True)``: the measured
-    slow-down of NCHW over NHWC against the forecast one."""
-    key = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size"]
+    """The runs a source timed in both layouts (same :data:`LAYOUT_PAIR_KEY`; NCHW and NHWC), from
+    :func:`predict_cnn` results of ``load_cnn_benchmarks(..., by_layout=True)``: the measured slow-down of NCHW
+    over NHWC against the forecast one."""
+    key = LAYOUT_PAIR_KEY
     rows = []
     for keys, g in res.groupby(key, sort=True):
         nchw, nhwc = g[g["memory_format"] == "contiguous"], g[g["memory_format"] == "channels_last"]
@@ -669,8 +673,6 @@ def _half_md(res: pd.DataFrame) -> str:
 
 
 def _layout_md(pairs: pd.DataFrame) -> str:
-    if pairs.empty:
-        return ""
     rows = pairs.rename(columns={"source_name": "source", "image_size": "image", "nchw_ms": "NCHW ms",
                                  "nhwc_ms": "NHWC ms", "nchw_version": "NCHW version", "nhwc_version": "NHWC version",
                                  "measured_ratio": "measured NCHW / NHWC", "forecast_ratio": "forecast NCHW / NHWC",

@@ -252,14 +252,12 @@ def _layout_workspace(graph: Graph, device: Any, fused: bool) -> list[_Storage]:
     the other, so the op needs the largest of theirs."""
     if device is None:
         return []
-    from neusight.graph.layout import inductor_channels_last, transposing
+    from neusight.graph.layout import charged
     from neusight.kernels.formulas import itemsize
     from neusight.predictor.features import without_tensor_cores
 
-    if fused and inductor_channels_last(graph):
-        return []
     k = graph.kernels
-    sel = k[transposing(k, device, ~without_tensor_cores(k))]
+    sel = k[charged(graph, k, device, ~without_tensor_cores(k), fused)[0]]
     need = sel.assign(nbytes=[itemsize(d) * sum(o) for d, o in zip(sel["dtype"], sel["nchw_operands"])])
     modules = {r.index: r.module for r in graph.ops}
     return [_Storage(int(b), int(i), int(i), "cudnn workspace", module=modules[int(i)])

@@ -176,8 +176,8 @@ def run_evaluation(cfg: EvaluateConfig, out_dir: str | os.PathLike, command: str
             atomic_write_text(out / "cnn_half_results.csv", half.to_csv(index=False))
             both, _ = ev.load_cnn_benchmarks(cfg.cnn.dir, min_batch=cfg.cnn.min_batch, precisions=ev.HALF_PRECISIONS,
                                              by_layout=True)
-            key = ["source_name", "gpu", "model", "mode", "precision", "batch", "image_size"]
-            both = both[both.groupby(key)["memory_format"].transform("nunique") > 1].reset_index(drop=True)
+            both = both[both.groupby(ev.LAYOUT_PAIR_KEY)["memory_format"].transform("nunique") > 1]
+            both = both.reset_index(drop=True)
             layouts = ev.layout_pairs(ev.predict_cnn(both, pred))
             atomic_write_text(out / "cnn_layout_pairs.csv", layouts.to_csv(index=False))
         if cfg.cnn.small_batches:

@@ -112,11 +112,19 @@ def transposing(k: pd.DataFrame, device: Device, tensor_cores: pd.Series) -> pd.
         & has_tc & tensor_cores
 
 
-def with_layout_transposes(k: pd.DataFrame, device: Device, tensor_cores: pd.Series
-                           ) -> tuple[pd.DataFrame, pd.Series, int]:
-    """``k`` with cuDNN's layout transposes after each convolution kernel :func:`transposing` selects (they take
-    its op index, phase and module), a mask of the added rows, and how many convolution kernels got them."""
+def charged(g: Any, k: pd.DataFrame, device: Device, tensor_cores: pd.Series, fused: bool) -> tuple[pd.Series, int]:
+    """The convolution kernels of ``k`` (a kernel table of graph ``g``) that pay cuDNN's transposes on ``device``:
+    :func:`transposing`'s, none where ``fused`` and torch.compile runs ``g`` channels-last
+    (:func:`inductor_channels_last`); and how many that spared."""
     sel = transposing(k, device, tensor_cores)
+    if fused and sel.any() and inductor_channels_last(g):
+        return pd.Series(False, index=k.index), int(sel.sum())
+    return sel, 0
+
+
+def with_layout_transposes(k: pd.DataFrame, sel: pd.Series) -> tuple[pd.DataFrame, pd.Series, int]:
+    """``k`` with cuDNN's layout transposes after each convolution kernel ``sel`` marks (:func:`charged`; they
+    take its op index, phase and module), a mask of the added rows, and how many convolution kernels got them."""
     if not sel.any():
         return k, pd.Series(False, index=k.index), 0
     rows, order = [], []

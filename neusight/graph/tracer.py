@@ -804,7 +804,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
     if memory_format == "channels_last":
-        args, kwargs = _channels_last(module, args, kwargs)
+        args, kwargs = _to_channels_last(module, args, kwargs)
     if kv_cache:
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0))
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
@@ -908,7 +908,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  memory_format=memory_format)
 
 
-def _channels_last(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _to_channels_last(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``model.to(memory_format=torch.channels_last)`` and a channels-last input: every 4-D parameter, buffer and
     floating-point input channels-last, every 5-D one channels-last-3d (torch's own ``to`` refuses 5-D tensors)."""
     def convert(t: Any) -> Any:
