@@ -285,13 +285,44 @@ def anchored_ms(target: Prediction, reference: Prediction, measured_ms: float) -
     return float(measured_ms) * target.latency_ms / reference.latency_ms
 
 
+# What a price is quoted per, by throughput unit: the block of work and its size in units.
+COST_BLOCKS = {"tokens/s": ("1M tokens", 1e6), "generated tokens/s": ("1M generated tokens", 1e6),
+               "images/s": ("1M images", 1e6), "samples/s": ("1M samples", 1e6)}
+
+
+def check_price(usd_per_gpu_hour: Any, name: str = "gpu_hour_usd") -> float:
+    """``usd_per_gpu_hour`` as a float; an InputError naming ``name`` unless it is a positive finite number."""
+    v = usd_per_gpu_hour
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+        raise InputError(f"{name}={v!r} is not a positive price. Fix: what one GPU costs for one hour in US dollars, "
+                         f"e.g. {name}=2.5 (your cloud's or your own amortized price)")
+    return float(v)
+
+
+def unit_cost(units_per_s: float, unit: str, usd_per_gpu_hour: float, gpus: int = 1) -> tuple[float, str]:
+    """What a block of work costs at ``units_per_s`` on ``gpus`` GPUs rented at ``usd_per_gpu_hour`` each: USD
+    per 1M tokens for sequence models (``unit`` "tokens/s" or "generated tokens/s"), per 1M images or samples
+    otherwise (COST_BLOCKS). Returns (USD, the block's name).
+
+    >>> unit_cost(10_000.0, "tokens/s", 3.6, gpus=1)    # 100 s of one GPU at 0.1 cents a second
+    (0.1, '1M tokens')
+    """
+    price = check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
+    if unit not in COST_BLOCKS:
+        raise ValueError(f"no cost block for throughput unit {unit!r}; known: {sorted(COST_BLOCKS)}")
+    what, size = COST_BLOCKS[unit]
+    return gpus * price * size / max(units_per_s, 1e-30) / 3600.0, what
+
+
 def run_time(step_ms: float, batch_size: int, seq_len: int | None = None, *, gpus: int = 1,
-             total_samples: float | None = None, total_tokens: float | None = None) -> dict[str, float]:
+             total_samples: float | None = None, total_tokens: float | None = None,
+             usd_per_gpu_hour: float | None = None) -> dict[str, float]:
     """How long a whole run takes at a forecast step time: ``total_samples`` (or, for sequence models,
     ``total_tokens``) processed ``batch_size`` samples (x ``seq_len`` tokens) per step of ``step_ms``.
 
-    Returns ``steps`` (rounded up), ``hours`` of wall time and ``gpu_hours`` (x ``gpus``). Nothing but the step
-    time is forecast: data loading, evaluation, checkpoint saving and restarts are not counted.
+    Returns ``steps`` (rounded up), ``hours`` of wall time and ``gpu_hours`` (x ``gpus``), and with a price per
+    GPU-hour ``usd`` (the GPU-hours at that price). Nothing but the step time is forecast: data loading,
+    evaluation, checkpoint saving and restarts are not counted.
 
     >>> run_time(1000.0, batch_size=8, seq_len=1024, total_tokens=8192 * 3600)["hours"]
     1.0
@@ -309,13 +340,25 @@ def run_time(step_ms: float, batch_size: int, seq_len: int | None = None, *, gpu
     per_step = batch_size * (seq_len if total_tokens is not None else 1)
     steps = math.ceil(total / per_step)
     hours = steps * step_ms / 3.6e6
-    return {"steps": float(steps), "hours": hours, "gpu_hours": hours * gpus}
+    out = {"steps": float(steps), "hours": hours, "gpu_hours": hours * gpus}
+    if usd_per_gpu_hour is not None:
+        out["usd"] = out["gpu_hours"] * check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
+    return out
 
 
-def run_line(run: dict[str, float], gpus: int, what: str) -> str:
-    """One line for a :func:`run_time` result."""
+def run_line(run: dict[str, float], gpus: int, what: str, usd_per_gpu_hour: float | None = None) -> str:
+    """One line for a :func:`run_time` result (its cost too when it has one)."""
+    cost = f", ${run['usd']:,.0f} at ${usd_per_gpu_hour:g} per GPU-hour" if "usd" in run else ""
     return (f"run: {what} = {run['steps']:,.0f} steps, {run['hours']:,.1f} h on {gpus} GPU{'s' if gpus > 1 else ''} "
-            f"({run['gpu_hours']:,.1f} GPU-hours; step time only: no data loading, evaluation or checkpointing)")
+            f"({run['gpu_hours']:,.1f} GPU-hours{cost}; step time only: no data loading, evaluation or checkpointing)")
+
+
+def cost_line(usd: float, what: str, usd_per_gpu_hour: float, gpus: int = 1, step: str = "forecast") -> str:
+    """One line for a :func:`unit_cost` result at the ``step`` ("forecast" or "anchored") step time."""
+    where = f" on {gpus} GPUs" if gpus > 1 else ""
+    each = " each" if gpus > 1 else ""
+    return (f"cost: ${usd:,.4g} per {what}{where} at ${usd_per_gpu_hour:g} per GPU-hour{each} (the {step} step "
+            "time only: no data loading, idle or start-up time)")
 
 
 def extrapolation_note(device: Device, found: list[dict[str, Any]], kernels: pd.DataFrame) -> str | None:

@@ -82,6 +82,10 @@ BAD = {
                                      "input_shapes=[[4]]"), "cannot import 'no_such_pkg_xyz'"),
     "predict-input-shapes-of-a-preset": (("neusight-predict", "model=gpt2", "device=t4", "input_shapes=[[3]]"),
                                          "is for an nn.Module"),
+    "predict-negative-price": (("neusight-predict", "model=gpt2", "device=t4", "gpu_hour_usd=-2"),
+                               "gpu_hour_usd=-2 is not a positive price"),
+    "predict-prices-not-one-per-gpu": (("neusight-predict", "model=gpt2", "device=[t4,l4]", "gpu_hour_usd=[1,2,3]"),
+                                       "3 price(s) for 2 device(s)"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }
@@ -119,7 +123,8 @@ def compare_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
     r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=[a100-80gb-pcie,h100-sxm5-80gb]",
                         "batch_size=1", "seq_len=64", "mode=training", "json=forecast.json", f"csv={tmp / 'k.csv'}",
-                        f"predictor={REPO / 'data' / 'predictor'}", "top=3", f"hydra.run.dir={tmp / 'run'}"],
+                        f"predictor={REPO / 'data' / 'predictor'}", "top=3", "gpu_hour_usd=[1.5,3.5]",
+                        f"hydra.run.dir={tmp / 'run'}"],
                        cwd=tmp, capture_output=True, text=True, timeout=300)
     return r, tmp
 
@@ -153,6 +158,21 @@ def test_predict_writes_json_into_run_dir_and_csv_where_asked(compare_run):
     # the per-device kernel rows sum to the totals of the JSON
     for d in data:
         assert k.loc[k["device"] == d["device"], "latency_ms"].sum() == pytest.approx(d["latency_ms"], rel=1e-9)
+    # cost: the price per GPU-hour x the hours 1M tokens take at the forecast throughput
+    for d, price in zip(data, (1.5, 3.5)):
+        assert d["cost"]["usd_per_gpu_hour"] == price and d["cost"]["per"] == "1M tokens"
+        assert d["cost"]["usd"] == pytest.approx(price * 1e6 / d["throughput"] / 3600, rel=1e-12)
+
+
+def test_side_by_side_cost_is_price_ratio_over_speed_up(compare_run):
+    r, _ = compare_run
+    rows = {ln.split("  ")[0].strip(): ln.split()[-2:] for ln in r.stdout.split("side by side:")[1].splitlines()[1:]
+            if ln.strip()}
+    a100_ms, h100_ms = (float(v.replace(",", "")) for v in rows["total ms"])
+    a100_usd, h100_usd = (float(v) for v in rows["USD per 1M tokens"])
+    assert h100_usd / a100_usd == pytest.approx((3.5 / 1.5) * h100_ms / a100_ms, rel=2e-3)   # 4 significant digits
+    assert rows["cost vs a100-80gb-pcie"][0] == "1.00x"
+    assert "cost: $" in r.stdout and "per 1M tokens at $3.5 per GPU-hour" in r.stdout
 
 
 def test_predict_multirun_compares_jobs(tmp_path):
@@ -269,6 +289,24 @@ def test_run_time_counts_steps_hours_and_gpu_hours():
     for bad in (dict(), dict(total_tokens=1e6, total_samples=1e3), dict(total_samples=-5), dict(total_tokens=1e6)):
         with pytest.raises(InputError):
             run_time(10.0, 4, None, **bad)
+    priced = run_time(1000.0, 8, 1024, gpus=4, total_tokens=8192 * 3600, usd_per_gpu_hour=2.0)
+    assert priced["usd"] == pytest.approx(2.0 * 4)                         # 4 GPU-hours at $2
+    with pytest.raises(InputError, match="usd_per_gpu_hour=0"):
+        run_time(1000.0, 8, 1024, total_tokens=1e6, usd_per_gpu_hour=0)
+
+
+def test_unit_cost_scales_with_price_and_gpus_and_inversely_with_throughput():
+    from neusight.api import unit_cost
+    from neusight.errors import InputError
+
+    usd, per = unit_cost(2000.0, "images/s", 1.0)
+    assert per == "1M images" and usd == pytest.approx(1e6 / 2000 / 3600)
+    assert unit_cost(2000.0, "images/s", 3.0, gpus=8)[0] == pytest.approx(24 * usd)
+    assert unit_cost(4000.0, "images/s", 1.0)[0] == pytest.approx(usd / 2)
+    assert unit_cost(10.0, "generated tokens/s", 1.0)[1] == "1M generated tokens"
+    for bad in (-1.0, 0, float("inf"), "2", True):
+        with pytest.raises(InputError, match="usd_per_gpu_hour"):
+            unit_cost(10.0, "tokens/s", bad)
 
 
 def test_anchored_forecast_scales_a_measurement_by_the_forecast_speed_up():

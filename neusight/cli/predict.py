@@ -6,6 +6,8 @@ one inference pass or training step and print where the time goes.
   job per GPU (any launcher) and :class:`CompareCallback` prints the same table over the jobs at the end.
 - ``json=forecast.json csv=kernels.csv`` write the forecast and the kernel table (relative paths go into
   Hydra's run directory; written atomically).
+- ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
+  per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
@@ -89,6 +91,8 @@ class PredictConfig:
     anchor_device: Optional[str] = None  # the GPU anchor_ms was measured on
     total_tokens: Optional[float] = None  # a whole run: tokens to process (sequence models) -> steps and hours
     total_samples: Optional[float] = None  # a whole run: samples to process (e.g. 1.28e6, an ImageNet epoch)
+    gpu_hour_usd: Any = None             # price of one GPU-hour in USD (one number, or one per device): the cost
+    #                                      per 1M tokens (images, samples), and of a run with total_*
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
     top: int = 10                        # rows of the kernel and layer tables (0: totals only)
@@ -220,7 +224,8 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Side by side: one column per forecast (``label``), rows total / phases / speed-up vs the first / memory.
 
     ``rows`` are dicts with ``label``, ``latency_ms``, ``phases`` and optionally ``memory_peak_gib``,
-    ``fits``, ``trained_on``, ``measured_error`` (the shape of :func:`summary_record`).
+    ``fits``, ``trained_on``, ``measured_error`` (the shape of :func:`summary_record`) and ``cost``
+    (:func:`_cost`: rows USD per block of work and cost relative to the first).
     """
     import pandas as pd
 
@@ -236,6 +241,11 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
         for ph in phases:
             col[f"{ph} ms"] = f"{r['phases'][ph]:,.2f}" if ph in r["phases"] else "-"
         col[f"speed-up vs {rows[0]['label']}"] = f"{base / r['latency_ms']:.2f}x"
+        if cost := r.get("cost"):
+            col[f"USD per {cost['per']}"] = f"{cost['usd']:,.4g}"
+            first = rows[0].get("cost")
+            if first and first["per"] == cost["per"]:
+                col[f"cost vs {rows[0]['label']}"] = f"{cost['usd'] / first['usd']:.2f}x"
         if r.get("memory_peak_gib") is not None:
             col["memory peak GiB"] = f"{r['memory_peak_gib']:.1f}" + ("" if r.get("fits") in (None, True) else " (no fit)")
         if r.get("trained_on") is not None:
@@ -247,7 +257,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
-    """What the comparison table needs of one forecast (JSON-safe)."""
+    """What the comparison table needs of one forecast (JSON-safe); the caller adds its ``cost`` (:func:`_cost`)."""
     from neusight.accuracy import short_accuracy
 
     m = p.memory
@@ -295,16 +305,53 @@ def _wants_run(cfg: PredictConfig) -> bool:
     return cfg.total_tokens is not None or cfg.total_samples is not None
 
 
-def _run_text(cfg: PredictConfig, step_ms: float, batch_size: int, seq_len: int | None, gpus: int) -> str:
-    """The whole-run line (``total_tokens=`` / ``total_samples=``) for one forecast step."""
+def _run_text(cfg: PredictConfig, step_ms: float, batch_size: int, seq_len: int | None, gpus: int,
+              price: float | None = None) -> str:
+    """The whole-run line (``total_tokens=`` / ``total_samples=``) for one forecast step, costed at ``price``
+    USD per GPU-hour when given."""
     from neusight.api import run_line, run_time
 
     run = run_time(step_ms, batch_size, seq_len, gpus=gpus, total_samples=cfg.total_samples,
-                   total_tokens=cfg.total_tokens)
+                   total_tokens=cfg.total_tokens, usd_per_gpu_hour=price)
     total = cfg.total_tokens if cfg.total_tokens is not None else cfg.total_samples
     shown = f"{int(total):,}" if float(total).is_integer() else f"{total:,.1f}"
     what = f"{shown} {'tokens' if cfg.total_tokens is not None else 'samples'}"
-    return run_line(run, gpus, what)
+    return run_line(run, gpus, what, price)
+
+
+def _prices(cfg: PredictConfig) -> list[float | None]:
+    """``gpu_hour_usd`` per GPU of ``cfg.device``: one number for all, a list of one per device, or None each."""
+    from neusight.api import check_price
+    from neusight.errors import InputError
+
+    n = len(_devices(cfg.device))
+    v = cfg.gpu_hour_usd
+    if v is None:
+        return [None] * n
+    if OmegaConf.is_list(v) or isinstance(v, (list, tuple)):
+        values = list(v)
+        if len(values) != n:
+            raise InputError(f"gpu_hour_usd={values} gives {len(values)} price(s) for {n} device(s). Fix: one price "
+                             "per device, in the order of device=[...], or a single price for all")
+        return [check_price(x) for x in values]
+    return [check_price(v)] * n
+
+
+def _cost(rate: float, unit: str, price: float | None, gpus: int = 1, step: str = "forecast") -> dict[str, Any] | None:
+    """The cost record of a throughput (at the ``step`` step time: forecast or anchored) at ``price`` USD per
+    GPU-hour; None without a price."""
+    if price is None:
+        return None
+    from neusight.api import unit_cost
+
+    usd, per = unit_cost(rate, unit, price, gpus)
+    return {"usd_per_gpu_hour": price, "gpus": gpus, "usd": usd, "per": per, "step": step}
+
+
+def _cost_text(cost: dict[str, Any]) -> str:
+    from neusight.api import cost_line
+
+    return cost_line(cost["usd"], cost["per"], cost["usd_per_gpu_hour"], cost["gpus"], cost["step"])
 
 
 def _gpus(cfg: PredictConfig) -> list[Device]:
@@ -366,17 +413,19 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     return preds
 
 
-def _write_outputs(cfg: PredictConfig, preds: list[Prediction]) -> None:
+def _write_outputs(cfg: PredictConfig, preds: list[Prediction],
+                   costs: list[dict[str, Any] | None] | None = None) -> None:
     import pandas as pd
 
     from neusight.util import atomic_write_text
 
     if cfg.json:
         path = _out_path(cfg.json)
-        if len(preds) == 1:
-            preds[0].to_json(path)
-        else:
-            atomic_write_text(path, _json.dumps([p.to_dict() for p in preds], indent=2, default=float))
+        records = [p.to_dict() for p in preds]
+        for d, c in zip(records, costs or []):
+            if c is not None:
+                d["cost"] = c
+        atomic_write_text(path, _json.dumps(records[0] if len(records) == 1 else records, indent=2, default=float))
         print(f"forecast: {path}")
     if cfg.csv:
         path = _out_path(cfg.csv)
@@ -471,6 +520,7 @@ def _app(cfg: PredictConfig) -> float:
     if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron or cfg.zero:
         return _parallel(cfg)
     reference = _anchor_device(cfg)
+    prices = _prices(cfg)
     preds = forecast(cfg, extra=reference)
     anchor = None
     if reference is not None:
@@ -478,29 +528,35 @@ def _app(cfg: PredictConfig) -> float:
 
         anchor = preds.pop()
         anchored = {p.device.key: anchored_ms(p, anchor, cfg.anchor_ms) for p in preds}
-    for i, p in enumerate(preds):
+    costs = []
+    for i, (p, price) in enumerate(zip(preds, prices)):
         if i:
             print()
         print(format_summary(p, cfg.top))
+        step = anchored[p.device.key] if anchor is not None else p.latency_ms
         if anchor is not None:
-            print(f"anchored: {anchored[p.device.key]:,.2f} ms = the {cfg.anchor_ms:,.2f} ms measured on "
+            print(f"anchored: {step:,.2f} ms = the {cfg.anchor_ms:,.2f} ms measured on "
                   f"{anchor.device.key} x the forecast speed-up {anchor.latency_ms / p.latency_ms:.3f}x (forecast "
                   f"there: {anchor.latency_ms:,.2f} ms; forecast speed-ups against measured ones: docs/evaluation.md)")
+        rate, unit = p.throughput
+        costs.append(_cost(rate * p.latency_ms / step, unit, price, step="forecast" if anchor is None else "anchored"))
+        if costs[-1] is not None:
+            print(_cost_text(costs[-1]))
         if _wants_run(cfg):
-            step = anchored[p.device.key] if anchor is not None else p.latency_ms
-            print(_run_text(cfg, step, p.batch_size, p.seq_len, 1))
+            print(_run_text(cfg, step, p.batch_size, p.seq_len, 1, price))
     if len(preds) > 1:
         print("\nside by side:")
-        table = comparison_table([summary_record(p) for p in preds])
+        table = comparison_table([{**summary_record(p), "cost": c} for p, c in zip(preds, costs)])
         if anchor is not None:
             table.loc[f"anchored ms ({anchor.device.key} = {cfg.anchor_ms:g})"] = [
                 f"{anchored[p.device.key]:,.2f}" for p in preds]
         print(table.to_string())
-    _write_outputs(cfg, preds)
+    _write_outputs(cfg, preds, costs)
     _extras(cfg, preds)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
-        records = [{**summary_record(p), "overrides": list(hc.overrides.task), "in_job": len(preds)} for p in preds]
+        records = [{**summary_record(p), "cost": c, "overrides": list(hc.overrides.task), "in_job": len(preds)}
+                   for p, c in zip(preds, costs)]
         atomic_write_text(os.path.join(hc.runtime.output_dir, SUMMARY_FILE), _json.dumps(records, default=float))
     return float(preds[0].latency_ms)
 
@@ -517,6 +573,7 @@ def _check_counts(cfg: PredictConfig) -> None:
         v = getattr(cfg, k)
         if v is not None and not v > 0:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
+    _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
 
 
 def _generation(cfg: PredictConfig) -> float:
@@ -534,16 +591,20 @@ def _generation(cfg: PredictConfig) -> float:
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
                          "length; tp= splits the model over GPUs; data-parallel replicas generate independently)")
     rows = []
-    for i, dev in enumerate(_gpus(cfg)):
+    for i, (dev, price) in enumerate(zip(_gpus(cfg), _prices(cfg))):
         f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
                                predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp, head=cfg.head,
                                attn_implementation=cfg.attn_implementation, tp=cfg.tp, fp8=cfg.fp8,
                                weight_quant=cfg.weight_quant, static_cache=cfg.static_cache)
         print(("\n" if i else "") + f.summary())
+        cost = _cost(f.tokens_per_s, "generated tokens/s", price, f.tp)
+        if cost is not None:
+            print(_cost_text(cost))
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
                      "generated_tokens_per_s": f.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes,
-                     "memory_fits": f.memory_fits, "decode_steps": [list(s) for s in f.steps]})
+                     "memory_fits": f.memory_fits, "decode_steps": [list(s) for s in f.steps],
+                     **({"usd_per_1m_generated_tokens": cost["usd"]} if cost is not None else {})})
     if len(rows) > 1:
         import pandas as pd
 
@@ -575,7 +636,7 @@ def _parallel(cfg: PredictConfig) -> float:
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
-    for i, dev in enumerate(_gpus(cfg)):
+    for i, (dev, price) in enumerate(zip(_gpus(cfg), _prices(cfg))):
         p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
@@ -583,14 +644,20 @@ def _parallel(cfg: PredictConfig) -> float:
                              amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=cfg.ep,
                              gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
+        gpus = p.parallelism.gpus
+        unit = p.per_gpu.throughput[1]   # tokens, images or samples: what one GPU's step processes
+        per_step = p.batch_size * (p.seq_len if unit == "tokens/s" else 1)
+        cost = _cost(per_step / max(p.latency_ms, 1e-12) * 1e3, unit, price, gpus)
+        if cost is not None:
+            print(_cost_text(cost))
         if _wants_run(cfg):
-            print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, p.parallelism.gpus))
+            print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, gpus, price))
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
         _memory_searches(cfg, p.device)
-        records.append({"device": p.device.key, "gpus": p.parallelism.gpus, "latency_ms": p.latency_ms,
+        records.append({"device": p.device.key, "gpus": gpus, "latency_ms": p.latency_ms,
                         **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
-                        "memory_fits": p.memory_fits})
+                        "memory_fits": p.memory_fits, **({"cost": cost} if cost is not None else {})})
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
     return float(records[0]["latency_ms"])
