@@ -86,6 +86,12 @@ BAD = {
                                "gpu_hour_usd=-2 is not a positive price"),
     "predict-prices-not-one-per-gpu": (("neusight-predict", "model=gpt2", "device=[t4,l4]", "gpu_hour_usd=[1,2,3]"),
                                        "3 price(s) for 2 device(s)"),
+    "predict-rank-all-on-several-gpus": (("neusight-predict", "model=gpt2", "device=all", "tp=2"),
+                                         "device=all ranks single-GPU forecasts of one pass or step, not multi-GPU"),
+    "predict-rank-all-generation": (("neusight-predict", "model=gpt2", "device=all", "new_tokens=4"),
+                                    "not generate()"),
+    "predict-rank-all-no-gpu-can": (("neusight-predict", "model=gpt2", "device=all", "fp8=true", "dtype=bfloat16",
+                                     "seq_len=16"), "GPT2LMHeadModel has none that qualify"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }
@@ -183,6 +189,59 @@ def test_predict_multirun_compares_jobs(tmp_path):
     table = pd.read_csv(tmp_path / "comparison.csv", index_col=0)
     assert list(table.columns) == ["t4", "l4"]
     assert table.loc["speed-up vs t4", "t4"] == "1.00x"
+
+
+def _ranked_rows(stdout: str) -> list[list[str]]:
+    """The rows of device=all's ranked table: the lines under its header that start with a rank number."""
+    lines = stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["rank", "GPU"]) + 1
+    rows = []
+    for ln in lines[start:]:
+        if not (ln.split() and ln.split()[0].isdigit()):
+            break
+        rows.append(ln.split())
+    return rows
+
+
+def test_device_all_ranks_every_gpu_of_the_library_fastest_first(tmp_path):
+    from neusight import list_devices
+
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=all", "batch_size=1", "seq_len=32",
+                        "gpu_hour_usd=2", "json=all.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = {d["device"]: d for d in json.loads((tmp_path / "all.json").read_text())}
+    assert sorted(data) == list_devices()
+    rows = _ranked_rows(r.stdout)
+    assert [int(row[0]) for row in rows] == list(range(1, len(data) + 1))
+    order = [row[1] for row in rows]
+    assert sorted(order) == list_devices()
+    ms = [data[k]["latency_ms"] for k in order]
+    assert ms == sorted(ms)                                              # fastest first
+    assert f"fastest: {order[0]} ({ms[0]:,.2f} ms)" in r.stdout
+    assert f"cheapest per 1M tokens: {order[0]}" in r.stdout            # one price for all: the fastest is cheapest
+    for row in rows:                                                      # ... "<peak> of <GiB>" <fits> ...
+        i = row.index("of")
+        peak = data[row[1]]["memory"]["peak_bytes"] / 2**30
+        assert float(row[i - 1]) == pytest.approx(peak, abs=0.05)
+        assert row[i + 2] == ("yes" if data[row[1]]["memory"]["fits"] else "no")
+    fitting = sum(d["memory"]["fits"] for d in data.values())
+    assert f"the run fits in the memory of {fitting} of {len(data)} GPUs" in r.stdout
+
+
+def test_device_all_leaves_out_the_gpus_that_cannot_run_it(tmp_path):
+    from neusight import list_devices
+    from neusight.devices import load_device
+
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=llama-3-8b", "device=all", "batch_size=1", "seq_len=16",
+                        "dtype=bfloat16", "fp8=true", "memory=false", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    fp8 = sorted(k for k in list_devices() if load_device(k).fp8_tensor_tflops)
+    assert fp8 and sorted(row[1] for row in _ranked_rows(r.stdout)) == fp8
+    left = r.stdout.split("left out (")[1]
+    assert left.startswith(f"{len(list_devices()) - len(fp8)}): fp8=True needs FP8 tensor cores:")
+    assert all(k in left for k in list_devices() if k not in fp8)
 
 
 def test_predict_lists_the_gpus_and_the_model_presets(tmp_path):

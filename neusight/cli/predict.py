@@ -6,6 +6,8 @@ one inference pass or training step and print where the time goes.
   job per GPU (any launcher) and :class:`CompareCallback` prints the same table over the jobs at the end.
 - ``json=forecast.json csv=kernels.csv`` write the forecast and the kernel table (relative paths go into
   Hydra's run directory; written atomically).
+- ``device=all`` forecasts every GPU of the spec library (one trace) and prints them ranked, fastest first, with
+  their memory fit (:func:`ranking_text`); GPUs the run cannot be forecast on are listed apart with the reason.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
@@ -50,7 +52,7 @@ SUMMARY_FILE = "prediction_summary.json"   # written by every job of a multirun,
 @dataclass
 class PredictConfig:
     model: str = MISSING                 # preset, HF config JSON path, or pkg.module:Class (an nn.Module)
-    device: Any = MISSING                # key, alias, spec YAML path, or a list of them (side-by-side table)
+    device: Any = MISSING                # key, alias, spec YAML path, a list of them (side by side), or all (ranked)
     batch_size: int = 1
     seq_len: Optional[int] = None        # sequence models only; default min(512, max positions)
     mode: str = "inference"              # inference | training
@@ -271,13 +273,101 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
             "measured_error": short_accuracy(p.accuracy)}
 
 
+def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None],
+                  anchored: dict[str, float] | None = None) -> pd.DataFrame:
+    """``device=all``: one row per GPU, fastest first (by the anchored time when anchored): the step time, its
+    throughput, the time relative to the fastest, the memory peak against the GPU's memory, the cost when priced,
+    whether the predictor was trained on the GPU and the measured error of forecasts of the kind."""
+    import pandas as pd
+
+    from neusight.accuracy import short_accuracy
+
+    rows = []
+    for p, cost in zip(preds, costs):
+        rate, unit = p.throughput
+        row = {"GPU": p.device.key, "ms": p.latency_ms}
+        if anchored is not None:
+            row["anchored ms"] = anchored[p.device.key]
+            rate *= p.latency_ms / anchored[p.device.key]
+        row[unit] = rate
+        peak = getattr(p.memory, "peak_bytes", None) if p.memory is not None else None
+        if peak is not None:
+            row["memory GiB"] = f"{peak / GIB:,.1f} of {p.device.memory_gib:g}"
+            row["fits"] = "yes" if p.memory.fits else "no"
+        if cost is not None:
+            row[f"USD per {cost['per']}"] = cost["usd"]
+        row["predictor trained on it"] = "yes" if p.device.key in tuple(p.predictor_devices) else "no"
+        row["measured mean error of the kind"] = short_accuracy(p.accuracy)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    key = "anchored ms" if anchored is not None else "ms"
+    table = table.sort_values([key, "GPU"], kind="stable").reset_index(drop=True)
+    table.insert(table.columns.get_loc(key) + 1, "time vs fastest", table[key] / table[key].min())
+    table.insert(0, "rank", range(1, len(table) + 1))
+    return table
+
+
+def ranking_text(preds: list[Prediction], costs: list[dict[str, Any] | None], skipped: dict[str, str],
+                 anchored: dict[str, float] | None = None) -> str:
+    """What ``device=all`` prints: the run, the ranked table, the fastest GPU (and the fastest the run fits on),
+    the cheapest when priced, and the GPUs left out with the reason."""
+    import textwrap
+
+    table = ranking_table(preds, costs, anchored)
+    key = "anchored ms" if anchored is not None else "ms"
+    fmt = {c: "{:,.2f}".format for c in ("ms", "anchored ms")}
+    fmt.update({c: "{:,.0f}".format for c in table.columns if c.endswith("/s")})
+    fmt.update({c: "{:,.4g}".format for c in table.columns if c.startswith("USD per")})
+    fmt["time vs fastest"] = "{:.2f}x".format
+    lines = [_run_line(preds[0]),
+             f"{len(table)} GPUs of the spec library ranked, fastest first (device=list shows their specs; a GPU "
+             "outside the predictor's training set is forecast from its spec sheet alone; its notes: "
+             "neusight-predict device=<GPU>)"]
+    with pd_wide():
+        lines.append(table.to_string(index=False, formatters=fmt))
+    first = table.iloc[0]
+    lines.append(f"fastest: {first['GPU']} ({first[key]:,.2f} ms)")
+    if "fits" in table:
+        fitting = table[table["fits"] == "yes"]
+        lines.append(f"the run fits in the memory of {len(fitting)} of {len(table)} GPUs"
+                     + (f"; the fastest of them: {fitting.iloc[0]['GPU']} ({fitting.iloc[0][key]:,.2f} ms)"
+                        if len(fitting) else ""))
+    usd = next((c for c in table.columns if c.startswith("USD per")), None)
+    if usd is not None:
+        cheap = table.loc[table[usd].idxmin()]
+        lines.append(f"cheapest per {usd[len('USD per '):]}: {cheap['GPU']} (${cheap[usd]:,.4g})")
+    groups: dict[str, list[str]] = {}
+    for k, why in skipped.items():   # one line per reason ("fp8=True needs FP8 tensor cores; t4 (...) has none")
+        groups.setdefault(why.split(";")[0], []).append(k)
+    lines += [textwrap.fill(f"left out ({len(keys)}): {why}: {', '.join(keys)}", width=116, subsequent_indent="  ",
+                            break_on_hyphens=False) for why, keys in groups.items()]
+    return "\n".join(lines)
+
+
+def pd_wide() -> Any:
+    """Pandas display options for tables wider than a terminal's default (printed, not wrapped)."""
+    import pandas as pd
+
+    return pd.option_context("display.width", 250, "display.max_columns", 50, "display.max_colwidth", 60)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the app
 
 
+RANK_ALL = "all"   # device=all: every GPU of the library, ranked (ranking_table)
+
+
+def _ranks_all(cfg_device: Any) -> bool:
+    return isinstance(cfg_device, str) and cfg_device.strip().lower() == RANK_ALL
+
+
 def _devices(cfg_device: Any) -> list[str]:
+    from neusight.devices import list_devices
     from neusight.errors import InputError
 
+    if _ranks_all(cfg_device):
+        return list_devices()
     devices = list(cfg_device) if OmegaConf.is_list(cfg_device) or isinstance(cfg_device, list) else [cfg_device]
     if not devices or any(d is None or str(d).strip() == "" for d in devices):
         raise InputError(f"device={cfg_device!r} names no GPU; use a key such as device=h100-sxm5-80gb "
@@ -381,11 +471,14 @@ def _anchor_device(cfg: PredictConfig) -> Device | None:
     return load_device(cfg.anchor_device)
 
 
-def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction]:
+def forecast(cfg: PredictConfig, extra: Device | None = None,
+             skipped: dict[str, str] | None = None) -> list[Prediction]:
     """Trace once, predict on every GPU of ``cfg.device`` (memory too when ``cfg.memory``), then on ``extra``
-    (an anchor GPU, last in the list) when given."""
+    (an anchor GPU, last in the list) when given. With a ``skipped`` dict, a GPU of ``cfg.device`` the run cannot
+    be forecast on (an InputError: no FP8 cores, ...) is left out with its reason there instead of failing the
+    command, unless every GPU is."""
     from neusight.api import load_predictor, predict_graph, tf32_mode
-    from neusight.devices import load_device
+    from neusight.errors import InputError
     from neusight.graph.tracer import trace, trace_key
 
     # fail on a bad GPU, checkpoint or switch before the (slower) trace
@@ -396,20 +489,31 @@ def forecast(cfg: PredictConfig, extra: Device | None = None) -> list[Prediction
     # experts or its attention depend on it
     graphs: dict[tuple[bool, str], Any] = {}
     preds = []
+    errors: dict[str, InputError] = {}
     for dev in devices:
-        path = trace_key(graphs, dev, cfg.dtype)
-        if path not in graphs:
-            graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,
-                                 head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-                                 image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
-                                 device=dev, **_step_options(cfg))
-        g = graphs[path]
-        p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
+        try:
+            path = trace_key(graphs, dev, cfg.dtype)
+            if path not in graphs:
+                graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,
+                                     head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
+                                     image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
+                                     device=dev, **_step_options(cfg))
+            g = graphs[path]
+            p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
+        except InputError as e:
+            if skipped is None or dev is extra:
+                raise
+            errors[dev.key] = e
+            skipped[dev.key] = str(e).split(". Fix:")[0]
+            continue
         if cfg.memory:
             from neusight.memory import estimate_memory
 
             p.memory = estimate_memory(g, dev, fused=cfg.fused)
         preds.append(p)
+    if errors and len(preds) == int(extra is not None):
+        # no GPU can run it: the error that names no GPU (the model's, which holds on every GPU), else the first
+        raise next((e for key, e in errors.items() if key not in str(e)), next(iter(errors.values())))
     return preds
 
 
@@ -517,34 +621,41 @@ def _app(cfg: PredictConfig) -> float:
     _check_counts(cfg)
     if cfg.new_tokens is not None:
         return _generation(cfg)
-    if max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or cfg.megatron or cfg.zero:
+    if _multi_gpu(cfg):
         return _parallel(cfg)
     reference = _anchor_device(cfg)
-    prices = _prices(cfg)
-    preds = forecast(cfg, extra=reference)
-    anchor = None
+    ranking = _ranks_all(cfg.device)
+    prices = dict(zip((d.key for d in _gpus(cfg)), _prices(cfg)))
+    skipped: dict[str, str] = {}
+    preds = forecast(cfg, extra=reference, skipped=skipped if ranking else None)
+    anchor, anchored = None, None
     if reference is not None:
         from neusight.api import anchored_ms
 
         anchor = preds.pop()
         anchored = {p.device.key: anchored_ms(p, anchor, cfg.anchor_ms) for p in preds}
     costs = []
-    for i, (p, price) in enumerate(zip(preds, prices)):
+    for i, p in enumerate(preds):
+        step = anchored[p.device.key] if anchored is not None else p.latency_ms
+        rate, unit = p.throughput
+        costs.append(_cost(rate * p.latency_ms / step, unit, prices[p.device.key],
+                           step="forecast" if anchor is None else "anchored"))
+        if ranking:
+            continue
         if i:
             print()
         print(format_summary(p, cfg.top))
-        step = anchored[p.device.key] if anchor is not None else p.latency_ms
         if anchor is not None:
             print(f"anchored: {step:,.2f} ms = the {cfg.anchor_ms:,.2f} ms measured on "
                   f"{anchor.device.key} x the forecast speed-up {anchor.latency_ms / p.latency_ms:.3f}x (forecast "
                   f"there: {anchor.latency_ms:,.2f} ms; forecast speed-ups against measured ones: docs/evaluation.md)")
-        rate, unit = p.throughput
-        costs.append(_cost(rate * p.latency_ms / step, unit, price, step="forecast" if anchor is None else "anchored"))
         if costs[-1] is not None:
             print(_cost_text(costs[-1]))
         if _wants_run(cfg):
-            print(_run_text(cfg, step, p.batch_size, p.seq_len, 1, price))
-    if len(preds) > 1:
+            print(_run_text(cfg, step, p.batch_size, p.seq_len, 1, prices[p.device.key]))
+    if ranking:
+        print(ranking_text(preds, costs, skipped, anchored))
+    elif len(preds) > 1:
         print("\nside by side:")
         table = comparison_table([{**summary_record(p), "cost": c} for p, c in zip(preds, costs)])
         if anchor is not None:
@@ -561,6 +672,11 @@ def _app(cfg: PredictConfig) -> float:
     return float(preds[0].latency_ms)
 
 
+def _multi_gpu(cfg: PredictConfig) -> bool:
+    """A forecast on several GPUs (neusight.parallel) rather than one."""
+    return max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or bool(cfg.megatron) or bool(cfg.zero)
+
+
 def _check_counts(cfg: PredictConfig) -> None:
     """The run-wide numbers checked before any forecast is made (so a bad one does not cost a forecast first)."""
     from neusight.errors import InputError
@@ -574,6 +690,10 @@ def _check_counts(cfg: PredictConfig) -> None:
         if v is not None and not v > 0:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
     _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
+    if _ranks_all(cfg.device) and (cfg.new_tokens is not None or _multi_gpu(cfg)):
+        raise InputError(f"device={cfg.device} ranks single-GPU forecasts of one pass or step, not "
+                         f"{'generate()' if cfg.new_tokens is not None else 'multi-GPU runs'}. Fix: name the GPUs to "
+                         "compare, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
 
 
 def _generation(cfg: PredictConfig) -> float:
