@@ -1,6 +1,7 @@
 """neusight: forecast GPU latency of deep-learning inference and training from spec sheets alone."""
 
-from neusight.api import Prediction, load_predictor, predict, predict_graph, predict_kernel_table
+from neusight.api import (Prediction, load_predictor, predict, predict_graph, predict_kernel_table, predict_many,
+                          rank)
 from neusight.devices import Device, list_devices, load_device, modify_device
 from neusight.errors import NeuSightError
 from neusight.generation import GenerationForecast, predict_generation
@@ -10,5 +11,5 @@ from neusight.parallel import ParallelPrediction, predict_parallel
 
 __all__ = ["Device", "GenerationForecast", "NeuSightError", "ParallelPrediction", "Prediction", "list_devices",
            "list_models", "load_device", "load_predictor", "modify_device", "predict", "predict_generation",
-           "predict_graph", "predict_kernel_table", "predict_parallel", "trace"]
+           "predict_graph", "predict_kernel_table", "predict_many", "predict_parallel", "rank", "trace"]
 __version__ = "0.1.0"

@@ -548,6 +548,110 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     return p
 
 
+def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | None = None,
+                 mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
+                 predictor: Predictor | str | Path | None = None, memory: bool = True, fused: bool = False,
+                 tf32: Any = None, left_out: dict[str, str] | None = None, **trace_kwargs: Any) -> list[Prediction]:
+    """:func:`predict` on several GPUs from one trace (one more per software path a GPU takes: its attention
+    backend or experts' kernels, when the model's trace depends on them): ``devices`` is a list of keys, aliases,
+    spec paths or Devices, or ``"all"`` (every GPU of the library, :func:`neusight.devices.list_devices`).
+
+    ``left_out``: a dict to collect the GPUs the run cannot be forecast on (an InputError, e.g. ``fp8=True`` on a
+    GPU without FP8 tensor cores), key -> reason, instead of raising; unless no GPU can, which raises the error that
+    names no GPU (the model's own), else the first. Without it, any such error is raised.
+
+    >>> ps = predict_many("gpt2", ["t4", "l4"], batch_size=1, seq_len=64, memory=False)
+    >>> [p.device.key for p in ps], ps[0].latency_ms > ps[1].latency_ms
+    (['t4', 'l4'], True)
+    """
+    from neusight.devices import list_devices
+    from neusight.graph.tracer import trace_key
+
+    if isinstance(devices, str) and devices.strip().lower() == "all":
+        devices = list_devices()
+    elif isinstance(devices, (str, Path, Device)):
+        devices = [devices]
+    devs = [load_device(d) for d in devices]
+    if not devs:
+        raise InputError("devices=[] names no GPU. Fix: a list of keys such as ['a100-80gb-pcie', 'h100-sxm5-80gb'], "
+                         "or 'all'")
+    tf32_mode(tf32)   # a bad switch fails before the (slower) trace
+    predictors = {d.key: load_predictor(predictor, d) for d in devs}   # per vendor unless given one
+    graphs: dict[tuple[bool, str], Graph] = {}
+    preds: list[Prediction] = []
+    errors: dict[str, InputError] = {}
+    for dev in devs:
+        try:
+            path = trace_key(graphs, dev, trace_kwargs.get("dtype", "float32"))
+            if path not in graphs:
+                graphs[path] = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, device=dev,
+                                     **trace_kwargs)
+            g = graphs[path]
+            p = predict_graph(g, dev, predictors[dev.key], fused=fused, tf32=tf32)
+        except InputError as e:
+            if left_out is None:
+                raise
+            errors[dev.key] = e
+            left_out[dev.key] = str(e).split(". Fix:")[0]
+            continue
+        if memory:
+            p.memory = estimate_memory(g, dev, fused=fused)
+        preds.append(p)
+    if not preds:
+        # no GPU can run it: the error that names no GPU (the model's, which holds on every GPU), else the first
+        raise next((e for key, e in errors.items() if key not in str(e)), next(iter(errors.values())))
+    return preds
+
+
+def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None] | None = None,
+                  anchored: dict[str, float] | None = None) -> pd.DataFrame:
+    """Forecasts of one run on several GPUs as a table, fastest first (by the ``anchored`` time when given: device
+    key -> ms): rank, GPU, ms, time vs fastest, throughput, the memory peak against the GPU's memory and whether it
+    fits (with a memory forecast), the cost (``costs``: per forecast, None or ``{"usd": .., "per": "1M tokens"}``),
+    whether the predictor was trained on the GPU and the measured mean error of forecasts of the kind."""
+    from neusight.accuracy import short_accuracy
+
+    rows = []
+    for p, cost in zip(preds, costs or [None] * len(preds)):
+        rate, unit = p.throughput
+        row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms}
+        if anchored is not None:
+            row["anchored ms"] = anchored[p.device.key]
+            rate *= p.latency_ms / anchored[p.device.key]
+        row[unit] = rate
+        peak = getattr(p.memory, "peak_bytes", None) if p.memory is not None else None
+        if peak is not None:
+            row["memory GiB"] = f"{peak / 2**30:,.1f} of {p.device.memory_gib:g}"
+            row["fits"] = "yes" if p.memory.fits else "no"
+        if cost is not None:
+            row[f"USD per {cost['per']}"] = cost["usd"]
+        row["predictor trained on it"] = "yes" if p.device.key in tuple(p.predictor_devices) else "no"
+        row["measured mean error of the kind"] = short_accuracy(p.accuracy)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    key = "anchored ms" if anchored is not None else "ms"
+    table = table.sort_values([key, "GPU"], kind="stable").reset_index(drop=True)
+    table.insert(table.columns.get_loc(key) + 1, "time vs fastest", table[key] / table[key].min())
+    table.insert(0, "rank", range(1, len(table) + 1))
+    return table
+
+
+def rank(model: Any, devices: Any = "all", batch_size: int = 1, seq_len: int | None = None,
+         mode: str = "inference", **kwargs: Any) -> pd.DataFrame:
+    """The GPUs of ``devices`` (default: every GPU of the library) ranked for one run, fastest first: the
+    :func:`ranking_table` of :func:`predict_many`; GPUs the run cannot be forecast on are in
+    ``table.attrs["left_out"]`` (key -> reason). ``kwargs`` as :func:`predict`.
+
+    >>> t = rank("gpt2", ["t4", "l4", "h100-sxm5-80gb"], batch_size=1, seq_len=64, memory=False)
+    >>> list(t["GPU"]), float(t["time vs fastest"].iloc[0])
+    (['h100-sxm5-80gb', 'l4', 't4'], 1.0)
+    """
+    left_out: dict[str, str] = {}
+    table = ranking_table(predict_many(model, devices, batch_size, seq_len, mode, left_out=left_out, **kwargs))
+    table.attrs["left_out"] = left_out
+    return table
+
+
 def predict_kernel_table(df: pd.DataFrame, predictor: Predictor | str | Path | None = None) -> pd.Series:
     """Predicted latency (ms) of every row of a DataFrame in the shared kernel-CSV schema.
 

@@ -813,3 +813,37 @@ def test_mixed_precision_training_is_forecast_faster_than_fp32_on_tensor_cores()
     k = runs["float16"].kernels
     assert (k["isolated_ms"] >= k["roofline_ms"]).all()
     assert set(k.loc[k["family"] == "linear", "dtype"]) == {"float16"}
+
+
+def test_predict_many_equals_predict_on_each_gpu_from_one_trace():
+    gpus = ["t4", "l4", "mi210"]   # an AMD GPU: its vendor's predictor, as predict() picks it
+    many = neusight.predict_many("gpt2", gpus, batch_size=2, seq_len=64, mode="training")
+    for p, key in zip(many, gpus):
+        one = neusight.predict("gpt2", key, batch_size=2, seq_len=64, mode="training")
+        assert p.device.key == key and p.latency_ms == one.latency_ms and p.phases == one.phases
+        assert p.memory.peak_bytes == one.memory.peak_bytes
+
+
+def test_predict_many_leaves_out_gpus_that_cannot_run_it_or_raises():
+    left: dict[str, str] = {}
+    ps = neusight.predict_many("llama-3-8b", ["t4", "l4", "h100-sxm5-80gb"], seq_len=16, dtype="bfloat16", fp8=True,
+                               memory=False, left_out=left)
+    assert [p.device.key for p in ps] == ["l4", "h100-sxm5-80gb"]
+    assert list(left) == ["t4"] and left["t4"].startswith("fp8=True needs FP8 tensor cores")
+    with pytest.raises(InputError, match="fp8=True needs FP8 tensor cores"):   # without left_out: raised
+        neusight.predict_many("llama-3-8b", ["t4", "l4"], seq_len=16, dtype="bfloat16", fp8=True, memory=False)
+    with pytest.raises(InputError, match="GPT2LMHeadModel has none that qualify"):   # no GPU can: the model's error
+        neusight.predict_many("gpt2", ["t4", "l4"], seq_len=16, dtype="bfloat16", fp8=True, left_out={})
+    with pytest.raises(InputError, match="devices"):
+        neusight.predict_many("gpt2", [], seq_len=16)
+
+
+def test_rank_orders_gpus_fastest_first_with_their_memory_fit():
+    t = neusight.rank("gpt2-large", ["t4", "a100-80gb-pcie", "h100-sxm5-80gb", "rtx-3090"], batch_size=4,
+                      seq_len=1024, mode="training")
+    assert list(t["rank"]) == [1, 2, 3, 4]
+    assert t["ms"].is_monotonic_increasing and t["time vs fastest"].iloc[0] == 1.0
+    assert (t["time vs fastest"] == t["ms"] / t["ms"].min()).all()
+    fits = dict(zip(t["GPU"], t["fits"]))
+    assert fits["h100-sxm5-80gb"] == "yes" and fits["t4"] == "no"    # about 58 GiB: 80 GB yes, 16 GB no
+    assert dict(zip(t["GPU"], t["predictor trained on it"]))["t4"] == "yes" and t.attrs["left_out"] == {}

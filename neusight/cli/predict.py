@@ -273,45 +273,13 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
             "measured_error": short_accuracy(p.accuracy)}
 
 
-def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None],
-                  anchored: dict[str, float] | None = None) -> pd.DataFrame:
-    """``device=all``: one row per GPU, fastest first (by the anchored time when anchored): the step time, its
-    throughput, the time relative to the fastest, the memory peak against the GPU's memory, the cost when priced,
-    whether the predictor was trained on the GPU and the measured error of forecasts of the kind."""
-    import pandas as pd
-
-    from neusight.accuracy import short_accuracy
-
-    rows = []
-    for p, cost in zip(preds, costs):
-        rate, unit = p.throughput
-        row = {"GPU": p.device.key, "ms": p.latency_ms}
-        if anchored is not None:
-            row["anchored ms"] = anchored[p.device.key]
-            rate *= p.latency_ms / anchored[p.device.key]
-        row[unit] = rate
-        peak = getattr(p.memory, "peak_bytes", None) if p.memory is not None else None
-        if peak is not None:
-            row["memory GiB"] = f"{peak / GIB:,.1f} of {p.device.memory_gib:g}"
-            row["fits"] = "yes" if p.memory.fits else "no"
-        if cost is not None:
-            row[f"USD per {cost['per']}"] = cost["usd"]
-        row["predictor trained on it"] = "yes" if p.device.key in tuple(p.predictor_devices) else "no"
-        row["measured mean error of the kind"] = short_accuracy(p.accuracy)
-        rows.append(row)
-    table = pd.DataFrame(rows)
-    key = "anchored ms" if anchored is not None else "ms"
-    table = table.sort_values([key, "GPU"], kind="stable").reset_index(drop=True)
-    table.insert(table.columns.get_loc(key) + 1, "time vs fastest", table[key] / table[key].min())
-    table.insert(0, "rank", range(1, len(table) + 1))
-    return table
-
-
 def ranking_text(preds: list[Prediction], costs: list[dict[str, Any] | None], skipped: dict[str, str],
                  anchored: dict[str, float] | None = None) -> str:
     """What ``device=all`` prints: the run, the ranked table, the fastest GPU (and the fastest the run fits on),
     the cheapest when priced, and the GPUs left out with the reason."""
     import textwrap
+
+    from neusight.api import ranking_table
 
     table = ranking_table(preds, costs, anchored)
     key = "anchored ms" if anchored is not None else "ms"
@@ -473,47 +441,24 @@ def _anchor_device(cfg: PredictConfig) -> Device | None:
 
 def forecast(cfg: PredictConfig, extra: Device | None = None,
              skipped: dict[str, str] | None = None) -> list[Prediction]:
-    """Trace once, predict on every GPU of ``cfg.device`` (memory too when ``cfg.memory``), then on ``extra``
-    (an anchor GPU, last in the list) when given. With a ``skipped`` dict, a GPU of ``cfg.device`` the run cannot
-    be forecast on (an InputError: no FP8 cores, ...) is left out with its reason there instead of failing the
-    command, unless every GPU is."""
-    from neusight.api import load_predictor, predict_graph, tf32_mode
+    """:func:`neusight.api.predict_many` of ``cfg``: every GPU of ``cfg.device`` (memory too when ``cfg.memory``),
+    then ``extra`` (an anchor GPU, last in the list) when given. With a ``skipped`` dict, a GPU of ``cfg.device``
+    the run cannot be forecast on (an InputError: no FP8 cores, ...) is left out with its reason there instead of
+    failing the command, unless every GPU is; the anchor cannot be left out."""
+    from neusight.api import predict_many
     from neusight.errors import InputError
-    from neusight.graph.tracer import trace, trace_key
 
-    # fail on a bad GPU, checkpoint or switch before the (slower) trace
-    tf32_mode(cfg.tf32)
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
-    predictors = {d.key: load_predictor(cfg.checkpoint, d) for d in devices}   # per vendor unless a checkpoint
-    # one trace, and one more per software path of the GPUs (grouped GEMM kernel or not, attention backends) when its
-    # experts or its attention depend on it
-    graphs: dict[tuple[bool, str], Any] = {}
-    preds = []
-    errors: dict[str, InputError] = {}
-    for dev in devices:
-        try:
-            path = trace_key(graphs, dev, cfg.dtype)
-            if path not in graphs:
-                graphs[path] = trace(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.mode,
-                                     head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-                                     image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
-                                     device=dev, **_step_options(cfg))
-            g = graphs[path]
-            p = predict_graph(g, dev, predictors[dev.key], fused=cfg.fused, tf32=cfg.tf32)
-        except InputError as e:
-            if skipped is None or dev is extra:
-                raise
-            errors[dev.key] = e
-            skipped[dev.key] = str(e).split(". Fix:")[0]
-            continue
-        if cfg.memory:
-            from neusight.memory import estimate_memory
-
-            p.memory = estimate_memory(g, dev, fused=cfg.fused)
-        preds.append(p)
-    if errors and len(preds) == int(extra is not None):
-        # no GPU can run it: the error that names no GPU (the model's, which holds on every GPU), else the first
-        raise next((e for key, e in errors.items() if key not in str(e)), next(iter(errors.values())))
+    preds = predict_many(cfg.model, devices, cfg.batch_size, cfg.seq_len, cfg.mode, head=cfg.head,
+                         optimizer=cfg.optimizer, predictor=cfg.checkpoint, memory=cfg.memory, fused=cfg.fused,
+                         tf32=cfg.tf32, left_out=skipped, attn_implementation=cfg.attn_implementation,
+                         image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
+                         **_step_options(cfg))
+    if extra is not None and skipped and extra.key in skipped:
+        raise InputError(f"anchor_device={extra.key}: {skipped[extra.key]}. Fix: an anchor GPU the run can be "
+                         "forecast on")
+    if extra is not None and len(preds) == 1:   # the anchor alone: no GPU of cfg.device can run it
+        raise InputError(f"device={cfg.device}: no GPU can run this: {'; '.join(sorted(set(skipped.values())))}")
     return preds
 
 
