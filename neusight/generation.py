@@ -17,7 +17,7 @@ import numpy as np
 
 from neusight.errors import InputError
 
-__all__ = ["GenerationForecast", "predict_generation"]
+__all__ = ["GenerationForecast", "generation_ranking_table", "predict_generation", "predict_generation_many"]
 
 # decode steps are forecast at this many context lengths, evenly spread (the cost is smooth in the context)
 SAMPLES = 3
@@ -81,6 +81,17 @@ class GenerationForecast:
                 f"{'fits' if self.memory_fits else 'does NOT fit'}")
 
 
+def _check_run(batch_size: Any, prompt_len: Any, new_tokens: Any, static_cache: Any, trace_kwargs: dict) -> None:
+    for name, v in (("batch_size", batch_size), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InputError(f"{name}={v!r} is not a positive integer. Fix: {name} >= 1")
+    if {"mode", "seq_len", "kv_cache"} & set(trace_kwargs):
+        raise InputError("predict_generation sets mode, seq_len and kv_cache itself. Fix: give prompt_len and "
+                         "new_tokens instead")
+    if not isinstance(static_cache, bool):
+        raise InputError(f"static_cache={static_cache!r} is not true or false. Fix: static_cache=True or leave it out")
+
+
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
                        *, predictor: Any = None, tp: int = 1, static_cache: bool = False,
                        **trace_kwargs: Any) -> GenerationForecast:
@@ -95,63 +106,117 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
     True
     """
-    from neusight.api import predict
     from neusight.devices import load_device
 
-    for name, v in (("batch_size", batch_size), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise InputError(f"{name}={v!r} is not a positive integer. Fix: {name} >= 1")
-    if {"mode", "seq_len", "kv_cache"} & set(trace_kwargs):
-        raise InputError("predict_generation sets mode, seq_len and kv_cache itself. Fix: give prompt_len and "
-                         "new_tokens instead")
-    if not isinstance(static_cache, bool):
-        raise InputError(f"static_cache={static_cache!r} is not true or false. Fix: static_cache=True or leave it out")
+    _check_run(batch_size, prompt_len, new_tokens, static_cache, trace_kwargs)
     device = load_device(device)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
+    if tp == 1:
+        return predict_generation_many(model, [device], batch_size, prompt_len, new_tokens, predictor=predictor,
+                                       static_cache=static_cache, **trace_kwargs)[0]
 
-    def forecast(seq: int, memory: bool = False, **kw: Any) -> Any:
-        if tp == 1:
-            return predict(model, device, batch_size, seq, "inference", predictor=predictor, memory=memory, **kw,
-                           **trace_kwargs)
+    def forecast(devices: list, seq: int, memory: bool = False, left_out: Any = None, **kw: Any) -> list:
         from neusight.parallel import predict_parallel
 
-        return predict_parallel(model, device, batch_size, seq, "inference", tp=tp, predictor=predictor,
-                                memory=memory, **kw, **trace_kwargs)
+        return [predict_parallel(model, devices[0], batch_size, seq, "inference", tp=tp, predictor=predictor,
+                                 memory=memory, **kw, **trace_kwargs)]
 
-    def peak_of(p: Any) -> float | None:   # a Prediction's memory report, or a ParallelPrediction's first GPU
-        report = getattr(p, "memory", None)
-        return float(report.peak_bytes) if report is not None else p.memory_peak_bytes
+    return _generate([device], batch_size, prompt_len, new_tokens, static_cache, tp, forecast)[0]
 
+
+def predict_generation_many(model: Any, devices: Any, batch_size: int = 1, prompt_len: int = 128,
+                            new_tokens: int = 128, *, predictor: Any = None, static_cache: bool = False,
+                            left_out: dict[str, str] | None = None, **trace_kwargs: Any) -> list[GenerationForecast]:
+    """:func:`predict_generation` on several GPUs (one each, no tensor parallelism) from shared traces
+    (:func:`neusight.api.predict_many`): ``devices`` a list or ``"all"``. ``left_out`` as in ``predict_many``: the
+    GPUs the prompt's prefill cannot be forecast on, with the reason, instead of an error.
+
+    >>> fs = predict_generation_many("gpt2", ["t4", "l4"], batch_size=2, prompt_len=32, new_tokens=16)
+    >>> [f.device.key for f in fs], fs[0].total_ms > fs[1].total_ms
+    (['t4', 'l4'], True)
+    """
+    from neusight.api import predict_many
+
+    _check_run(batch_size, prompt_len, new_tokens, static_cache, trace_kwargs)
+
+    def forecast(devs: list, seq: int, memory: bool = False, left_out: Any = None, **kw: Any) -> list:
+        return predict_many(model, devs, batch_size, seq, "inference", predictor=predictor, memory=memory,
+                            left_out=left_out, **kw, **trace_kwargs)
+
+    return _generate(devices, batch_size, prompt_len, new_tokens, static_cache, 1, forecast, left_out)
+
+
+def _peak(p: Any) -> float | None:
+    """A forecast's memory peak: a Prediction's memory report, or a ParallelPrediction's first GPU."""
+    report = getattr(p, "memory", None)
+    return float(report.peak_bytes) if report is not None else p.memory_peak_bytes
+
+
+def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, static_cache: bool, tp: int,
+              forecast: Any, left_out: dict[str, str] | None = None) -> list[GenerationForecast]:
+    """The prefill on ``devices`` (``forecast(devices, seq_len, memory, left_out, **trace keywords)`` -> one
+    forecast per GPU it can run on), then the decode steps at SAMPLES context lengths on those GPUs; one
+    GenerationForecast each."""
     try:
-        first = forecast(prompt_len)
+        first = forecast(devices, prompt_len, left_out=left_out)
     except InputError as e:   # the prefill's seq_len is the caller's prompt_len
         if not str(e).startswith(f"seq_len={prompt_len} "):
             raise
         raise InputError(f"prompt_len={prompt_len}: {e}") from None
-    steps: list[tuple[int, float]] = []
-    notes = first.notes
-    peak = None
+    devs = [p.device for p in first]
+    steps: list[list[tuple[int, float]]] = [[] for _ in devs]
+    notes = [p.notes for p in first]
+    decode = [0.0] * len(devs)
     if new_tokens > 1:
         # step i (1 .. new_tokens - 1) feeds token i with prompt_len + i - 1 tokens cached
         cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
         for c in cached:
             try:   # the last step holds the longest cache: its memory is the run's
-                p = forecast(1, memory=c == cached[-1], kv_cache=c, static_cache=static_cache)
+                last = forecast(devs, 1, memory=c == cached[-1], kv_cache=c, static_cache=static_cache)
             except InputError as e:
                 raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
                                  f"{e}") from None
-            steps.append((c, p.latency_ms))
-            notes = p.notes
-        peak = peak_of(p)
-        xs = np.array([c for c, _ in steps], dtype=float)
-        ys = np.array([ms for _, ms in steps])
+            for i, p in enumerate(last):
+                steps[i].append((c, p.latency_ms))
+                notes[i] = p.notes
         at = np.arange(prompt_len, prompt_len + new_tokens - 1, dtype=float)   # every step's cached tokens
-        decode = float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
+        for i, run in enumerate(steps):
+            xs = np.array([c for c, _ in run], dtype=float)
+            ys = np.array([ms for _, ms in run])
+            decode[i] = float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
     else:
-        decode = 0.0
-        peak = peak_of(forecast(prompt_len, memory=True))
-    return GenerationForecast(first.model, device, batch_size, prompt_len, new_tokens, first.latency_ms, decode,
-                              steps, ((CACHE_NOTES[static_cache],) if steps else ())
-                              + tuple(n for n in notes if any(w in n for w in GENERATION_NOTES)), tp,
-                              peak, None if peak is None else peak <= device.memory_bytes)
+        last = forecast(devs, prompt_len, memory=True)
+    out = []
+    for i, (p, dev) in enumerate(zip(first, devs)):
+        peak = _peak(last[i])
+        out.append(GenerationForecast(p.model, dev, batch_size, prompt_len, new_tokens, p.latency_ms, decode[i],
+                                      steps[i], ((CACHE_NOTES[static_cache],) if steps[i] else ())
+                                      + tuple(n for n in notes[i] if any(w in n for w in GENERATION_NOTES)), tp,
+                                      peak, None if peak is None else peak <= dev.memory_bytes))
+    return out
+
+
+def generation_ranking_table(forecasts: list[GenerationForecast],
+                             costs: list[dict[str, Any] | None] | None = None) -> Any:
+    """Generation forecasts of one run on several GPUs as a table, fastest first (by the whole call's time): rank,
+    GPU, total ms, time vs fastest, time to first token, time per output token, generated tokens/s, the memory peak
+    at the longest context against the GPU's memory and whether it fits, and the cost (``costs``: per forecast,
+    None or ``{"usd": .., "per": "1M generated tokens"}``), as :func:`neusight.api.ranking_table` does for a step."""
+    import pandas as pd
+
+    rows = []
+    for f, cost in zip(forecasts, costs or [None] * len(forecasts)):
+        row: dict[str, Any] = {"GPU": f.device.key, "total ms": f.total_ms, "time to first token ms": f.prefill_ms,
+                               "per output token ms": f.time_per_output_token_ms,
+                               "generated tokens/s": f.tokens_per_s}
+        if f.memory_peak_bytes is not None:
+            row["memory GiB"] = f"{f.memory_peak_bytes / 2**30:,.1f} of {f.device.memory_gib:g}"
+            row["fits"] = "yes" if f.memory_fits else "no"
+        if cost is not None:
+            row[f"USD per {cost['per']}"] = cost["usd"]
+        rows.append(row)
+    table = pd.DataFrame(rows).sort_values(["total ms", "GPU"], kind="stable").reset_index(drop=True)
+    table.insert(2, "time vs fastest", table["total ms"] / table["total ms"].min())
+    table.insert(0, "rank", range(1, len(table) + 1))
+    return table

@@ -87,9 +87,7 @@ BAD = {
     "predict-prices-not-one-per-gpu": (("neusight-predict", "model=gpt2", "device=[t4,l4]", "gpu_hour_usd=[1,2,3]"),
                                        "3 price(s) for 2 device(s)"),
     "predict-rank-all-on-several-gpus": (("neusight-predict", "model=gpt2", "device=all", "tp=2"),
-                                         "device=all ranks single-GPU forecasts of one pass or step, not multi-GPU"),
-    "predict-rank-all-generation": (("neusight-predict", "model=gpt2", "device=all", "new_tokens=4"),
-                                    "not generate()"),
+                                         "device=all ranks single-GPU forecasts, not multi-GPU runs"),
     "predict-rank-all-no-gpu-can": (("neusight-predict", "model=gpt2", "device=all", "fp8=true", "dtype=bfloat16",
                                      "seq_len=16"), "GPT2LMHeadModel has none that qualify"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
@@ -242,6 +240,25 @@ def test_device_all_leaves_out_the_gpus_that_cannot_run_it(tmp_path):
     left = r.stdout.split("left out (")[1]
     assert left.startswith(f"{len(list_devices()) - len(fp8)}): fp8=True needs FP8 tensor cores:")
     assert all(k in left for k in list_devices() if k not in fp8)
+
+
+def test_device_all_ranks_generation_by_its_total_time(tmp_path):
+    from neusight import list_devices
+
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=all", "batch_size=2", "seq_len=32",
+                        "new_tokens=8", "gpu_hour_usd=1", "json=gen.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = {d["device"]: d for d in json.loads((tmp_path / "gen.json").read_text())}
+    assert sorted(data) == list_devices()
+    order = [row[1] for row in _ranked_rows(r.stdout)]
+    totals = [data[k]["total_ms"] for k in order]
+    assert sorted(order) == list_devices() and totals == sorted(totals)
+    assert "gpt2: generate(), batch 2, prompt 32, 8 new tokens, dynamic KV cache" in r.stdout
+    assert f"cheapest per 1M generated tokens: {order[0]}" in r.stdout
+    # one price: the cost per generated token follows the tokens/s
+    usd = [data[k]["usd_per_1m_generated_tokens"] * data[k]["generated_tokens_per_s"] for k in order]
+    assert max(usd) == pytest.approx(min(usd), rel=1e-9)
 
 
 def test_predict_lists_the_gpus_and_the_model_presets(tmp_path):

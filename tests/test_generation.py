@@ -83,3 +83,30 @@ def test_generation_says_whether_its_longest_cache_fits(gen):
     one = neusight.predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=100, new_tokens=1)
     prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference")
     assert one.memory_peak_bytes == prompt.memory.peak_bytes and "no decode step" in one.summary()
+
+
+def test_generation_on_several_gpus_equals_one_gpu_at_a_time():
+    from neusight.generation import generation_ranking_table, predict_generation_many
+
+    kw = dict(batch_size=2, prompt_len=48, new_tokens=12, dtype="bfloat16", attn_implementation="sdpa")
+    many = predict_generation_many("llama-3.2-1b", ["t4", "h100-sxm5-80gb", "mi210"], **kw)
+    for f in many:
+        one = neusight.predict_generation("llama-3.2-1b", f.device.key, **kw)
+        assert (f.prefill_ms, f.decode_ms, f.steps, f.memory_peak_bytes) == (one.prefill_ms, one.decode_ms, one.steps,
+                                                                             one.memory_peak_bytes)
+        assert f.notes == one.notes
+    t = generation_ranking_table(many)
+    assert list(t["GPU"]) == sorted((f.device.key for f in many), key=lambda k: next(
+        f.total_ms for f in many if f.device.key == k))
+    assert t["time vs fastest"].iloc[0] == 1.0 and list(t["rank"]) == [1, 2, 3]
+
+
+def test_generation_on_several_gpus_leaves_out_those_that_cannot_run_it():
+    from neusight.generation import predict_generation_many
+
+    left: dict[str, str] = {}
+    fs = predict_generation_many("llama-3.2-1b", ["t4", "l4"], batch_size=1, prompt_len=32, new_tokens=4,
+                                 dtype="bfloat16", fp8=True, left_out=left)
+    assert [f.device.key for f in fs] == ["l4"] and list(left) == ["t4"]
+    with pytest.raises(InputError, match="prompt_len=5000"):   # beyond the positions on every GPU: the error
+        predict_generation_many("gpt2", ["t4", "l4"], prompt_len=5000, new_tokens=4, left_out={})

@@ -273,24 +273,19 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
             "measured_error": short_accuracy(p.accuracy)}
 
 
-def ranking_text(preds: list[Prediction], costs: list[dict[str, Any] | None], skipped: dict[str, str],
-                 anchored: dict[str, float] | None = None) -> str:
-    """What ``device=all`` prints: the run, the ranked table, the fastest GPU (and the fastest the run fits on),
-    the cheapest when priced, and the GPUs left out with the reason."""
+def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str]) -> str:
+    """What ``device=all`` prints: the ``run`` line, the ranked ``table`` (:func:`neusight.api.ranking_table` or
+    :func:`neusight.generation.generation_ranking_table`, ordered by its ``key`` column, in ms), the fastest GPU
+    (and the fastest the run fits on), the cheapest when priced, and the GPUs left out with the reason."""
     import textwrap
 
-    from neusight.api import ranking_table
-
-    table = ranking_table(preds, costs, anchored)
-    key = "anchored ms" if anchored is not None else "ms"
-    fmt = {c: "{:,.2f}".format for c in ("ms", "anchored ms")}
+    fmt = {c: "{:,.2f}".format for c in table.columns if c == "ms" or c.endswith(" ms")}
     fmt.update({c: "{:,.0f}".format for c in table.columns if c.endswith("/s")})
     fmt.update({c: "{:,.4g}".format for c in table.columns if c.startswith("USD per")})
     fmt["time vs fastest"] = "{:.2f}x".format
-    lines = [_run_line(preds[0]),
-             f"{len(table)} GPUs of the spec library ranked, fastest first (device=list shows their specs; a GPU "
-             "outside the predictor's training set is forecast from its spec sheet alone; its notes: "
-             "neusight-predict device=<GPU>)"]
+    lines = [run, f"{len(table)} GPUs of the spec library ranked, fastest first (device=list shows their specs; a GPU "
+                  "outside the predictor's training set is forecast from its spec sheet alone; its notes: "
+                  "neusight-predict device=<GPU>)"]
     with pd_wide():
         lines.append(table.to_string(index=False, formatters=fmt))
     first = table.iloc[0]
@@ -599,7 +594,10 @@ def _app(cfg: PredictConfig) -> float:
         if _wants_run(cfg):
             print(_run_text(cfg, step, p.batch_size, p.seq_len, 1, prices[p.device.key]))
     if ranking:
-        print(ranking_text(preds, costs, skipped, anchored))
+        from neusight.api import ranking_table
+
+        print(ranking_text(ranking_table(preds, costs, anchored), "anchored ms" if anchored is not None else "ms",
+                           _run_line(preds[0]), skipped))
     elif len(preds) > 1:
         print("\nside by side:")
         table = comparison_table([{**summary_record(p), "cost": c} for p, c in zip(preds, costs)])
@@ -635,16 +633,15 @@ def _check_counts(cfg: PredictConfig) -> None:
         if v is not None and not v > 0:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
     _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
-    if _ranks_all(cfg.device) and (cfg.new_tokens is not None or _multi_gpu(cfg)):
-        raise InputError(f"device={cfg.device} ranks single-GPU forecasts of one pass or step, not "
-                         f"{'generate()' if cfg.new_tokens is not None else 'multi-GPU runs'}. Fix: name the GPUs to "
-                         "compare, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    if _ranks_all(cfg.device) and _multi_gpu(cfg):
+        raise InputError(f"device={cfg.device} ranks single-GPU forecasts, not multi-GPU runs. Fix: name the GPUs "
+                         "to compare, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
 
 
 def _generation(cfg: PredictConfig) -> float:
     """``new_tokens=N``: generate() of N tokens after a ``seq_len``-token prompt on every GPU of ``cfg.device``."""
     from neusight.errors import InputError
-    from neusight.generation import predict_generation
+    from neusight.generation import predict_generation, predict_generation_many
     from neusight.util import atomic_write_text
 
     other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
@@ -655,28 +652,44 @@ def _generation(cfg: PredictConfig) -> float:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
                          "length; tp= splits the model over GPUs; data-parallel replicas generate independently)")
-    rows = []
-    for i, (dev, price) in enumerate(zip(_gpus(cfg), _prices(cfg))):
-        f = predict_generation(cfg.model, dev, cfg.batch_size, prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens,
-                               predictor=cfg.checkpoint, dtype=cfg.dtype, amp=cfg.amp, head=cfg.head,
-                               attn_implementation=cfg.attn_implementation, tp=cfg.tp, fp8=cfg.fp8,
-                               weight_quant=cfg.weight_quant, static_cache=cfg.static_cache)
-        print(("\n" if i else "") + f.summary())
-        cost = _cost(f.tokens_per_s, "generated tokens/s", price, f.tp)
-        if cost is not None:
-            print(_cost_text(cost))
+    devices, ranking = _gpus(cfg), _ranks_all(cfg.device)
+    prices = dict(zip((d.key for d in devices), _prices(cfg)))
+    kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
+              amp=cfg.amp, head=cfg.head, attn_implementation=cfg.attn_implementation, fp8=cfg.fp8,
+              weight_quant=cfg.weight_quant, static_cache=cfg.static_cache)
+    skipped: dict[str, str] = {}
+    if cfg.tp == 1:   # one GPU each: the traces shared between the GPUs
+        forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
+                                            **kw)
+    else:
+        forecasts = [predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, **kw) for dev in devices]
+    rows, costs = [], []
+    for i, f in enumerate(forecasts):
+        costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
+        if not ranking:
+            print(("\n" if i else "") + f.summary())
+            if costs[-1] is not None:
+                print(_cost_text(costs[-1]))
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
                      "generated_tokens_per_s": f.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes,
                      "memory_fits": f.memory_fits, "decode_steps": [list(s) for s in f.steps],
-                     **({"usd_per_1m_generated_tokens": cost["usd"]} if cost is not None else {})})
-    if len(rows) > 1:
+                     **({"usd_per_1m_generated_tokens": costs[-1]["usd"]} if costs[-1] is not None else {})})
+    if ranking:
+        from neusight.generation import generation_ranking_table
+
+        f = forecasts[0]
+        run = (f"{f.model}: generate(), batch {f.batch_size}, prompt {f.prompt_len}, {f.new_tokens} new tokens, "
+               f"{'static' if cfg.static_cache else 'dynamic'} KV cache")
+        print(ranking_text(generation_ranking_table(forecasts, costs), "total ms", run, skipped))
+    elif len(rows) > 1:
         import pandas as pd
 
         table = pd.DataFrame(rows).set_index("device").drop(columns="decode_steps")
         table.insert(list(table.columns).index("memory_peak_bytes"), "memory_peak_gib", table["memory_peak_bytes"] / 2**30)
         table = table.drop(columns="memory_peak_bytes").T
-        print("\nside by side:\n" + table.to_string(float_format=lambda v: f"{v:,.2f}"))
+        print("\nside by side:\n"
+              + table.to_string(float_format=lambda v: f"{v:,.2f}" if abs(v) >= 10 else f"{v:,.4g}"))
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
     return float(rows[0]["total_ms"])
