@@ -540,12 +540,8 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     >>> p.latency_ms > 0 and set(p.phases) == {"forward"}
     True
     """
-    device = load_device(device)
-    g = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, device=device, **trace_kwargs)
-    p = predict_graph(g, device, predictor, fused=fused, tf32=tf32)
-    if memory:
-        p.memory = estimate_memory(g, device, fused=fused)
-    return p
+    return predict_many(model, [device], batch_size, seq_len, mode, head=head, optimizer=optimizer, predictor=predictor,
+                        memory=memory, fused=fused, tf32=tf32, **trace_kwargs)[0]
 
 
 def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | None = None,

@@ -6,8 +6,9 @@ one inference pass or training step and print where the time goes.
   job per GPU (any launcher) and :class:`CompareCallback` prints the same table over the jobs at the end.
 - ``json=forecast.json csv=kernels.csv`` write the forecast and the kernel table (relative paths go into
   Hydra's run directory; written atomically).
-- ``device=all`` forecasts every GPU of the spec library (one trace) and prints them ranked, fastest first, with
-  their memory fit (:func:`ranking_text`); GPUs the run cannot be forecast on are listed apart with the reason.
+- ``device=all`` forecasts every GPU of the spec library (shared traces) and prints them ranked, fastest first,
+  with their memory fit (:func:`ranking_text`): one pass or step, or ``generate()`` with ``new_tokens=``; GPUs the
+  run cannot be forecast on are listed apart with the reason.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
