@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import neusight
 from tests.conftest import REPO
 
 BIN = Path(sys.executable).parent
@@ -259,6 +260,24 @@ def test_device_all_ranks_generation_by_its_total_time(tmp_path):
     # one price: the cost per generated token follows the tokens/s
     usd = [data[k]["usd_per_1m_generated_tokens"] * data[k]["generated_tokens_per_s"] for k in order]
     assert max(usd) == pytest.approx(min(usd), rel=1e-9)
+
+
+def test_ranking_searches_are_each_gpus_own_search():
+    from omegaconf import OmegaConf
+
+    from neusight.cli.predict import PredictConfig, _ranking_searches
+    from neusight.memory import find_max_batch, find_max_seq_len
+
+    cfg = OmegaConf.merge(OmegaConf.structured(PredictConfig),
+                          dict(model="gpt2", device="all", batch_size=2, seq_len=256, mode="training",
+                               find_max_batch=True, find_max_seq_len=True))
+    gpus = ["p4", "t4", "a100-80gb-pcie"]
+    cols = _ranking_searches(cfg, neusight.predict_many("gpt2", gpus, 2, 256, "training", memory=False))
+    assert set(cols) == {"max batch", "max seq_len"}
+    for g in gpus:
+        assert cols["max batch"][g] == find_max_batch("gpt2", g, seq_len=256, mode="training")
+        assert cols["max seq_len"][g] == find_max_seq_len("gpt2", g, batch_size=2, mode="training")
+    assert cols["max batch"]["p4"] < cols["max batch"]["t4"] < cols["max batch"]["a100-80gb-pcie"]   # 8, 16, 80 GB
 
 
 def test_predict_lists_the_gpus_and_the_model_presets(tmp_path):

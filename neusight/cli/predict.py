@@ -296,6 +296,9 @@ def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str
         lines.append(f"the run fits in the memory of {len(fitting)} of {len(table)} GPUs"
                      + (f"; the fastest of them: {fitting.iloc[0]['GPU']} ({fitting.iloc[0][key]:,.2f} ms)"
                         if len(fitting) else ""))
+    if "max batch" in table:
+        most = table.loc[table["max batch"].idxmax()]
+        lines.append(f"the largest batch fits on {most['GPU']} ({most['max batch']:,})")
     usd = next((c for c in table.columns if c.startswith("USD per")), None)
     if usd is not None:
         cheap = table.loc[table[usd].idxmin()]
@@ -498,8 +501,9 @@ def _per_device(path: str, key: str) -> str:
     return f"{root}_{key}{ext or '.json'}"
 
 
-def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
-    """Per-layer CSV, pictures and the max-batch search, when asked for."""
+def _extras(cfg: PredictConfig, preds: list[Prediction], searches: bool = True) -> None:
+    """Per-layer CSV, pictures and the max-batch search (unless ``searches`` is false: a ranking has them in its
+    table), when asked for."""
     from neusight.util import atomic_write_text
 
     multi = len(preds) > 1
@@ -516,7 +520,8 @@ def _extras(cfg: PredictConfig, preds: list[Prediction]) -> None:
         if cfg.plot:
             files = p.plot(_out_path(cfg.plot), prefix=f"{p.device.key}_")
             print(f"pictures: {', '.join(str(f) for f in files if str(f).endswith('.png'))}")
-        _memory_searches(cfg, p.device)
+        if searches:
+            _memory_searches(cfg, p.device)
 
 
 def _asks_for_list(value: Any) -> bool:
@@ -597,8 +602,10 @@ def _app(cfg: PredictConfig) -> float:
     if ranking:
         from neusight.api import ranking_table
 
-        print(ranking_text(ranking_table(preds, costs, anchored), "anchored ms" if anchored is not None else "ms",
-                           _run_line(preds[0]), skipped))
+        table = ranking_table(preds, costs, anchored)
+        for col, values in _ranking_searches(cfg, preds).items():   # find_max_batch / find_max_seq_len per GPU
+            table.insert(table.columns.get_loc("predictor trained on it"), col, table["GPU"].map(values))
+        print(ranking_text(table, "anchored ms" if anchored is not None else "ms", _run_line(preds[0]), skipped))
     elif len(preds) > 1:
         print("\nside by side:")
         table = comparison_table([{**summary_record(p), "cost": c} for p, c in zip(preds, costs)])
@@ -607,7 +614,7 @@ def _app(cfg: PredictConfig) -> float:
                 f"{anchored[p.device.key]:,.2f}" for p in preds]
         print(table.to_string())
     _write_outputs(cfg, preds, costs)
-    _extras(cfg, preds)
+    _extras(cfg, preds, searches=not ranking)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
         records = [{**summary_record(p), "cost": c, "overrides": list(hc.overrides.task), "in_job": len(preds)}
@@ -749,9 +756,7 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
     from neusight.errors import InputError
     from neusight.memory import find_max_batch, find_max_seq_len
 
-    kw = dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-              dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=cfg.ep, zero=cfg.zero, dp=cfg.dp,
-              fused=cfg.fused, **_step_options(cfg))
+    kw = _search_kw(cfg)
     several = cfg.dp * cfg.tp > 1 or bool(cfg.zero)
     where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if cfg.ep > 1 else "")
              + f"tp {cfg.tp}"
@@ -769,6 +774,35 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
         longest = find_max_seq_len(cfg.model, device, batch_size=cfg.batch_size // cfg.dp, **kw)
         print(f"longest sequence that fits on {where} at {glob}batch {cfg.batch_size}: {longest}"
               + ("" if longest else " (64 tokens do not fit)"))
+
+
+def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
+    """The keywords of find_max_batch / find_max_seq_len for ``cfg``'s run (besides the searched size)."""
+    return dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
+                dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=cfg.ep, zero=cfg.zero, dp=cfg.dp,
+                fused=cfg.fused, **_step_options(cfg))
+
+
+def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, dict[str, int]]:
+    """``device=all`` with find_max_batch / find_max_seq_len: each GPU's result (column -> device key -> value), for
+    the ranking table instead of a line per GPU; the searches' per-probe log is quieted (one search per GPU)."""
+    from neusight.memory import find_max_batch, find_max_seq_len
+
+    cols: dict[str, dict[str, int]] = {}
+    quiet = logging.getLogger("neusight.memory")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        if cfg.find_max_batch:
+            cols["max batch"] = {p.device.key: find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len,
+                                                              image_size=cfg.image_size, kv_cache=cfg.kv_cache,
+                                                              **_search_kw(cfg)) for p in preds}
+        if cfg.find_max_seq_len:
+            cols["max seq_len"] = {p.device.key: find_max_seq_len(cfg.model, p.device, batch_size=cfg.batch_size,
+                                                                  **_search_kw(cfg)) for p in preds}
+    finally:
+        quiet.setLevel(level)
+    return cols
 
 
 class CompareCallback(Callback):
