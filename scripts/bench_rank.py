@@ -1,9 +1,10 @@
 """Speed of ranking every GPU of the library (``neusight-predict device=all``): one training step of GPT-2 Large
 (batch 4, seq 1024) and one ``generate()`` of Llama-3-8B in BF16 (batch 8, prompt 512, 128 new tokens, SDPA, a
 static KV cache) forecast on each GPU from shared traces, in Python (``neusight.rank`` /
-``predict_generation_many``, warm process) and as the whole command (fresh process: imports, Hydra, predictors).
+``predict_generation_many``, warm process) and as the whole command (fresh process: imports, Hydra, predictors);
+and the command with ``find_max_batch=true`` (GPT-2 at sequence 128), which searches each GPU's memory in turn.
 
-    python scripts/bench_rank.py              # prints, and rewrites its section of docs/speed.md (about 2 min)
+    python scripts/bench_rank.py              # prints, and rewrites its section of docs/speed.md (about 4 min)
     python scripts/bench_rank.py --no-write
 """
 
@@ -33,6 +34,7 @@ GEN = dict(model="llama-3-8b", batch_size=8, prompt_len=512, new_tokens=128, dty
 STEP_CLI = ["model=gpt2-large", "device=all", "batch_size=4", "seq_len=1024", "mode=training"]
 GEN_CLI = ["model=llama-3-8b", "device=all", "batch_size=8", "seq_len=512", "new_tokens=128", "dtype=bfloat16",
            "attn_implementation=sdpa", "static_cache=true"]
+SEARCH_CLI = ["model=gpt2", "device=all", "batch_size=1", "seq_len=128", "find_max_batch=true"]   # a search per GPU
 
 
 def timed(call):  # -> (seconds, result)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     neusight.predict("gpt2", "t4", seq_len=32, memory=False)   # imports and the predictor load, outside the timing
     step_s, table = timed(lambda: neusight.rank(devices="all", **STEP))
     gen_s, forecasts = timed(lambda: predict_generation_many(devices="all", **GEN))
-    step_cli, gen_cli = command_wall(STEP_CLI), command_wall(GEN_CLI)
+    step_cli, gen_cli, search_cli = command_wall(STEP_CLI), command_wall(GEN_CLI), command_wall(SEARCH_CLI)
     load_after = os.getloadavg()
     fits = int((table["fits"] == "yes").sum())
     gen_fits = sum(bool(f.memory_fits) for f in forecasts)
@@ -75,6 +77,8 @@ Python, and the whole command in a fresh process.
 | `predict_generation_many("llama-3-8b", "all", batch_size=8, prompt_len=512, new_tokens=128, dtype="bfloat16", attn_implementation="sdpa", static_cache=True)` | {len(forecasts)} | {gen_fits} | {gen_s:.1f} | {gen_cli:.1f} |
 
 Commands: `neusight-predict {' '.join(STEP_CLI)}` and `neusight-predict {' '.join(GEN_CLI)}`.
+With a largest-batch search on each GPU (one search per GPU, its traces not shared):
+`neusight-predict {' '.join(SEARCH_CLI)}`: **{search_cli:.0f} s**.
 Machine: {machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes
 share these cores, so the times are upper bounds). Regenerate: `python scripts/bench_rank.py`.
 """
