@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -595,8 +596,14 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
         preds.append(p)
     if not preds:
         # no GPU can run it: the error that names no GPU (the model's, which holds on every GPU), else the first
-        raise next((e for key, e in errors.items() if key not in str(e)), next(iter(errors.values())))
+        raise next((e for key, e in errors.items() if not _names(str(e), key)), next(iter(errors.values())))
     return preds
+
+
+def _names(text: str, key: str) -> bool:
+    """Whether ``text`` names the device ``key`` as a word of its own ("t4" in "... t4 (NVIDIA T4) ...", not in
+    "int4")."""
+    return re.search(rf"(?<![\w.-]){re.escape(key)}(?![\w-]|\.\w)", text) is not None
 
 
 def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None] | None = None,

@@ -838,6 +838,16 @@ def test_predict_many_leaves_out_gpus_that_cannot_run_it_or_raises():
         neusight.predict_many("gpt2", [], seq_len=16)
 
 
+def test_an_error_names_a_gpu_only_by_its_whole_key():
+    """predict_many raises the error that names no GPU when none can run the model: "int4" does not name t4."""
+    from neusight.api import _names
+
+    assert _names("fp8=True needs FP8 tensor cores; t4 (NVIDIA T4) has none", "t4")
+    assert _names("it does not fit on l4.", "l4") and _names("a100-80gb-pcie: no", "a100-80gb-pcie")
+    assert not _names("weight_quant='int4' quantizes nn.Linear weights", "t4")
+    assert not _names("a100-80gb-pcie-x", "a100-80gb-pcie") and not _names("see l4.yaml", "l4")
+
+
 def test_rank_orders_gpus_fastest_first_with_their_memory_fit():
     t = neusight.rank("gpt2-large", ["t4", "a100-80gb-pcie", "h100-sxm5-80gb", "rtx-3090"], batch_size=4,
                       seq_len=1024, mode="training")
