@@ -564,7 +564,7 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     from neusight.devices import list_devices
     from neusight.graph.tracer import trace_key
 
-    if isinstance(devices, str) and devices.strip().lower() == "all":
+    if names_all(devices):
         devices = list_devices()
     elif isinstance(devices, (str, Path, Device)):
         devices = [devices]
@@ -600,6 +600,23 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     return preds
 
 
+ALL_DEVICES = "all"   # devices="all" / device=all: every GPU of the spec library
+
+
+def names_all(devices: Any) -> bool:
+    """Whether ``devices`` is ``"all"`` (any case): every GPU of the spec library."""
+    return isinstance(devices, str) and devices.strip().lower() == ALL_DEVICES
+
+
+def ranked(rows: list[dict[str, Any]], key: str) -> pd.DataFrame:
+    """``rows`` (one per GPU, with ``GPU`` and the time column ``key``) as a table ordered by ``key``, fastest
+    first (ties by GPU), with ``rank`` first and ``time vs fastest`` after ``key``."""
+    table = pd.DataFrame(rows).sort_values([key, "GPU"], kind="stable").reset_index(drop=True)
+    table.insert(table.columns.get_loc(key) + 1, "time vs fastest", table[key] / table[key].min())
+    table.insert(0, "rank", range(1, len(table) + 1))
+    return table
+
+
 def _names(text: str, key: str) -> bool:
     """Whether ``text`` names the device ``key`` as a word of its own ("t4" in "... t4 (NVIDIA T4) ...", not in
     "int4")."""
@@ -631,12 +648,7 @@ def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None] | 
         row["predictor trained on it"] = "yes" if p.device.key in tuple(p.predictor_devices) else "no"
         row["measured mean error of the kind"] = short_accuracy(p.accuracy)
         rows.append(row)
-    table = pd.DataFrame(rows)
-    key = "anchored ms" if anchored is not None else "ms"
-    table = table.sort_values([key, "GPU"], kind="stable").reset_index(drop=True)
-    table.insert(table.columns.get_loc(key) + 1, "time vs fastest", table[key] / table[key].min())
-    table.insert(0, "rank", range(1, len(table) + 1))
-    return table
+    return ranked(rows, "anchored ms" if anchored is not None else "ms")
 
 
 def rank(model: Any, devices: Any = "all", batch_size: int = 1, seq_len: int | None = None,

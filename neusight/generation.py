@@ -203,7 +203,7 @@ def generation_ranking_table(forecasts: list[GenerationForecast],
     GPU, total ms, time vs fastest, time to first token, time per output token, generated tokens/s, the memory peak
     at the longest context against the GPU's memory and whether it fits, and the cost (``costs``: per forecast,
     None or ``{"usd": .., "per": "1M generated tokens"}``), as :func:`neusight.api.ranking_table` does for a step."""
-    import pandas as pd
+    from neusight.api import ranked
 
     rows = []
     for f, cost in zip(forecasts, costs or [None] * len(forecasts)):
@@ -216,7 +216,4 @@ def generation_ranking_table(forecasts: list[GenerationForecast],
         if cost is not None:
             row[f"USD per {cost['per']}"] = cost["usd"]
         rows.append(row)
-    table = pd.DataFrame(rows).sort_values(["total ms", "GPU"], kind="stable").reset_index(drop=True)
-    table.insert(2, "time vs fastest", table["total ms"] / table["total ms"].min())
-    table.insert(0, "rank", range(1, len(table) + 1))
-    return table
+    return ranked(rows, "total ms")

@@ -322,18 +322,12 @@ def pd_wide() -> Any:
 # the app
 
 
-RANK_ALL = "all"   # device=all: every GPU of the library, ranked (ranking_table)
-
-
-def _ranks_all(cfg_device: Any) -> bool:
-    return isinstance(cfg_device, str) and cfg_device.strip().lower() == RANK_ALL
-
-
 def _devices(cfg_device: Any) -> list[str]:
+    from neusight.api import names_all
     from neusight.devices import list_devices
     from neusight.errors import InputError
 
-    if _ranks_all(cfg_device):
+    if names_all(cfg_device):   # device=all: every GPU of the library, ranked
         return list_devices()
     devices = list(cfg_device) if OmegaConf.is_list(cfg_device) or isinstance(cfg_device, list) else [cfg_device]
     if not devices or any(d is None or str(d).strip() == "" for d in devices):
@@ -569,8 +563,10 @@ def _app(cfg: PredictConfig) -> float:
         return _generation(cfg)
     if _multi_gpu(cfg):
         return _parallel(cfg)
+    from neusight.api import names_all
+
     reference = _anchor_device(cfg)
-    ranking = _ranks_all(cfg.device)
+    ranking = names_all(cfg.device)
     prices = dict(zip((d.key for d in _gpus(cfg)), _prices(cfg)))
     skipped: dict[str, str] = {}
     preds = forecast(cfg, extra=reference, skipped=skipped if ranking else None)
@@ -630,6 +626,7 @@ def _multi_gpu(cfg: PredictConfig) -> bool:
 
 def _check_counts(cfg: PredictConfig) -> None:
     """The run-wide numbers checked before any forecast is made (so a bad one does not cost a forecast first)."""
+    from neusight.api import names_all
     from neusight.errors import InputError
     from neusight.parallel import Parallelism
 
@@ -641,13 +638,14 @@ def _check_counts(cfg: PredictConfig) -> None:
         if v is not None and not v > 0:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
     _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
-    if _ranks_all(cfg.device) and _multi_gpu(cfg):
+    if names_all(cfg.device) and _multi_gpu(cfg):
         raise InputError(f"device={cfg.device} ranks single-GPU forecasts, not multi-GPU runs. Fix: name the GPUs "
                          "to compare, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
 
 
 def _generation(cfg: PredictConfig) -> float:
     """``new_tokens=N``: generate() of N tokens after a ``seq_len``-token prompt on every GPU of ``cfg.device``."""
+    from neusight.api import names_all
     from neusight.errors import InputError
     from neusight.generation import predict_generation, predict_generation_many
     from neusight.util import atomic_write_text
@@ -660,7 +658,7 @@ def _generation(cfg: PredictConfig) -> float:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
                          "length; tp= splits the model over GPUs; data-parallel replicas generate independently)")
-    devices, ranking = _gpus(cfg), _ranks_all(cfg.device)
+    devices, ranking = _gpus(cfg), names_all(cfg.device)
     prices = dict(zip((d.key for d in devices), _prices(cfg)))
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
               amp=cfg.amp, head=cfg.head, attn_implementation=cfg.attn_implementation, fp8=cfg.fp8,
