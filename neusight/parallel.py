@@ -435,7 +435,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
-                     internode_gbps: float = INTERNODE_GBPS, **trace_kwargs: Any) -> ParallelPrediction:
+                     internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
+                     **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -451,6 +452,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     gradient buffer, the loss, gradient clipping to norm 1.0 (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
     stage stepping its own parameters (with pipeline stages and tied embeddings the last stage holds a copy of
     the word embeddings, whose gradients the first and the last stage all-reduce).
+
+    ``cache``: a dict the caller keeps between calls (:func:`neusight.plan.plan_parallel` does): the trace of one
+    GPU's micro-batch, its forecast and its memory report are kept in it under everything they depend on, so
+    layouts that differ only in ``pp``, ``zero`` or the links reuse them.
 
     Examples
     --------
@@ -482,9 +487,17 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if megatron and training:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
-    g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
-              tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
-    one = predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32)
+    key = (model if isinstance(model, str) else id(model), micro, seq_len, mode, head, optimizer, tp, ep, device,
+           id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor, fused, megatron,
+           repr(tf32), repr(sorted(trace_kwargs.items())))
+    kept = cache.get(key) if cache is not None else None
+    if kept is None:
+        g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
+                  tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
+        kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32)}
+        if cache is not None:
+            cache[key] = kept
+    g, one = kept["graph"], kept["one"]
     k = one.kernels
     index = _block_index(k)
     block = _block_numbers(k, index)
@@ -492,6 +505,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     tokens, hidden = _activation_shape(k, block) if tp > 1 or pp > 1 else (0.0, 0.0)
     act_bytes = tokens * hidden * (2.0 if g.amp or g.dtype in ("float16", "bfloat16") else 4.0)   # one micro-batch
     n = int(block.max()) + 1 if block.notna().any() else 0       # blocks are numbered 0 .. n - 1
+    if pp > max(n, 1):
+        raise InputError(f"pp={pp} pipeline stages for the {n} transformer blocks of {g.model}: a stage would hold "
+                         f"none. Fix: pp <= {max(n, 1)}")
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
     ep_ms = _expert_alltoall_ms(g, index, n, par, training, device, links.ep)
@@ -530,7 +546,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if memory:
         from neusight.memory import estimate_memory
 
-        report = estimate_memory(g, device, fused=fused)
+        if "memory" not in kept:
+            kept["memory"] = estimate_memory(g, device, fused=fused)
+        report = kept["memory"]
         b = _zero_breakdown(report, zero, shards, units) if zero else report.breakdown
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
         breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else

@@ -66,6 +66,8 @@ class PredictConfig:
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
+    gpus: Optional[int] = None           # plan: forecast every dp x tp x pp layout of this many GPUs (with the
+    #                                      micro-batch counts and ZeRO stages), ranked; zero=1-3 keeps one stage
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
     ep: int = 1                          # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep each
@@ -561,6 +563,8 @@ def _app(cfg: PredictConfig) -> float:
     _check_counts(cfg)
     if cfg.new_tokens is not None:
         return _generation(cfg)
+    if cfg.gpus is not None:
+        return _plan(cfg)
     if _multi_gpu(cfg):
         return _parallel(cfg)
     from neusight.api import names_all
@@ -745,6 +749,73 @@ def _parallel(cfg: PredictConfig) -> float:
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
     return float(records[0]["latency_ms"])
+
+
+def _plan(cfg: PredictConfig) -> float:
+    """``gpus=N``: every dp x tp x pp layout of N GPUs ranked, per GPU type of ``cfg.device``
+    (neusight.plan.plan_parallel); the candidates as CSV, the plans as JSON on request."""
+    import pandas as pd
+
+    from neusight.api import names_all
+    from neusight.errors import InputError
+    from neusight.plan import plan_parallel
+    from neusight.util import atomic_write_text
+
+    fixed = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) != 1]
+    if fixed:
+        raise InputError(f"gpus={cfg.gpus} searches the dp x tp x pp layouts, and {fixed[0]} fixes one. Fix: leave "
+                         f"{fixed[0].split('=')[0]} out to search, or gpus out to forecast that layout")
+    if names_all(cfg.device):
+        raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
+                         "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    other = [k for k in ("layers_csv", "plot", "timeline", "find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
+    other += ["anchor_ms"] if cfg.anchor_ms is not None else []
+    if other:
+        raise InputError(f"{other[0]} is not available with gpus={cfg.gpus} (a search over layouts). Fix: leave it "
+                         "out, or forecast one layout with dp= / tp= / pp=")
+    optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
+    plans, records, best_rows = [], [], []
+    for i, (dev, price) in enumerate(zip(_gpus(cfg), _prices(cfg))):
+        plan = plan_parallel(cfg.model, dev, cfg.gpus, cfg.batch_size, cfg.seq_len, cfg.mode,
+                             microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
+                             zero=cfg.zero or None, ep=cfg.ep, optimizer=optimizer, usd_per_gpu_hour=price,
+                             head=cfg.head, megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
+                             attn_implementation=cfg.attn_implementation, image_size=cfg.image_size, dtype=cfg.dtype,
+                             tf32=cfg.tf32, amp=cfg.amp, kv_cache=cfg.kv_cache, gpus_per_node=cfg.gpus_per_node,
+                             internode_gbps=cfg.internode_gbps, **_step_options(cfg))
+        plans.append(plan)
+        print(("\n" if i else "") + plan.summary())
+        best = plan.best
+        if best is not None and _wants_run(cfg):
+            print(_run_text(cfg, float(best["ms"]), plan.batch_size, plan.seq_len, plan.gpus, price))
+        if best is not None:
+            best_rows.append({"device": dev.key, **best.drop(["rank", "time vs best"]).to_dict()})
+        records.append({"device": dev.key, "gpus": plan.gpus, "batch_size": plan.batch_size, "seq_len": plan.seq_len,
+                        "mode": plan.mode, "best": None if best is None else best.drop("rank").to_dict(),
+                        "layouts": plan.table.to_dict(orient="records"), "skipped": plan.skipped})
+    if len(plans) > 1 and best_rows:
+        print("\nbest layout per GPU type, side by side:")
+        table = pd.DataFrame(best_rows).set_index("device").drop(columns=["layout"]).T
+        print(table.to_string(formatters={c: _cell for c in table.columns}))
+    if cfg.csv:
+        atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key) for p in plans])
+                          .to_csv(index=False))
+    if cfg.json:
+        atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
+    first = plans[0].best
+    return float(first["ms"]) if first is not None else float("nan")
+
+
+def _cell(v: Any) -> str:
+    """A cell of a mixed column: integers as they are, other numbers to 2 decimals (4 significant digits below 10)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or float(v).is_integer():
+        return str(v)
+    return f"{v:,.2f}" if abs(v) >= 10 else f"{v:,.4g}"
+
+
+def _json_value(v: Any) -> Any:
+    """numpy scalars in a plan's records as JSON numbers."""
+    return v.item() if hasattr(v, "item") else str(v)
 
 
 def _memory_searches(cfg: PredictConfig, device: Any) -> None:

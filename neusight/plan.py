@@ -1,0 +1,262 @@
+"""Plan a multi-GPU run: every way ``gpus`` GPUs of one type can split a step, forecast and ranked.
+
+A capacity planner's question is rarely "how fast is dp 2 x tp 4?" but "I have 8 H100s: which layout is fastest,
+and does it fit?". :func:`plan_parallel` answers it by forecasting every layout of ``gpus`` GPUs with
+:func:`neusight.parallel.predict_parallel` (whose model of the collectives, pipeline schedule and ZeRO it
+inherits; nothing is fitted here):
+
+- every ``dp x tp x pp`` with ``dp x tp x pp = gpus`` whose data-parallel replicas split the global batch;
+- per layout, the micro-batch counts that split a replica's batch (gradient accumulation when ``pp = 1``, the
+  pipeline's schedule otherwise). With ``pp = 1`` more micro-batches only save memory, so the search stops at the
+  first count that fits; with ``pp > 1`` it stops when one more count that fits is slower than the last;
+- in training, per layout without pipeline stages and with ``dp > 1``, ZeRO stages 0-3 (1-3 trade collectives for
+  memory).
+
+A layout is then represented by its fastest candidate that fits in the GPU's memory (else by the one that needs
+the least memory). Layouts the model cannot take (attention heads that ``tp`` does not divide, more pipeline
+stages than blocks, a batch that ``dp`` does not split) are left out with the reason.
+
+Every candidate that differs only in ``pp``, ``zero`` or the micro-batch count shares its trace and single-GPU
+forecast (``predict_parallel``'s ``cache``), so a search costs one trace per distinct (micro-batch size, tp).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from neusight.devices import Device, load_device
+from neusight.errors import InputError, ModelError
+
+__all__ = ["ParallelPlan", "plan_parallel", "layouts"]
+
+log = logging.getLogger(__name__)
+
+COMM_PARTS = ("tp_comm", "ep_alltoall", "pp_p2p", "dp_allreduce", "dp_gather", "embedding_allreduce")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(gpus: int) -> list[tuple[int, int, int]]:
+    """Every ``(dp, tp, pp)`` with ``dp x tp x pp = gpus``, tensor parallelism outermost in the order.
+
+    >>> layouts(4)
+    [(4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)]
+    """
+    return [(gpus // (tp * pp), tp, pp) for tp in _divisors(gpus) for pp in _divisors(gpus // tp)]
+
+
+def layout_label(dp: int, tp: int, pp: int) -> str:
+    return f"dp {dp} x tp {tp} x pp {pp}"
+
+
+@dataclass
+class ParallelPlan:
+    """The layouts of ``gpus`` GPUs for one run, forecast: ``candidates`` has a row per forecast (layout,
+    micro-batches, ZeRO stage), :attr:`table` one per layout (its best candidate), fastest that fits first."""
+
+    model: str
+    device: Device
+    mode: str
+    gpus: int
+    batch_size: int                      # global batch
+    seq_len: int | None
+    unit: str                            # tokens/s, images/s or samples/s
+    candidates: pd.DataFrame
+    skipped: dict[str, str]              # layout label -> why it was left out
+    notes: tuple[str, ...] = field(default_factory=tuple)   # the best candidate's forecast notes
+    seconds: float = 0.0                 # wall time of the search
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """One row per layout: its fastest candidate that fits (else its smallest in memory); the layouts that fit
+        first, each group fastest first, with ``rank`` and ``time vs best`` (against the fastest that fits)."""
+        c = self.candidates
+        if c.empty:
+            return c
+        best = [g[g["fits"]].sort_values("ms", kind="stable").iloc[0] if g["fits"].any()
+                else g.sort_values("memory GiB", kind="stable").iloc[0]
+                for _, g in c.assign(fits=c["fits"].astype(bool)).groupby("layout", sort=False)]
+        table = pd.DataFrame(best)
+        table = table.assign(_order=~table["fits"].astype(bool)).sort_values(["_order", "ms"], kind="stable")
+        table = table.drop(columns="_order").reset_index(drop=True)
+        fitting = table.loc[table["fits"].astype(bool), "ms"]
+        ref = float(fitting.min()) if len(fitting) else float(table["ms"].min())
+        table.insert(table.columns.get_loc("ms") + 1, "time vs best", table["ms"] / ref)
+        table.insert(0, "rank", range(1, len(table) + 1))
+        table["fits"] = table["fits"].map({True: "yes", False: "no"})
+        return table
+
+    @property
+    def best(self) -> pd.Series | None:
+        """The fastest candidate that fits in memory, or None when none does."""
+        t = self.table
+        return t.iloc[0] if len(t) and t.iloc[0]["fits"] == "yes" else None
+
+    def summary(self) -> str:
+        """The run, the layouts ranked, the best one against plain data parallelism, and what was left out."""
+        import textwrap
+
+        t = self.table
+        per = f", seq {self.seq_len}" if self.seq_len else ""
+        lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}{per} on {self.gpus} x {self.device.name}",
+                 f"{len(t)} layouts of {self.gpus} GPUs forecast ({len(self.candidates)} candidates: micro-batch "
+                 f"counts{' and ZeRO stages' if self.mode == 'training' else ''}; {len(self.skipped)} "
+                 f"layout{'s' if len(self.skipped) != 1 else ''} left out) in {self.seconds:.1f} s; each layout's best candidate, those that fit in "
+                 f"{self.device.memory_gib:g} GiB first:"]
+        if len(t):
+            shown = t.drop(columns=["layout"])
+            fmt = {c: "{:,.2f}".format for c in shown.columns if c == "ms" or c.endswith(" ms")}
+            fmt.update({c: "{:,.0f}".format for c in shown.columns if c.endswith("/s")})
+            fmt.update({"memory GiB": "{:,.1f}".format, "time vs best": "{:.2f}x".format})
+            fmt.update({c: "{:,.4g}".format for c in shown.columns if c.startswith("USD per")})
+            with pd.option_context("display.width", 250, "display.max_columns", 50):
+                lines.append(shown.to_string(index=False, formatters=fmt))
+        best = self.best
+        if best is None:
+            lines.append("no layout fits in memory" + (f"; the smallest need: {t['memory GiB'].min():,.1f} GiB per GPU "
+                                                       f"({t.iloc[t['memory GiB'].argmin()]['layout']})"
+                                                       if len(t) else ""))
+        else:
+            lines.append(f"best: {_describe(best)}: {best['ms']:,.2f} ms a step ({best[self.unit]:,.0f} "
+                         f"{self.unit}), {best['memory GiB']:,.1f} GiB per GPU")
+            plain = t[(t["tp"] == 1) & (t["pp"] == 1)]
+            if len(plain) and plain.iloc[0]["layout"] != best["layout"]:
+                p = plain.iloc[0]
+                lines.append(f"plain data parallelism ({_describe(p)}): "
+                             + (f"{p['ms'] / best['ms']:.2f}x the best's time" if p["fits"] == "yes" else
+                                f"does not fit ({p['memory GiB']:,.1f} GiB per GPU)"))
+        groups: dict[str, list[str]] = {}
+        for label, why in self.skipped.items():
+            groups.setdefault(why, []).append(label)
+        lines += [textwrap.fill(f"left out ({len(v)}): {', '.join(v)}: {why}", width=116, subsequent_indent="  ")
+                  for why, v in groups.items()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _describe(row: pd.Series) -> str:
+    m = int(row["micro-batches"])
+    return (row["layout"] + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
+            + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else ""))
+
+
+def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
+                  mode: str = "training", *, microbatches: int | None = None, zero: int | None = None,
+                  ep: int = 1, optimizer: str | None = "adamw", usd_per_gpu_hour: float | None = None,
+                  **kwargs: Any) -> ParallelPlan:
+    """Forecast every layout of ``gpus`` GPUs of ``device`` for one step of ``model`` at global ``batch_size``
+    and rank them (module docstring: which candidates are tried).
+
+    Parameters
+    ----------
+    microbatches : int, optional
+        Keep this micro-batch count per replica instead of searching them.
+    zero : int, optional
+        Keep this ZeRO stage (0: none) where it applies (training, ``dp > 1``, ``pp = 1``) instead of searching
+        0-3; layouts it cannot apply to run without.
+    ep : int
+        Expert parallelism of a mixture-of-experts model (layouts whose ``dp`` it does not divide are left out).
+    optimizer : str, optional
+        The training step's optimizer (its state counts against the memory); None: no step.
+    usd_per_gpu_hour : float, optional
+        Adds the cost per 1M tokens (images, samples) of every candidate, all ``gpus`` GPUs counted.
+    **kwargs
+        As for :func:`neusight.parallel.predict_parallel` (head, predictor, fused, megatron, tf32,
+        gpus_per_node, internode_gbps, attn_implementation, dtype, amp, ...).
+
+    Examples
+    --------
+    >>> plan = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, batch_size=8, seq_len=128)
+    >>> sorted({(r.dp, r.tp, r.pp) for r in plan.table.itertuples()}) == sorted(layouts(4))
+    True
+    """
+    from neusight.parallel import predict_parallel
+
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the global batch, e.g. 64")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
+                         "leave it out to search the counts")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
+    if "cache" in kwargs:
+        raise InputError("cache= is plan_parallel's own. Fix: leave it out")
+    device = load_device(device)
+    training = mode == "training"
+    start = time.perf_counter()
+    cache: dict = {}
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    errors: list[Exception] = []
+    best_notes: tuple[str, ...] = ()
+    best_ms = math.inf
+    unit = "samples/s"
+    name, resolved_seq = model if isinstance(model, str) else type(model).__name__, seq_len
+    for dp, tp, pp in layouts(gpus):
+        label = layout_label(dp, tp, pp)
+        if batch_size % dp:
+            skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
+            continue
+        if dp % ep:
+            skipped[label] = f"ep={ep} does not divide dp"
+            continue
+        replica = batch_size // dp
+        counts = [microbatches] if microbatches is not None else _divisors(replica)
+        if replica % counts[0]:
+            skipped[label] = f"microbatches={microbatches} does not split a replica's batch"
+            continue
+        stages = ([zero] if zero is not None else [0, 1, 2, 3]) if training and dp > 1 and pp == 1 else [0]
+        last_fit = math.inf
+        try:
+            for m in counts:
+                fit_ms = math.inf
+                for z in stages:
+                    p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m,
+                                         zero=z, ep=ep, optimizer=optimizer if training else None, cache=cache,
+                                         **kwargs)
+                    unit = p.per_gpu.throughput[1]
+                    name, resolved_seq = p.model, p.seq_len
+                    done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
+                    parts = p.parts
+                    row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "micro-batches": m, "zero": z,
+                           "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
+                           "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
+                           "compute ms": parts["compute"], "communication ms": sum(parts[k] for k in COMM_PARTS),
+                           "bubble ms": parts["pp_bubble"], "optimizer ms": parts["optimizer"]}
+                    if usd_per_gpu_hour is not None:
+                        from neusight.api import unit_cost
+
+                        usd, per = unit_cost(done / p.latency_ms * 1e3, unit, usd_per_gpu_hour, gpus)
+                        row[f"USD per {per}"] = usd
+                    rows.append(row)
+                    if row["fits"]:
+                        fit_ms = min(fit_ms, p.latency_ms)
+                        if p.latency_ms < best_ms:
+                            best_ms, best_notes = p.latency_ms, tuple(p.notes)
+                if fit_ms < math.inf and (pp == 1 or fit_ms > last_fit):
+                    break           # pp = 1: more micro-batches only add time; pp > 1: past the fastest count
+                last_fit = min(last_fit, fit_ms)
+        except (InputError, ModelError) as e:
+            errors.append(e)
+            skipped[label] = str(e).split(". Fix:")[0]
+            rows = [r for r in rows if r["layout"] != label]
+            log.info("%s: left out (%s)", label, skipped[label])
+            continue
+        mine = [r for r in rows if r["layout"] == label]
+        fits = [r["ms"] for r in mine if r["fits"]]
+        log.info("%s: %d candidates, %s", label, len(mine),
+                 f"fastest that fits {min(fits):,.2f} ms" if fits else "none fits")
+    if not rows and errors:
+        raise errors[0]
+    return ParallelPlan(name, device, mode, gpus, batch_size, resolved_seq, unit, pd.DataFrame(rows), skipped,
+                        best_notes, time.perf_counter() - start)

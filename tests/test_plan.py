@@ -1,0 +1,137 @@
+"""neusight.plan: every layout of N GPUs forecast and ranked, each candidate the forecast predict_parallel makes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from neusight.devices import modify_device
+from neusight.errors import InputError, ModelError
+from neusight.parallel import predict_parallel
+from neusight.plan import layouts, plan_parallel
+
+BIN = __import__("pathlib").Path(sys.executable).parent
+RUN = dict(batch_size=8, seq_len=64, mode="training")
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 6, 8, 12])
+def test_layouts_are_every_factorisation_once(gpus):
+    got = layouts(gpus)
+    assert len(set(got)) == len(got)
+    assert all(dp * tp * pp == gpus for dp, tp, pp in got)
+    expected = {(a, b, gpus // (a * b)) for a in range(1, gpus + 1) for b in range(1, gpus + 1)
+                if gpus % (a * b) == 0}
+    assert set(got) == expected
+
+
+@pytest.fixture(scope="module")
+def small_gpu():
+    """An H100 with 1.5 GiB: GPT-2 training at batch 8 does not fit on one GPU, so layouts differ in fitting."""
+    return modify_device("h100-sxm5-80gb", memory_gib=1.5)
+
+
+@pytest.fixture(scope="module")
+def plan(small_gpu):
+    return plan_parallel("gpt2", small_gpu, gpus=4, **RUN)
+
+
+def test_every_layout_is_forecast_or_left_out_with_a_reason(plan):
+    assert {(r.dp, r.tp, r.pp) for r in plan.table.itertuples()} | {
+        tuple(int(x) for x in label.replace("dp ", "").replace("tp ", "").replace("pp ", "").split(" x "))
+        for label in plan.skipped} == set(layouts(4))
+    assert plan.skipped == {}        # 12 heads, 12 blocks and batch 8 take every layout of 4 GPUs
+
+
+def test_ranked_fitting_layouts_first_fastest_first(plan, small_gpu):
+    t = plan.table
+    fits = (t["fits"] == "yes").tolist()
+    assert fits == sorted(fits, reverse=True)          # every "yes" before every "no"
+    for group in (t[t["fits"] == "yes"], t[t["fits"] == "no"]):
+        assert group["ms"].is_monotonic_increasing
+    assert plan.best is not None and plan.best["ms"] == t.loc[t["fits"] == "yes", "ms"].min()
+    ok = t[t["fits"] == "yes"]
+    assert (ok["memory GiB"] <= small_gpu.memory_gib).all()
+    assert (t.loc[t["fits"] == "no", "memory GiB"] > small_gpu.memory_gib).all()
+    # a layout's row is its fastest candidate that fits
+    c = plan.candidates
+    for r in ok.itertuples():
+        mine = c[(c["layout"] == r.layout) & c["fits"]]
+        assert r.ms == mine["ms"].min()
+
+
+def test_memory_decides_the_micro_batches_and_zero(plan):
+    """On the small GPU plain data parallelism needs gradient accumulation or ZeRO to fit; on the real H100 it fits
+    at one micro-batch, so the plan does not pay for more."""
+    c = plan.candidates
+    dp4 = c[c["layout"] == "dp 4 x tp 1 x pp 1"]
+    assert not dp4[(dp4["micro-batches"] == 1) & (dp4["zero"] == 0)]["fits"].any()
+    big = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, **RUN)
+    row = big.table.set_index("layout").loc["dp 4 x tp 1 x pp 1"]
+    assert row["micro-batches"] == 1 and row["fits"] == "yes"
+
+
+def test_candidates_are_predict_parallels_forecasts(plan, small_gpu):
+    """The shared traces (predict_parallel's cache) change no number: a candidate equals a fresh forecast."""
+    for _, r in plan.candidates.sample(4, random_state=0).iterrows():
+        p = predict_parallel("gpt2", small_gpu, dp=int(r["dp"]), tp=int(r["tp"]), pp=int(r["pp"]),
+                             microbatches=int(r["micro-batches"]), zero=int(r["zero"]), optimizer="adamw", **RUN)
+        assert p.latency_ms == pytest.approx(r["ms"], rel=1e-9)
+        assert p.memory_peak_bytes / 2**30 == pytest.approx(r["memory GiB"], rel=1e-9)
+
+
+def test_layouts_the_model_cannot_take_are_left_out():
+    p = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=8, batch_size=4, seq_len=32)
+    assert "dp 8 x tp 1 x pp 1" in p.skipped and "does not split" in p.skipped["dp 8 x tp 1 x pp 1"]
+    assert "dp 1 x tp 8 x pp 1" in p.skipped       # 8 does not divide GPT-2's 12 heads
+    assert set(p.table["layout"]).isdisjoint(p.skipped)
+    assert "left out" in p.summary()
+
+
+def test_fixed_zero_and_micro_batches_are_kept():
+    p = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, zero=2, microbatches=2, **RUN)
+    c = p.candidates
+    assert set(c["micro-batches"]) == {2}
+    assert set(c.loc[(c["dp"] > 1) & (c["pp"] == 1), "zero"]) == {2}
+    assert set(c.loc[(c["dp"] == 1) | (c["pp"] > 1), "zero"]) == {0}
+
+
+def test_inference_plans_have_no_zero():
+    p = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=2, batch_size=4, seq_len=32, mode="inference")
+    assert set(p.candidates["zero"]) == {0} and p.best is not None
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(model="gpt9"), "gpt9"),
+    (dict(gpus=0), "gpus=0"),
+    (dict(batch_size=0), "batch_size=0"),
+    (dict(zero=4), "zero=4"),
+    (dict(microbatches=0), "microbatches=0"),
+])
+def test_bad_input_names_the_field(kwargs, fragment):
+    args = dict(model="gpt2", device="h100-sxm5-80gb", gpus=2, batch_size=4, seq_len=32) | kwargs
+    with pytest.raises((InputError, ModelError), match=fragment):   # the model's own error when no layout can run
+        plan_parallel(**args)
+
+
+def test_more_pipeline_stages_than_blocks_is_refused():
+    with pytest.raises(InputError, match="pp=16 pipeline stages for the 12 transformer blocks"):
+        predict_parallel("gpt2", "h100-sxm5-80gb", batch_size=16, seq_len=32, pp=16, microbatches=16)
+
+
+def test_plan_from_the_command_line(tmp_path):
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=[a100-80gb-pcie,h100-sxm5-80gb]",
+                        "gpus=2", "batch_size=4", "seq_len=32", "mode=training", "gpu_hour_usd=[1.5,3]",
+                        "json=plan.json", "csv=plan.csv", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "layouts of 2 GPUs forecast" in r.stdout and "best: dp " in r.stdout
+    assert "best layout per GPU type, side by side" in r.stdout and "USD per 1M tokens" in r.stdout
+    plans = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
+    assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
+    csv = (tmp_path / "run" / "plan.csv").read_text().splitlines()
+    assert csv[0].startswith("layout,dp,tp,pp,micro-batches,zero,ms") and len(csv) > 3
+
