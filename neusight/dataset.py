@@ -577,8 +577,8 @@ def _device_columns(devices: Iterable[Device]) -> pd.DataFrame:
     """One row per device: ``device`` (key) + ``dev_<field>`` for every numeric field of Device,
     vendor, architecture and fp32_dual_issue."""
     hints = typing.get_type_hints(Device)
-    names = [f.name for f in dataclasses.fields(Device)
-             if _is_number(hints.get(f.name)) or f.name in ("vendor", "architecture", "fp32_dual_issue")]
+    names = [f.name for f in dataclasses.fields(Device) if f.name != "interconnect_group"   # multi-GPU topology
+             and (_is_number(hints.get(f.name)) or f.name in ("vendor", "architecture", "fp32_dual_issue"))]
     rows = [{"device": d.key, **{f"dev_{n}": getattr(d, n) for n in names}} for d in devices]
     frame = pd.DataFrame(rows, columns=["device", *(f"dev_{n}" for n in names)])
     numeric = [f"dev_{n}" for n in names if _is_number(hints.get(n))]

@@ -72,6 +72,8 @@ class Device:
     bf16_tensor_tflops: float | None = None  # None where BF16 math is not supported
     fp8_tensor_tflops: float | None = None  # dense FP8 tensor peak, FP32 accumulate; None before Ada / Hopper / CDNA3
     infinity_cache_mib: float | None = None  # AMD memory-side cache
+    interconnect_group: int | None = None  # GPUs interconnect_gbps joins (an NVLink bridge: 2, an Infinity Fabric
+    #                                        hive: 4); beyond them PCIe. None: every GPU of a node (NVSwitch, a mesh)
 
     @property
     def peak_fp32_flops(self) -> float:

@@ -165,12 +165,23 @@ class Links:
                 raise InputError(f"{name}={v!r} must be a positive {'integer' if name == 'gpus_per_node' else 'number'}"
                                  f". Fix: e.g. {name}={GPUS_PER_NODE if name == 'gpus_per_node' else INTERNODE_GBPS:g}")
         intra = device.interconnect_gbps
+        group = device.interconnect_group or gpus_per_node
 
-        def over(span: int) -> float:   # a group whose ranks span more than a node crosses the network
-            return intra if span <= gpus_per_node else min(intra, float(internode_gbps))
+        def over(span: int) -> float:
+            # beyond the GPUs the links join (a bridged pair) the host's PCIe; beyond a node the network
+            link = intra if span <= group else min(intra, device.pcie_gbps)
+            return link if span <= gpus_per_node else min(link, float(internode_gbps))
 
-        return cls(tp=over(par.tp), dp=over(par.tp * par.dp), ep=over(par.tp * par.ep), pp=over(par.gpus),
+        spans = cls.spans(par)
+        return cls(tp=over(spans["tensor-parallel"]), dp=over(spans["data-parallel"]),
+                   ep=over(spans["expert-parallel"]), pp=over(spans["pipeline"]),
                    nodes=math.ceil(par.gpus / gpus_per_node))
+
+    @staticmethod
+    def spans(par: "Parallelism") -> dict[str, int]:
+        """How many consecutive ranks each kind of group's GPUs span (ranks ordered as in the class docstring)."""
+        return {"tensor-parallel": par.tp, "data-parallel": par.tp * par.dp, "expert-parallel": par.tp * par.ep,
+                "pipeline": par.gpus}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -555,13 +566,22 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
+    sizes = {"tensor-parallel": tp, "data-parallel": dp, "expert-parallel": ep, "pipeline": pp}
+    spans = {name: span for name, span in Links.spans(par).items() if sizes[name] > 1}
+    bridged = device.interconnect_group
+    if bridged is not None and device.pcie_gbps < device.interconnect_gbps and \
+            (beyond := [name for name, span in spans.items() if span > bridged]):
+        notes += (f"{device.key}'s {device.interconnect_gbps:g} GB/s links join groups of {bridged} GPUs "
+                  f"(interconnect_group: {'NVLink bridges' if device.vendor == 'nvidia' else 'a hive'}); the "
+                  f"{_joined(beyond)} collectives span more and run over PCIe at {device.pcie_gbps:g} GB/s (pcie_gbps)",)
     if links.nodes > 1:
-        crossing = [name for name, v, n in (("tensor-parallel", links.tp, tp), ("data-parallel", links.dp, dp),
-                                            ("expert-parallel", links.ep, ep), ("pipeline", links.pp, pp))
-                    if v < device.interconnect_gbps and n > 1]
-        what = " and ".join([", ".join(crossing[:-1]), crossing[-1]] if len(crossing) > 1 else crossing)
+        def in_node(span: int) -> float:   # the link the group would have within a node
+            return min(device.interconnect_gbps, device.pcie_gbps) if span > (bridged or span) else \
+                device.interconnect_gbps
+
+        crossing = [name for name, span in spans.items() if span > gpus_per_node and internode_gbps < in_node(span)]
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
-                  + (f"the {what} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
+                  + (f"the {_joined(crossing)} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
                      "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
@@ -579,6 +599,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   + "; its collectives are not overlapped with compute (an upper bound on their time)",)
     return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
                               one, roofline_ms, notes, breakdown)
+
+
+def _joined(names: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b and c"."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:

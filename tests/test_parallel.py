@@ -324,6 +324,31 @@ def test_groups_that_span_nodes_run_at_the_network_links():
         predict_parallel("gpt2", "h100-sxm5-80gb", internode_gbps=-1, **kw)
 
 
+def test_groups_beyond_a_bridged_pair_run_over_pcie():
+    """PCIe boards with NVLink bridges (interconnect_group: 2) join pairs: with tensor parallelism innermost a
+    tp=2 group is a bridged pair, while the data-parallel group of dp=2 x tp=2 spans 4 GPUs and runs over PCIe."""
+    from neusight.devices import modify_device
+    from neusight.parallel import Links
+
+    a100 = load_device("a100-80gb-pcie")
+    assert a100.interconnect_group == 2 and a100.pcie_gbps < a100.interconnect_gbps
+    links = Links.of(Parallelism(dp=2, tp=2), a100)
+    assert (links.tp, links.dp) == (a100.interconnect_gbps, a100.pcie_gbps)
+    assert Links.of(Parallelism(dp=2), a100).dp == a100.interconnect_gbps
+    assert Links.of(Parallelism(tp=4), a100).tp == a100.pcie_gbps
+    assert Links.of(Parallelism(dp=4), load_device("mi210")).dp == load_device("mi210").interconnect_gbps   # a hive
+    kw = dict(batch_size=16, seq_len=128, mode="training", dp=2, tp=2, memory=False)
+    pairs = predict_parallel("gpt2", a100, **kw)
+    switched = predict_parallel("gpt2", modify_device(a100, interconnect_group=8), **kw)   # as if all 4 were linked
+    assert pairs.parts["tp_comm"] == switched.parts["tp_comm"]
+    assert pairs.parts["dp_allreduce"] > 5 * switched.parts["dp_allreduce"]
+    assert any("join groups of 2 GPUs" in n and "data-parallel collectives" in n for n in pairs.notes)
+    assert not any("join groups of" in n for n in switched.notes)
+    for d in map(load_device, neusight.list_devices()):
+        if d.interconnect_group is not None:     # a group size only means something where PCIe is slower
+            assert d.pcie_gbps < d.interconnect_gbps, d.key
+
+
 def test_one_gpu_is_the_single_gpu_forecast():
     one = predict_parallel("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128)
     single = neusight.predict("gpt2", "a100-pcie-40gb", batch_size=4, seq_len=128, mode="training", optimizer=None,
