@@ -466,7 +466,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     ``cache``: a dict the caller keeps between calls (:func:`neusight.plan.plan_parallel` does): the trace of one
     GPU's micro-batch, its forecast and its memory report are kept in it under everything they depend on, so
-    layouts that differ only in ``pp``, ``zero`` or the links reuse them.
+    layouts with the same micro-batch size and ``tp`` (differing in ``dp``, ``pp``, ``zero`` or the links) reuse them.
 
     Examples
     --------
@@ -573,7 +573,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
             (beyond := [name for name, span in spans.items() if span > bridged]):
         notes += (f"{device.key}'s {device.interconnect_gbps:g} GB/s links join groups of {bridged} GPUs "
                   f"(interconnect_group: {'NVLink bridges' if device.vendor == 'nvidia' else 'a hive'}); the "
-                  f"{_joined(beyond)} collectives span more and run over PCIe at {device.pcie_gbps:g} GB/s (pcie_gbps)",)
+                  f"{_joined(beyond)} collectives span more and run over PCIe at {device.pcie_gbps:g} GB/s "
+                  "(pcie_gbps)",)
     if links.nodes > 1:
         def in_node(span: int) -> float:   # the link the group would have within a node
             return min(device.interconnect_gbps, device.pcie_gbps) if span > (bridged or span) else \

@@ -7,17 +7,23 @@ inherits; nothing is fitted here):
 
 - every ``dp x tp x pp`` with ``dp x tp x pp = gpus`` whose data-parallel replicas split the global batch;
 - per layout, the micro-batch counts that split a replica's batch (gradient accumulation when ``pp = 1``, the
-  pipeline's schedule otherwise). With ``pp = 1`` more micro-batches only save memory, so the search stops at the
-  first count that fits; with ``pp > 1`` it stops when one more count that fits is slower than the last;
+  pipeline's schedule otherwise, from ``pp`` micro-batches up: fewer only lengthen the bubble, as the first stage
+  holds the activations of the whole replica batch / pp either way). With ``pp = 1`` more micro-batches only save
+  memory, so the search stops at the first count that fits; with ``pp > 1`` it stops when one more count that fits
+  is slower than the last;
 - in training, per layout without pipeline stages and with ``dp > 1``, ZeRO stages 0-3 (1-3 trade collectives for
-  memory).
+  memory);
+- in training, activation recompute (Hugging Face's gradient checkpointing: every layer's forward again in the
+  backward pass) where a micro-batch count does not fit without it (not where it fits: recompute only adds time),
+  unless ``gradient_checkpointing`` is given.
 
 A layout is then represented by its fastest candidate that fits in the GPU's memory (else by the one that needs
 the least memory). Layouts the model cannot take (attention heads that ``tp`` does not divide, more pipeline
 stages than blocks, a batch that ``dp`` does not split) are left out with the reason.
 
-Every candidate that differs only in ``pp``, ``zero`` or the micro-batch count shares its trace and single-GPU
-forecast (``predict_parallel``'s ``cache``), so a search costs one trace per distinct (micro-batch size, tp).
+Candidates with the same micro-batch size, ``tp`` and recompute share one trace, single-GPU forecast and memory
+report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs one trace per
+distinct (micro-batch size, tp, recompute).
 """
 
 from __future__ import annotations
@@ -108,9 +114,10 @@ class ParallelPlan:
         per = f", seq {self.seq_len}" if self.seq_len else ""
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}{per} on {self.gpus} x {self.device.name}",
                  f"{len(t)} layouts of {self.gpus} GPUs forecast ({len(self.candidates)} candidates: micro-batch "
-                 f"counts{' and ZeRO stages' if self.mode == 'training' else ''}; {len(self.skipped)} "
-                 f"layout{'s' if len(self.skipped) != 1 else ''} left out) in {self.seconds:.1f} s; each layout's best candidate, those that fit in "
-                 f"{self.device.memory_gib:g} GiB first:"]
+                 f"counts{', ZeRO stages, recompute where needed' if self.mode == 'training' else ''}; "
+                 f"{len(self.skipped)} layout{'s' if len(self.skipped) != 1 else ''} left out) in "
+                 f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
+                 "GiB first:"]
         if len(t):
             shown = t.drop(columns=["layout"])
             fmt = {c: "{:,.2f}".format for c in shown.columns if c == "ms" or c.endswith(" ms")}
@@ -145,7 +152,8 @@ class ParallelPlan:
 def _describe(row: pd.Series) -> str:
     m = int(row["micro-batches"])
     return (row["layout"] + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
-            + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else ""))
+            + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
+            + (", activation recompute" if row["recompute"] == "yes" else ""))
 
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
@@ -166,6 +174,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         Expert parallelism of a mixture-of-experts model (layouts whose ``dp`` it does not divide are left out).
     optimizer : str, optional
         The training step's optimizer (its state counts against the memory); None: no step.
+    gradient_checkpointing : bool or int, optional (in ``kwargs``)
+        Keep it on (or off) everywhere instead of trying activation recompute where nothing fits without it.
     usd_per_gpu_hour : float, optional
         Adds the cost per 1M tokens (images, samples) of every candidate, all ``gpus`` GPUs counted.
     **kwargs
@@ -198,10 +208,37 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     errors: list[Exception] = []
-    best_notes: tuple[str, ...] = ()
-    best_ms = math.inf
+    notes_extra: list[str] = []
     unit = "samples/s"
     name, resolved_seq = model if isinstance(model, str) else type(model).__name__, seq_len
+    searching = training and kwargs.get("gradient_checkpointing") is None   # recompute tried where needed
+    if searching:
+        kwargs.pop("gradient_checkpointing", None)
+    state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "name": name, "seq": resolved_seq, "unit": unit}
+
+    def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any) -> dict[str, Any]:
+        extra = {"gradient_checkpointing": ckpt} if searching else {}
+        p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
+                             ep=ep, optimizer=optimizer if training else None, cache=cache, **extra, **kwargs)
+        unit = state["unit"] = p.per_gpu.throughput[1]
+        state["name"], state["seq"] = p.model, p.seq_len
+        done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
+        parts = p.parts
+        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "micro-batches": m, "zero": z,
+               "recompute": "yes" if p.per_gpu.graph.gradient_checkpointing else "no",
+               "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
+               "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
+               "compute ms": parts["compute"], "communication ms": sum(parts[k] for k in COMM_PARTS),
+               "bubble ms": parts["pp_bubble"], "optimizer ms": parts["optimizer"]}
+        if usd_per_gpu_hour is not None:
+            from neusight.api import unit_cost
+
+            usd, per = unit_cost(done / p.latency_ms * 1e3, unit, usd_per_gpu_hour, gpus)
+            row[f"USD per {per}"] = usd
+        if row["fits"] and p.latency_ms < state["best_ms"]:
+            state["best_ms"], state["notes"] = p.latency_ms, tuple(p.notes)
+        return row
+
     for dp, tp, pp in layouts(gpus):
         label = layout_label(dp, tp, pp)
         if batch_size % dp:
@@ -212,38 +249,32 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
             continue
         replica = batch_size // dp
         counts = [microbatches] if microbatches is not None else _divisors(replica)
+        if microbatches is None and pp > 1:     # fewer micro-batches than stages: a longer bubble, no less memory
+            counts = [m for m in counts if m >= pp] or [replica]
         if replica % counts[0]:
             skipped[label] = f"microbatches={microbatches} does not split a replica's batch"
             continue
         stages = ([zero] if zero is not None else [0, 1, 2, 3]) if training and dp > 1 and pp == 1 else [0]
-        last_fit = math.inf
+        last_fit, recompute_fit = math.inf, False
         try:
             for m in counts:
-                fit_ms = math.inf
-                for z in stages:
-                    p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m,
-                                         zero=z, ep=ep, optimizer=optimizer if training else None, cache=cache,
-                                         **kwargs)
-                    unit = p.per_gpu.throughput[1]
-                    name, resolved_seq = p.model, p.seq_len
-                    done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
-                    parts = p.parts
-                    row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "micro-batches": m, "zero": z,
-                           "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
-                           "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
-                           "compute ms": parts["compute"], "communication ms": sum(parts[k] for k in COMM_PARTS),
-                           "bubble ms": parts["pp_bubble"], "optimizer ms": parts["optimizer"]}
-                    if usd_per_gpu_hour is not None:
-                        from neusight.api import unit_cost
-
-                        usd, per = unit_cost(done / p.latency_ms * 1e3, unit, usd_per_gpu_hour, gpus)
-                        row[f"USD per {per}"] = usd
-                    rows.append(row)
-                    if row["fits"]:
-                        fit_ms = min(fit_ms, p.latency_ms)
-                        if p.latency_ms < best_ms:
-                            best_ms, best_notes = p.latency_ms, tuple(p.notes)
-                if fit_ms < math.inf and (pp == 1 or fit_ms > last_fit):
+                plain = [candidate(label, dp, tp, pp, m, z, False) for z in stages]
+                rows += plain
+                tried = plain
+                if searching and not any(r["fits"] for r in plain) and not (pp == 1 and recompute_fit):
+                    try:      # activation recompute, where nothing fits without it
+                        again = [candidate(label, dp, tp, pp, m, z, True) for z in stages]
+                    except InputError as e:
+                        if "gradient_checkpointing" not in str(e):
+                            raise
+                        searching = False
+                        notes_extra.append("activation recompute not searched: " + str(e).split(". Fix:")[0])
+                        again = []
+                    rows += again
+                    tried = plain + again
+                    recompute_fit = recompute_fit or any(r["fits"] for r in again)
+                fit_ms = min((r["ms"] for r in tried if r["fits"]), default=math.inf)
+                if any(r["fits"] for r in plain) and pp == 1 or fit_ms < math.inf and fit_ms > last_fit:
                     break           # pp = 1: more micro-batches only add time; pp > 1: past the fastest count
                 last_fit = min(last_fit, fit_ms)
         except (InputError, ModelError) as e:
@@ -258,5 +289,5 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                  f"fastest that fits {min(fits):,.2f} ms" if fits else "none fits")
     if not rows and errors:
         raise errors[0]
-    return ParallelPlan(name, device, mode, gpus, batch_size, resolved_seq, unit, pd.DataFrame(rows), skipped,
-                        best_notes, time.perf_counter() - start)
+    return ParallelPlan(state["name"], device, mode, gpus, batch_size, state["seq"], state["unit"], pd.DataFrame(rows),
+                        skipped, tuple(state["notes"]) + tuple(notes_extra), time.perf_counter() - start)

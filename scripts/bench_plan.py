@@ -47,16 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| `plan_parallel({', '.join(f'{k}={v!r}' for k, v in kw.items())})` | {len(plan.table)} "
                     f"| {len(plan.skipped)} | {len(plan.candidates)} | {int((plan.table['fits'] == 'yes').sum())} | "
                     + ("none fits" if best is None else
-                       f"{best['layout']}, {int(best['micro-batches'])} micro-batches, ZeRO {int(best['zero'])}: "
-                       f"{best['ms']:,.0f} ms") + f" | {seconds:.1f} |")
+                       f"{best['layout']}, {int(best['micro-batches'])} micro-batches, ZeRO {int(best['zero'])}"
+                       + (", recompute" if best["recompute"] == "yes" else "") + f": {best['ms']:,.0f} ms")
+                    + f" | {seconds:.1f} |")
     cli = ["model=gpt3-2.7b", "device=h100-sxm5-80gb", "gpus=8", "batch_size=64", "seq_len=2048", "mode=training"]
     cli_s = command_wall(cli)
     load_after = os.getloadavg()
     body = f"""## Planning a multi-GPU run (`gpus=N`)
 
 Every `dp x tp x pp` layout of N GPUs forecast with `neusight.parallel.predict_parallel` (per layout the
-micro-batch counts, and in training without pipeline stages the ZeRO stages; candidates that differ only in
-`pp`, ZeRO or the micro-batch count share one trace) and ranked, memory fit first. Warm process in Python.
+micro-batch counts, in training without pipeline stages the ZeRO stages, and activation recompute where a
+candidate does not fit without it; candidates with the same micro-batch size, tp and recompute share one
+trace) and ranked, memory fit first. Warm process in Python.
 No multi-GPU measurement is available to check the rankings: this table measures the time a plan takes.
 
 | plan | layouts forecast | left out | candidates | layouts that fit | best | Python (s) |

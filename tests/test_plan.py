@@ -77,7 +77,8 @@ def test_candidates_are_predict_parallels_forecasts(plan, small_gpu):
     """The shared traces (predict_parallel's cache) change no number: a candidate equals a fresh forecast."""
     for _, r in plan.candidates.sample(4, random_state=0).iterrows():
         p = predict_parallel("gpt2", small_gpu, dp=int(r["dp"]), tp=int(r["tp"]), pp=int(r["pp"]),
-                             microbatches=int(r["micro-batches"]), zero=int(r["zero"]), optimizer="adamw", **RUN)
+                             microbatches=int(r["micro-batches"]), zero=int(r["zero"]), optimizer="adamw",
+                             gradient_checkpointing=r["recompute"] == "yes", **RUN)
         assert p.latency_ms == pytest.approx(r["ms"], rel=1e-9)
         assert p.memory_peak_bytes / 2**30 == pytest.approx(r["memory GiB"], rel=1e-9)
 
@@ -133,5 +134,23 @@ def test_plan_from_the_command_line(tmp_path):
     assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
     csv = (tmp_path / "run" / "plan.csv").read_text().splitlines()
-    assert csv[0].startswith("layout,dp,tp,pp,micro-batches,zero,ms") and len(csv) > 3
+    assert csv[0].startswith("layout,dp,tp,pp,micro-batches,zero,recompute,ms") and len(csv) > 3
 
+
+
+def test_recompute_is_tried_only_where_nothing_fits_without_it(plan):
+    c = plan.candidates
+    again = c[c["recompute"] == "yes"]
+    assert len(again)                      # the small GPU needs it somewhere
+    key = ["layout", "micro-batches", "zero"]
+    both = again.merge(c[c["recompute"] == "no"], on=key, suffixes=("", "_plain"))
+    assert len(both) == len(again)
+    assert not both["fits_plain"].any()                      # never where the plain candidate fits
+    assert (both["ms"] > both["ms_plain"]).all()             # the forward runs twice
+    assert (both["memory GiB"] < both["memory GiB_plain"]).all()
+
+
+def test_fixed_recompute_is_kept(small_gpu):
+    off = plan_parallel("gpt2", small_gpu, gpus=2, gradient_checkpointing=False, **RUN)
+    on = plan_parallel("gpt2", small_gpu, gpus=2, gradient_checkpointing=True, **RUN)
+    assert set(off.candidates["recompute"]) == {"no"} and set(on.candidates["recompute"]) == {"yes"}

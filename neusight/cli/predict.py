@@ -67,7 +67,7 @@ class PredictConfig:
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     gpus: Optional[int] = None           # plan: forecast every dp x tp x pp layout of this many GPUs (with the
-    #                                      micro-batch counts and ZeRO stages), ranked; zero=1-3 keeps one stage
+    #                                      micro-batch counts, ZeRO stages and recompute), ranked; zero=1-3 keeps one
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
     ep: int = 1                          # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep each
@@ -82,7 +82,8 @@ class PredictConfig:
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     static_cache: bool = False           # generation: new tokens written in place (StaticCache, serving engines), not
     #                                      concatenated onto the whole cache every step (eager DynamicCache)
-    gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
+    gradient_checkpointing: Any = None   # training: layers recompute their forward in backward (HF); n: every n-th;
+    #                                      null = off (with gpus=N: tried where a candidate does not fit without it)
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)
     moe_kernels: str = "auto"            # routed MoE experts: auto (as transformers runs them on the GPU) | loop |
