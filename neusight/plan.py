@@ -39,7 +39,7 @@ import pandas as pd
 from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 
-__all__ = ["ParallelPlan", "plan_parallel", "layouts"]
+__all__ = ["ParallelPlan", "plan_parallel", "layouts", "scaling_table"]
 
 log = logging.getLogger(__name__)
 
@@ -291,3 +291,28 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         raise errors[0]
     return ParallelPlan(state["name"], device, mode, gpus, batch_size, state["seq"], state["unit"], pd.DataFrame(rows),
                         skipped, tuple(state["notes"]) + tuple(notes_extra), time.perf_counter() - start)
+
+
+def scaling_table(plans: list[ParallelPlan]) -> pd.DataFrame:
+    """How a run scales over the GPU counts of ``plans`` (one device, one run, in the order given): each count's
+    best layout, its time and throughput, the ``speed-up`` over the first count whose run fits and the
+    ``efficiency`` (speed-up / GPU-count ratio; 1 = linear scaling). A count where nothing fits has no time."""
+    rows = []
+    for plan in plans:
+        best = plan.best
+        row: dict[str, Any] = {"gpus": plan.gpus}
+        if best is None:
+            row.update({"layout": "none fits", "ms": math.nan, plan.unit: math.nan})
+        else:
+            row.update({k: best[k] for k in ("layout", "micro-batches", "zero", "recompute", "ms", plan.unit,
+                                               "memory GiB")})
+            row.update({k: best[k] for k in best.index if k.startswith("USD per")})
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    fitting = table["ms"].notna()
+    if fitting.any():
+        ref = table[fitting].iloc[0]
+        speed = ref["ms"] / table["ms"]
+        table["speed-up"] = speed
+        table["efficiency"] = speed / (table["gpus"] / ref["gpus"])
+    return table

@@ -11,7 +11,7 @@ import pytest
 from neusight.devices import modify_device
 from neusight.errors import InputError, ModelError
 from neusight.parallel import predict_parallel
-from neusight.plan import layouts, plan_parallel
+from neusight.plan import layouts, plan_parallel, scaling_table
 
 BIN = __import__("pathlib").Path(sys.executable).parent
 RUN = dict(batch_size=8, seq_len=64, mode="training")
@@ -154,3 +154,25 @@ def test_fixed_recompute_is_kept(small_gpu):
     off = plan_parallel("gpt2", small_gpu, gpus=2, gradient_checkpointing=False, **RUN)
     on = plan_parallel("gpt2", small_gpu, gpus=2, gradient_checkpointing=True, **RUN)
     assert set(off.candidates["recompute"]) == {"no"} and set(on.candidates["recompute"]) == {"yes"}
+
+
+def test_scaling_table_compares_each_count_with_the_first_that_fits():
+    tiny = modify_device("h100-sxm5-80gb", memory_gib=0.1)
+    plans = [plan_parallel("gpt2", "h100-sxm5-80gb", gpus=n, **RUN) for n in (1, 2)]
+    t = scaling_table([plan_parallel("gpt2", tiny, gpus=1, **RUN), *plans])
+    assert list(t["gpus"]) == [1, 1, 2]
+    none, first, second = t.to_dict(orient="records")
+    assert first["ms"] == plans[0].best["ms"] and second["ms"] == plans[1].best["ms"]
+    assert first["speed-up"] == 1 and second["speed-up"] == pytest.approx(first["ms"] / second["ms"])
+    assert second["efficiency"] == pytest.approx(second["speed-up"] / 2)
+    assert none["layout"] == "none fits" and none["ms"] != none["ms"]     # NaN: nothing to time
+
+
+def test_scaling_from_the_command_line(tmp_path):
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=h100-sxm5-80gb", "gpus=[1,2]",
+                        "batch_size=4", "seq_len=32", "mode=training", "json=plan.json",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "scaling on h100-sxm5-80gb, global batch 4" in r.stdout and "efficiency" in r.stdout
+    plans = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert [p["gpus"] for p in plans] == [1, 2] and plans[0]["scaling"]["speed-up"] == 1

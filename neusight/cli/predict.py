@@ -66,8 +66,9 @@ class PredictConfig:
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
-    gpus: Optional[int] = None           # plan: forecast every dp x tp x pp layout of this many GPUs (with the
-    #                                      micro-batch counts, ZeRO stages and recompute), ranked; zero=1-3 keeps one
+    gpus: Any = None                     # plan: forecast every dp x tp x pp layout of this many GPUs (with the
+    #                                      micro-batch counts, ZeRO stages and recompute), ranked; zero=1-3 keeps one;
+    #                                      a list ([8,16,32]): a plan per count and how the best of each scales
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
     ep: int = 1                          # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep each
@@ -754,14 +755,16 @@ def _parallel(cfg: PredictConfig) -> float:
 
 def _plan(cfg: PredictConfig) -> float:
     """``gpus=N``: every dp x tp x pp layout of N GPUs ranked, per GPU type of ``cfg.device``
-    (neusight.plan.plan_parallel); the candidates as CSV, the plans as JSON on request."""
+    (neusight.plan.plan_parallel); with a list of counts also how the best layout scales; the candidates as CSV,
+    the plans as JSON on request."""
     import pandas as pd
 
     from neusight.api import names_all
     from neusight.errors import InputError
-    from neusight.plan import plan_parallel
+    from neusight.plan import plan_parallel, scaling_table
     from neusight.util import atomic_write_text
 
+    counts = _gpu_counts(cfg.gpus)
     fixed = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) != 1]
     if fixed:
         raise InputError(f"gpus={cfg.gpus} searches the dp x tp x pp layouts, and {fixed[0]} fixes one. Fix: leave "
@@ -776,35 +779,61 @@ def _plan(cfg: PredictConfig) -> float:
                          "out, or forecast one layout with dp= / tp= / pp=")
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     plans, records, best_rows = [], [], []
-    for i, (dev, price) in enumerate(zip(_gpus(cfg), _prices(cfg))):
-        plan = plan_parallel(cfg.model, dev, cfg.gpus, cfg.batch_size, cfg.seq_len, cfg.mode,
-                             microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
-                             zero=cfg.zero or None, ep=cfg.ep, optimizer=optimizer, usd_per_gpu_hour=price,
-                             head=cfg.head, megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
-                             attn_implementation=cfg.attn_implementation, image_size=cfg.image_size, dtype=cfg.dtype,
-                             tf32=cfg.tf32, amp=cfg.amp, kv_cache=cfg.kv_cache, gpus_per_node=cfg.gpus_per_node,
-                             internode_gbps=cfg.internode_gbps, **_step_options(cfg))
-        plans.append(plan)
-        print(("\n" if i else "") + plan.summary())
-        best = plan.best
-        if best is not None and _wants_run(cfg):
-            print(_run_text(cfg, float(best["ms"]), plan.batch_size, plan.seq_len, plan.gpus, price))
-        if best is not None:
-            best_rows.append({"device": dev.key, **best.drop(["rank", "time vs best"]).to_dict()})
-        records.append({"device": dev.key, "gpus": plan.gpus, "batch_size": plan.batch_size, "seq_len": plan.seq_len,
-                        "mode": plan.mode, "best": None if best is None else best.drop("rank").to_dict(),
-                        "layouts": plan.table.to_dict(orient="records"), "skipped": plan.skipped})
-    if len(plans) > 1 and best_rows:
+    for dev, price in zip(_gpus(cfg), _prices(cfg)):
+        mine = []
+        for n in counts:
+            plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
+                                 microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
+                                 zero=cfg.zero or None, ep=cfg.ep, optimizer=optimizer, usd_per_gpu_hour=price,
+                                 head=cfg.head, megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
+                                 attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
+                                 dtype=cfg.dtype, tf32=cfg.tf32, amp=cfg.amp, kv_cache=cfg.kv_cache,
+                                 gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps,
+                                 **_step_options(cfg))
+            print(("\n" if plans else "") + plan.summary())
+            plans.append(plan)
+            mine.append(plan)
+            best = plan.best
+            if best is not None and _wants_run(cfg):
+                print(_run_text(cfg, float(best["ms"]), plan.batch_size, plan.seq_len, plan.gpus, price))
+            if best is not None:
+                label = dev.key if len(counts) == 1 else f"{dev.key} x {n}"
+                best_rows.append({"run": label, **best.drop(["rank", "time vs best"]).to_dict()})
+            records.append({"device": dev.key, "gpus": plan.gpus, "batch_size": plan.batch_size,
+                            "seq_len": plan.seq_len, "mode": plan.mode,
+                            "best": None if best is None else best.drop("rank").to_dict(),
+                            "layouts": plan.table.to_dict(orient="records"), "skipped": plan.skipped})
+        if len(counts) > 1:
+            table = scaling_table(mine)
+            print(f"\nscaling on {dev.key}, global batch {cfg.batch_size} (each count's best layout; speed-up and "
+                  f"efficiency against {table['gpus'].iloc[0]} GPUs):")
+            print(table.to_string(index=False, formatters={c: _cell for c in table.columns}))
+            for r, rec in zip(table.to_dict(orient="records"), records[-len(counts):]):
+                rec["scaling"] = {k: r[k] for k in ("speed-up", "efficiency")}
+    if len(best_rows) > 1 and len(counts) == 1:       # several GPU types (with several counts: the scaling tables)
         print("\nbest layout per GPU type, side by side:")
-        table = pd.DataFrame(best_rows).set_index("device").drop(columns=["layout"]).T
+        table = pd.DataFrame(best_rows).set_index("run").drop(columns=["layout"]).T
         print(table.to_string(formatters={c: _cell for c in table.columns}))
     if cfg.csv:
-        atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key) for p in plans])
-                          .to_csv(index=False))
+        atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
+                                                         for p in plans]).to_csv(index=False))
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
     first = plans[0].best
     return float(first["ms"]) if first is not None else float("nan")
+
+
+def _gpu_counts(value: Any) -> list[int]:
+    """``gpus=``: one count or a list of them, each a positive integer."""
+    from omegaconf import ListConfig
+
+    from neusight.errors import InputError
+
+    counts = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise InputError(f"gpus={value!r} is not a positive number of GPUs or a list of them. Fix: e.g. gpus=8 or "
+                         "gpus=[8,16,32]")
+    return counts
 
 
 def _cell(v: Any) -> str:
