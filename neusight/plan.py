@@ -66,7 +66,8 @@ def layout_label(dp: int, tp: int, pp: int) -> str:
 @dataclass
 class ParallelPlan:
     """The layouts of ``gpus`` GPUs for one run, forecast: ``candidates`` has a row per forecast (layout,
-    micro-batches, ZeRO stage), :attr:`table` one per layout (its best candidate), fastest that fits first."""
+    micro-batches, ZeRO stage, recompute), :attr:`table` one per layout (its best candidate), fastest that fits
+    first."""
 
     model: str
     device: Device
@@ -201,6 +202,10 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
         raise InputError("cache= is plan_parallel's own. Fix: leave it out")
+    if usd_per_gpu_hour is not None:
+        from neusight.api import check_price
+
+        check_price(usd_per_gpu_hour, "usd_per_gpu_hour")      # before any forecast, not once per layout
     device = load_device(device)
     training = mode == "training"
     start = time.perf_counter()
@@ -209,12 +214,11 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     skipped: dict[str, str] = {}
     errors: list[Exception] = []
     notes_extra: list[str] = []
-    unit = "samples/s"
-    name, resolved_seq = model if isinstance(model, str) else type(model).__name__, seq_len
     searching = training and kwargs.get("gradient_checkpointing") is None   # recompute tried where needed
     if searching:
         kwargs.pop("gradient_checkpointing", None)
-    state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "name": name, "seq": resolved_seq, "unit": unit}
+    state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "unit": "samples/s", "seq": seq_len,
+                             "name": model if isinstance(model, str) else type(model).__name__}
 
     def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}

@@ -110,6 +110,7 @@ def test_inference_plans_have_no_zero():
     (dict(batch_size=0), "batch_size=0"),
     (dict(zero=4), "zero=4"),
     (dict(microbatches=0), "microbatches=0"),
+    (dict(usd_per_gpu_hour=-1.0), "usd_per_gpu_hour"),
 ])
 def test_bad_input_names_the_field(kwargs, fragment):
     args = dict(model="gpt2", device="h100-sxm5-80gb", gpus=2, batch_size=4, seq_len=32) | kwargs
