@@ -461,9 +461,13 @@ def fixed_costs(device: Any, graph: Graph) -> dict[str, int]:
             "cudnn_workspace": CUDNN_WORKSPACE_BYTES if has_conv else 0}
 
 
+# the most probe traces a search over several GPUs keeps (find_max_batch's ``traces``), bounding its memory
+SHARED_TRACES = 64
+
+
 def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode: str = "inference",
                    max_batch: int = 1 << 16, zero: int = 0, dp: int = 1, fused: bool = False,
-                   **trace_kwargs: Any) -> int:
+                   traces: dict | None = None, **trace_kwargs: Any) -> int:
     """Largest batch size whose forecast :attr:`MemoryReport.peak_bytes` fits on ``device``.
 
     Doubles the batch from 1 until a trace does not fit, then bisects between the last fit and the first
@@ -481,6 +485,9 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
         (:func:`neusight.parallel.predict_parallel`'s memory of one GPU); the global batch is ``dp`` times it.
     fused : bool
         The memory of the run under torch.compile (:func:`estimate_memory` with ``fused=True``).
+    traces : dict, optional
+        A dict the caller keeps between searches of the same run on several GPUs: each probe's trace is kept in
+        it and reused by a GPU on the same software path (as :func:`neusight.predict_many` shares traces).
 
     Returns
     -------
@@ -490,18 +497,18 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
     return _largest_fit(lambda b: dict(batch_size=b, seq_len=seq_len), "batch_size", max_batch, model, device, mode,
-                        trace_kwargs, zero, dp, fused)
+                        trace_kwargs, zero, dp, fused, traces)
 
 
 def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str = "inference",
                      max_seq_len: int | None = None, step: int = 64, zero: int = 0, dp: int = 1,
-                     fused: bool = False, **trace_kwargs: Any) -> int:
+                     fused: bool = False, traces: dict | None = None, **trace_kwargs: Any) -> int:
     """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
 
     The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
     model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
-    tokens do not fit. ``zero`` / ``dp`` / ``fused`` as in :func:`find_max_batch` (``batch_size`` is then one
-    replica's).
+    tokens do not fit. ``zero`` / ``dp`` / ``fused`` / ``traces`` as in :func:`find_max_batch` (``batch_size`` is
+    then one replica's).
     """
     from neusight.graph.models import build_model
 
@@ -515,16 +522,18 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     if cap < step:
         return 0
     return step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
-                               model, device, mode, trace_kwargs, zero, dp, fused)
+                               model, device, mode, trace_kwargs, zero, dp, fused, traces)
 
 
 def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,
-                 trace_kwargs: dict, zero: int = 0, dp: int = 1, fused: bool = False) -> int:
+                 trace_kwargs: dict, zero: int = 0, dp: int = 1, fused: bool = False,
+                 traces: dict | None = None) -> int:
     """Largest n in [1, hi_cap] whose trace ``shape(n)`` (trace keywords; ``key`` the one searched) fits in
     ``device``'s memory, 0 when n = 1 does not: doubling from 1, then bisection between the last fit and the
-    first miss. With ``zero``, the memory of one GPU of ``dp`` replicas under that ZeRO stage."""
+    first miss. With ``zero``, the memory of one GPU of ``dp`` replicas under that ZeRO stage; ``traces``: probes'
+    traces shared with other GPUs' searches (:func:`find_max_batch`)."""
     from neusight.devices import load_device
-    from neusight.graph.tracer import trace
+    from neusight.graph.tracer import trace, trace_key
     from neusight.parallel import Parallelism, _check_zero, zero_memory_peak
 
     device = load_device(device)
@@ -535,7 +544,13 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
     def fits(n: int) -> bool:
         if n not in cache:
             kw = shape(n)
-            g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
+            graphs = traces.setdefault(tuple(sorted(kw.items())), {}) if traces is not None else {}
+            path = trace_key(graphs, device, trace_kwargs.get("dtype", "float32"))
+            g = graphs.get(path)
+            if g is None:
+                g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
+                if traces is not None and sum(map(len, traces.values())) < SHARED_TRACES:
+                    graphs[path] = g
             peak = (zero_memory_peak(g, device, zero, dp, ep, fused) if zero
                     else float(estimate_memory(g, device, fused=fused).peak_bytes))
             cache[n] = peak <= device.memory_bytes

@@ -2,7 +2,8 @@
 (batch 4, seq 1024) and one ``generate()`` of Llama-3-8B in BF16 (batch 8, prompt 512, 128 new tokens, SDPA, a
 static KV cache) forecast on each GPU from shared traces, in Python (``neusight.rank`` /
 ``predict_generation_many``, warm process) and as the whole command (fresh process: imports, Hydra, predictors);
-and the command with ``find_max_batch=true`` (GPT-2 at sequence 128), which searches each GPU's memory in turn.
+and the command with ``find_max_batch=true`` (GPT-2 at sequence 128), which searches each GPU's memory in turn,
+reusing the probes' traces of the GPUs before it on the same software path.
 
     python scripts/bench_rank.py              # prints, and rewrites its section of docs/speed.md (about 4 min)
     python scripts/bench_rank.py --no-write
@@ -77,7 +78,8 @@ Python, and the whole command in a fresh process.
 | `predict_generation_many("llama-3-8b", "all", batch_size=8, prompt_len=512, new_tokens=128, dtype="bfloat16", attn_implementation="sdpa", static_cache=True)` | {len(forecasts)} | {gen_fits} | {gen_s:.1f} | {gen_cli:.1f} |
 
 Commands: `neusight-predict {' '.join(STEP_CLI)}` and `neusight-predict {' '.join(GEN_CLI)}`.
-With a largest-batch search on each GPU (one search per GPU, its traces not shared):
+With a largest-batch search on each GPU (one search per GPU; a probe traced for one GPU is reused by the next
+on the same software path):
 `neusight-predict {' '.join(SEARCH_CLI)}`: **{search_cli:.0f} s**.
 Machine: {machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes
 share these cores, so the times are upper bounds). Regenerate: `python scripts/bench_rank.py`.

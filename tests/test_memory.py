@@ -283,6 +283,26 @@ def test_find_max_batch_brackets_the_limit():
     assert find_max_batch("resnet18", tiny, mode="inference", image_size=64) == 0
 
 
+def test_searches_sharing_traces_find_what_each_finds_alone(monkeypatch):
+    """find_max_batch over several GPUs with ``traces=``: a probe traced for one GPU is reused by the next on the
+    same software path (SDPA picks its kernel per GPU: T4 and H100 take different ones), with the same answers."""
+    import neusight.graph.tracer as tracer
+
+    calls = []
+    real = tracer.trace
+    monkeypatch.setattr(tracer, "trace", lambda *a, **k: calls.append(k["batch_size"]) or real(*a, **k))
+    devices = [dataclasses.replace(load_device(k), memory_gib=g) for k, g in
+               (("t4", 1.0), ("l4", 1.5), ("a100-80gb-pcie", 1.0), ("h100-sxm5-80gb", 2.0))]
+    kw = dict(seq_len=64, mode="inference", attn_implementation="sdpa", dtype="float16")
+    shared: dict = {}
+    together = [find_max_batch("gpt2", d, traces=shared, **kw) for d in devices]
+    traced_together = len(calls)
+    assert together == [find_max_batch("gpt2", d, **kw) for d in devices]
+    assert all(b > 1 for b in together) and len(set(together)) > 1
+    assert len({path for graphs in shared.values() for path in graphs}) > 1   # the GPUs' own attention kernels
+    assert traced_together < len(calls) - traced_together                      # fewer traces than alone
+
+
 def test_find_max_seq_len_brackets_the_limit(tmp_path):
     cfg = tmp_path / "long-tiny-gpt2.json"     # 4,096 positions, so memory binds before the positions do
     cfg.write_text(json.dumps(dict(model_type="gpt2", n_layer=2, n_embd=128, n_head=4, n_positions=4096,

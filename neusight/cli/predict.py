@@ -892,13 +892,15 @@ def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, 
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
-        if cfg.find_max_batch:
+        if cfg.find_max_batch:    # each search reuses the probes' traces of the GPUs before it (same path)
+            shared: dict = {}
             cols["max batch"] = {p.device.key: find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len,
                                                               image_size=cfg.image_size, kv_cache=cfg.kv_cache,
-                                                              **_search_kw(cfg)) for p in preds}
+                                                              traces=shared, **_search_kw(cfg)) for p in preds}
         if cfg.find_max_seq_len:
+            shared = {}
             cols["max seq_len"] = {p.device.key: find_max_seq_len(cfg.model, p.device, batch_size=cfg.batch_size,
-                                                                  **_search_kw(cfg)) for p in preds}
+                                                                  traces=shared, **_search_kw(cfg)) for p in preds}
     finally:
         quiet.setLevel(level)
     return cols
