@@ -577,8 +577,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   "(pcie_gbps)",)
     if links.nodes > 1:
         def in_node(span: int) -> float:   # the link the group would have within a node
-            return min(device.interconnect_gbps, device.pcie_gbps) if span > (bridged or span) else \
-                device.interconnect_gbps
+            beyond_bridge = bridged is not None and span > bridged
+            return min(device.interconnect_gbps, device.pcie_gbps) if beyond_bridge else device.interconnect_gbps
 
         crossing = [name for name, span in spans.items() if span > gpus_per_node and internode_gbps < in_node(span)]
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "

@@ -131,7 +131,8 @@ class ParallelPlan:
         if best is None:
             lines.append("no layout fits in memory" + (f"; the smallest need: {t['memory GiB'].min():,.1f} GiB per GPU "
                                                        f"({t.iloc[t['memory GiB'].argmin()]['layout']})"
-                                                       if len(t) else ""))
+                                                       if len(t) else "")
+                         + ". Try more GPUs (gpus=), a smaller global batch, or half precision (dtype= / amp=)")
         else:
             lines.append(f"best: {_describe(best)}: {best['ms']:,.2f} ms a step ({best[self.unit]:,.0f} "
                          f"{self.unit}), {best['memory GiB']:,.1f} GiB per GPU")

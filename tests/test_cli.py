@@ -95,6 +95,8 @@ BAD = {
                                          "gpus=4 searches the dp x tp x pp layouts, and tp=2 fixes one"),
     "predict-plan-of-no-gpus": (("neusight-predict", "model=gpt2", "device=t4", "gpus=[8,0]"),
                                 "gpus=[8, 0] is not a positive number of GPUs or a list of them"),
+    "predict-plan-of-generation": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8", "gpus=4"),
+                                   "takes no gpus=4"),
     "predict-plan-of-every-gpu": (("neusight-predict", "model=gpt2", "device=all", "gpus=4"),
                                   "gpus=4 plans the layouts of one GPU type at a time"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),

@@ -660,6 +660,7 @@ def _generation(cfg: PredictConfig) -> float:
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep") if getattr(cfg, k) != 1]
+    other += [f"gpus={cfg.gpus}"] if cfg.gpus is not None else []
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
