@@ -128,11 +128,12 @@ class ParallelPlan:
             with pd.option_context("display.width", 250, "display.max_columns", 50):
                 lines.append(shown.to_string(index=False, formatters=fmt))
         best = self.best
-        if best is None:
-            lines.append("no layout fits in memory" + (f"; the smallest need: {t['memory GiB'].min():,.1f} GiB per GPU "
-                                                       f"({t.iloc[t['memory GiB'].argmin()]['layout']})"
-                                                       if len(t) else "")
-                         + ". Try more GPUs (gpus=), a smaller global batch, or half precision (dtype= / amp=)")
+        if not len(t):
+            lines.append("no layout could be forecast: each is left out below")
+        elif best is None:
+            lines.append(f"no layout fits in memory; the smallest need: {t['memory GiB'].min():,.1f} GiB per GPU "
+                         f"({t.iloc[t['memory GiB'].argmin()]['layout']}). Try more GPUs (gpus=), a smaller global "
+                         "batch, or half precision (dtype= / amp=)")
         else:
             lines.append(f"best: {_describe(best)}: {best['ms']:,.2f} ms a step ({best[self.unit]:,.0f} "
                          f"{self.unit}), {best['memory GiB']:,.1f} GiB per GPU")

@@ -177,3 +177,9 @@ def test_scaling_from_the_command_line(tmp_path):
     assert "scaling on h100-sxm5-80gb, global batch 4" in r.stdout and "efficiency" in r.stdout
     plans = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert [p["gpus"] for p in plans] == [1, 2] and plans[0]["scaling"]["speed-up"] == 1
+
+
+def test_a_plan_where_every_layout_is_left_out_says_so():
+    p = plan_parallel("mixtral-8x7b", "h100-sxm5-80gb", gpus=2, batch_size=2, seq_len=16, ep=4, dtype="bfloat16")
+    assert p.candidates.empty and p.best is None and len(p.skipped) == 3          # ep=4 divides no dp of 2 GPUs
+    assert "no layout could be forecast" in p.summary()
