@@ -617,6 +617,16 @@ def ranked(rows: list[dict[str, Any]], key: str) -> pd.DataFrame:
     return table
 
 
+def table_formats(columns: Any) -> dict[str, Any]:
+    """Printing formats of a ranked table's numeric columns: times (``ms``, ``... ms``) to 2 decimals, throughputs
+    (``.../s``) whole, costs (``USD per ...``) to 4 significant digits, ``time vs ...`` ratios as ``1.23x``."""
+    fmt: dict[str, Any] = {c: "{:,.2f}".format for c in columns if c == "ms" or c.endswith(" ms")}
+    fmt.update({c: "{:,.0f}".format for c in columns if c.endswith("/s")})
+    fmt.update({c: "{:,.4g}".format for c in columns if c.startswith("USD per")})
+    fmt.update({c: "{:.2f}x".format for c in columns if c.startswith("time vs ")})
+    return fmt
+
+
 def _names(text: str, key: str) -> bool:
     """Whether ``text`` names the device ``key`` as a word of its own ("t4" in "... t4 (NVIDIA T4) ...", not in
     "int4")."""

@@ -566,21 +566,18 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
-    sizes = {"tensor-parallel": tp, "data-parallel": dp, "expert-parallel": ep, "pipeline": pp}
-    spans = {name: span for name, span in Links.spans(par).items() if sizes[name] > 1}
-    bridged = device.interconnect_group
-    if bridged is not None and device.pcie_gbps < device.interconnect_gbps and \
-            (beyond := [name for name, span in spans.items() if span > bridged]):
-        notes += (f"{device.key}'s {device.interconnect_gbps:g} GB/s links join groups of {bridged} GPUs "
-                  f"(interconnect_group: {'NVLink bridges' if device.vendor == 'nvidia' else 'a hive'}); the "
+    # each group's link against the same group inside one node, and against the GPUs' own links
+    field_of = {name: f for name, f, n in (("tensor-parallel", "tp", tp), ("data-parallel", "dp", dp),
+                                           ("expert-parallel", "ep", ep), ("pipeline", "pp", pp)) if n > 1}
+    one_node = Links.of(par, device, par.gpus, internode_gbps)
+    beyond = [name for name, f in field_of.items() if getattr(one_node, f) < device.interconnect_gbps]
+    if beyond:
+        notes += (f"{device.key}'s {device.interconnect_gbps:g} GB/s links join groups of {device.interconnect_group} "
+                  f"GPUs (interconnect_group: {'NVLink bridges' if device.vendor == 'nvidia' else 'a hive'}); the "
                   f"{_joined(beyond)} collectives span more and run over PCIe at {device.pcie_gbps:g} GB/s "
                   "(pcie_gbps)",)
     if links.nodes > 1:
-        def in_node(span: int) -> float:   # the link the group would have within a node
-            beyond_bridge = bridged is not None and span > bridged
-            return min(device.interconnect_gbps, device.pcie_gbps) if beyond_bridge else device.interconnect_gbps
-
-        crossing = [name for name, span in spans.items() if span > gpus_per_node and internode_gbps < in_node(span)]
+        crossing = [name for name, f in field_of.items() if getattr(links, f) < getattr(one_node, f)]
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
                   + (f"the {_joined(crossing)} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
                      "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "

@@ -104,8 +104,7 @@ class ParallelPlan:
     @property
     def best(self) -> pd.Series | None:
         """The fastest candidate that fits in memory, or None when none does."""
-        t = self.table
-        return t.iloc[0] if len(t) and t.iloc[0]["fits"] == "yes" else None
+        return _best_row(self.table)
 
     def summary(self) -> str:
         """The run, the layouts ranked, the best one against plain data parallelism, and what was left out."""
@@ -120,14 +119,13 @@ class ParallelPlan:
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
         if len(t):
+            from neusight.api import table_formats
+
             shown = t.drop(columns=["layout"])
-            fmt = {c: "{:,.2f}".format for c in shown.columns if c == "ms" or c.endswith(" ms")}
-            fmt.update({c: "{:,.0f}".format for c in shown.columns if c.endswith("/s")})
-            fmt.update({"memory GiB": "{:,.1f}".format, "time vs best": "{:.2f}x".format})
-            fmt.update({c: "{:,.4g}".format for c in shown.columns if c.startswith("USD per")})
+            fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format}
             with pd.option_context("display.width", 250, "display.max_columns", 50):
                 lines.append(shown.to_string(index=False, formatters=fmt))
-        best = self.best
+        best = _best_row(t)
         if not len(t):
             lines.append("no layout could be forecast: each is left out below")
         elif best is None:
@@ -150,6 +148,11 @@ class ParallelPlan:
                   for why, v in groups.items()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _best_row(table: pd.DataFrame) -> pd.Series | None:
+    """The first row of a plan's :attr:`ParallelPlan.table` when it fits in memory (the table puts those first)."""
+    return table.iloc[0] if len(table) and table.iloc[0]["fits"] == "yes" else None
 
 
 def _describe(row: pd.Series) -> str:

@@ -284,10 +284,9 @@ def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str
     (and the fastest the run fits on), the cheapest when priced, and the GPUs left out with the reason."""
     import textwrap
 
-    fmt = {c: "{:,.2f}".format for c in table.columns if c == "ms" or c.endswith(" ms")}
-    fmt.update({c: "{:,.0f}".format for c in table.columns if c.endswith("/s")})
-    fmt.update({c: "{:,.4g}".format for c in table.columns if c.startswith("USD per")})
-    fmt["time vs fastest"] = "{:.2f}x".format
+    from neusight.api import table_formats
+
+    fmt = table_formats(table.columns)
     lines = [run, f"{len(table)} GPUs of the spec library ranked, fastest first (device=list shows their specs; a GPU "
                   "outside the predictor's training set is forecast from its spec sheet alone; its notes: "
                   "neusight-predict device=<GPU>)"]
