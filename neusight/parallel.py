@@ -335,28 +335,38 @@ def shard_expert_parallel(module: nn.Module, ep: int) -> nn.Module:
     if ep == 1:
         return module
     found = 0
-    for name, mod in module.named_modules():
+    for name, mod, n_exp in experts_layers(module):
+        _check_experts(n_exp, ep, name or type(mod).__name__)
         if is_routed_experts(mod):
-            n_exp = int(mod.num_experts)
-            _check_experts(n_exp, ep, name or type(mod).__name__)
             for attr, w in list(mod.named_parameters(recurse=False)):
                 if w.dim() >= 1 and w.shape[0] == n_exp:
                     shape = (n_exp // ep, *w.shape[1:])
                     setattr(mod, attr, nn.Parameter(torch.empty(shape, dtype=w.dtype, device="meta"),
                                                     requires_grad=w.requires_grad))
             mod.num_experts = n_exp // ep
-            found += 1
-        elif hasattr(mod, "neusight_capacity") and isinstance(getattr(mod, "experts", None), nn.ModuleDict):
+        else:
             keys = list(mod.experts.keys())
-            _check_experts(len(keys), ep, name or type(mod).__name__)
             mod.experts = nn.ModuleDict({k: mod.experts[k] for k in keys[:len(keys) // ep]})
             mod.neusight_capacity *= ep
-            found += 1
+        found += 1
     if not found:
         raise ModelError(f"expert parallelism (ep={ep}) spreads a mixture of experts' experts over GPUs; "
                          f"{type(module).__name__} has no experts layers (routed top-k experts or Switch Transformers' "
                          "sparse MLPs). Fix: ep=1")
     return module
+
+
+def experts_layers(module: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """(path, module, number of experts) of every experts layer of ``module`` that expert parallelism spreads:
+    routed top-k experts (:func:`neusight.graph.moe.is_routed_experts`) and Switch Transformers' sparse MLPs (as
+    traced with a fixed capacity); empty for a model without experts."""
+    found = []
+    for name, mod in module.named_modules():
+        if is_routed_experts(mod):
+            found.append((name, mod, int(mod.num_experts)))
+        elif hasattr(mod, "neusight_capacity") and isinstance(getattr(mod, "experts", None), nn.ModuleDict):
+            found.append((name, mod, len(mod.experts)))
+    return found
 
 
 def _check_experts(n_exp: int, ep: int, where: str) -> None:

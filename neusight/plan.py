@@ -11,6 +11,9 @@ inherits; nothing is fitted here):
   holds the activations of the whole replica batch / pp either way). With ``pp = 1`` more micro-batches only save
   memory, so the search stops at the first count that fits; with ``pp > 1`` it stops when one more count that fits
   is slower than the last;
+- for a mixture-of-experts model, per layout with ``dp > 1``, every expert-parallel degree ``ep`` that divides both
+  ``dp`` and every experts layer's experts (ep = 1 included: expert parallelism trades all-to-alls for memory and
+  larger expert GEMMs), unless ``ep`` is given;
 - in training, per layout without pipeline stages and with ``dp > 1``, ZeRO stages 0-3 (1-3 trade collectives for
   memory);
 - in training, activation recompute (Hugging Face's gradient checkpointing: every layer's forward again in the
@@ -21,9 +24,9 @@ A layout is then represented by its fastest candidate that fits in the GPU's mem
 the least memory). Layouts the model cannot take (attention heads that ``tp`` does not divide, more pipeline
 stages than blocks, a batch that ``dp`` does not split) are left out with the reason.
 
-Candidates with the same micro-batch size, ``tp`` and recompute share one trace, single-GPU forecast and memory
-report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs one trace per
-distinct (micro-batch size, tp, recompute).
+Candidates with the same micro-batch size, ``tp``, ``ep`` and recompute share one trace, single-GPU forecast and
+memory report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs one trace
+per distinct (micro-batch size, tp, ep, recompute).
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ def layout_label(dp: int, tp: int, pp: int) -> str:
 @dataclass
 class ParallelPlan:
     """The layouts of ``gpus`` GPUs for one run, forecast: ``candidates`` has a row per forecast (layout,
-    micro-batches, ZeRO stage, recompute), :attr:`table` one per layout (its best candidate), fastest that fits
-    first."""
+    micro-batches, expert parallelism, ZeRO stage, recompute), :attr:`table` one per layout (its best candidate),
+    fastest that fits first."""
 
     model: str
     device: Device
@@ -112,16 +115,18 @@ class ParallelPlan:
 
         t = self.table
         per = f", seq {self.seq_len}" if self.seq_len else ""
+        searched = (", expert-parallel degrees" if len(t) and self.candidates["ep"].nunique() > 1 else "") + (
+            ", ZeRO stages, recompute where needed" if self.mode == "training" else "")
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}{per} on {self.gpus} x {self.device.name}",
                  f"{len(t)} layouts of {self.gpus} GPUs forecast ({len(self.candidates)} candidates: micro-batch "
-                 f"counts{', ZeRO stages, recompute where needed' if self.mode == 'training' else ''}; "
+                 f"counts{searched}; "
                  f"{len(self.skipped)} layout{'s' if len(self.skipped) != 1 else ''} left out) in "
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
         if len(t):
             from neusight.api import table_formats
 
-            shown = t.drop(columns=["layout"])
+            shown = t.drop(columns=["layout"] + (["ep"] if (t["ep"] == 1).all() else []))   # ep: MoE models
             fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format}
             with pd.option_context("display.width", 250, "display.max_columns", 50):
                 lines.append(shown.to_string(index=False, formatters=fmt))
@@ -157,14 +162,15 @@ def _best_row(table: pd.DataFrame) -> pd.Series | None:
 
 def _describe(row: pd.Series) -> str:
     m = int(row["micro-batches"])
-    return (row["layout"] + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
+    return (row["layout"] + (f", ep {int(row['ep'])}" if row["ep"] > 1 else "")
+            + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
             + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
             + (", activation recompute" if row["recompute"] == "yes" else ""))
 
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
                   mode: str = "training", *, microbatches: int | None = None, zero: int | None = None,
-                  ep: int = 1, optimizer: str | None = "adamw", usd_per_gpu_hour: float | None = None,
+                  ep: int | None = None, optimizer: str | None = "adamw", usd_per_gpu_hour: float | None = None,
                   **kwargs: Any) -> ParallelPlan:
     """Forecast every layout of ``gpus`` GPUs of ``device`` for one step of ``model`` at global ``batch_size``
     and rank them (module docstring: which candidates are tried).
@@ -176,8 +182,10 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     zero : int, optional
         Keep this ZeRO stage (0: none) where it applies (training, ``dp > 1``, ``pp = 1``) instead of searching
         0-3; layouts it cannot apply to run without.
-    ep : int
-        Expert parallelism of a mixture-of-experts model (layouts whose ``dp`` it does not divide are left out).
+    ep : int, optional
+        Keep this expert-parallel degree of a mixture-of-experts model (layouts whose ``dp`` it does not divide are
+        left out) instead of searching those that divide ``dp`` and the experts (1 for a model without experts,
+        with ``megatron=True`` or ``lora_rank``, which expert parallelism is not modelled with).
     optimizer : str, optional
         The training step's optimizer (its state counts against the memory); None: no step.
     gradient_checkpointing : bool or int, optional (in ``kwargs``)
@@ -203,6 +211,9 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
                          "leave it out to search the counts")
+    if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
+        raise InputError(f"ep={ep!r} is not a positive integer. Fix: e.g. ep=2, or leave it out to search the "
+                         "expert-parallel degrees")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
@@ -225,15 +236,23 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "unit": "samples/s", "seq": seq_len,
                              "name": model if isinstance(model, str) else type(model).__name__}
 
-    def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any) -> dict[str, Any]:
+    experts = _experts_gcd(model, kwargs) if ep is None else 0
+
+    def degrees(dp: int) -> list[int]:
+        """The expert-parallel degrees tried on ``dp`` replicas."""
+        if ep is not None:
+            return [ep]
+        return [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
+
+    def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any, e: int) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
-                             ep=ep, optimizer=optimizer if training else None, cache=cache, **extra, **kwargs)
+                             ep=e, optimizer=optimizer if training else None, cache=cache, **extra, **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
-        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "micro-batches": m, "zero": z,
+        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "micro-batches": m, "zero": z,
                "recompute": "yes" if p.per_gpu.graph.gradient_checkpointing else "no",
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
@@ -253,7 +272,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         if batch_size % dp:
             skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
             continue
-        if dp % ep:
+        if ep is not None and dp % ep:
             skipped[label] = f"ep={ep} does not divide dp"
             continue
         replica = batch_size // dp
@@ -267,12 +286,12 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         last_fit, recompute_fit = math.inf, False
         try:
             for m in counts:
-                plain = [candidate(label, dp, tp, pp, m, z, False) for z in stages]
+                plain = [candidate(label, dp, tp, pp, m, z, False, e) for e in degrees(dp) for z in stages]
                 rows += plain
                 tried = plain
                 if searching and not any(r["fits"] for r in plain) and not (pp == 1 and recompute_fit):
                     try:      # activation recompute, where nothing fits without it
-                        again = [candidate(label, dp, tp, pp, m, z, True) for z in stages]
+                        again = [candidate(label, dp, tp, pp, m, z, True, e) for e in degrees(dp) for z in stages]
                     except InputError as e:
                         if "gradient_checkpointing" not in str(e):
                             raise
@@ -302,6 +321,20 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                         skipped, tuple(state["notes"]) + tuple(notes_extra), time.perf_counter() - start)
 
 
+def _experts_gcd(model: Any, kwargs: dict[str, Any]) -> int:
+    """The greatest common divisor of the experts of ``model``'s experts layers, which every expert-parallel degree
+    must divide; 0 for a model without experts and for runs expert parallelism is not modelled with (Megatron-LM's
+    kernels, LoRA)."""
+    from neusight.graph.models import build_model
+    from neusight.parallel import experts_layers
+
+    if kwargs.get("megatron") or kwargs.get("lora_rank") is not None:
+        return 0
+    built = build_model(model, head=kwargs.get("head"), input_shapes=kwargs.get("input_shapes"),
+                        image_size=kwargs.get("image_size"))
+    return math.gcd(*(n for _, _, n in experts_layers(built.module)))
+
+
 def scaling_table(plans: list[ParallelPlan]) -> pd.DataFrame:
     """How a run scales over the GPU counts of ``plans`` (one device, one run, in the order given): each count's
     best layout, its time and throughput, the ``speed-up`` over the first count whose run fits and the
@@ -313,11 +346,13 @@ def scaling_table(plans: list[ParallelPlan]) -> pd.DataFrame:
         if best is None:
             row.update({"layout": "none fits", "ms": math.nan, plan.unit: math.nan})
         else:
-            row.update({k: best[k] for k in ("layout", "micro-batches", "zero", "recompute", "ms", plan.unit,
+            row.update({k: best[k] for k in ("layout", "ep", "micro-batches", "zero", "recompute", "ms", plan.unit,
                                                "memory GiB")})
             row.update({k: best[k] for k in best.index if k.startswith("USD per")})
         rows.append(row)
     table = pd.DataFrame(rows)
+    if "ep" in table and table["ep"].fillna(1).eq(1).all():      # a model without experts
+        table = table.drop(columns="ep")
     fitting = table["ms"].notna()
     if fitting.any():
         ref = table[fitting].iloc[0]

@@ -1,12 +1,13 @@
 """Multi-GPU forecasts of one training step, several ways of splitting it. Writes docs/parallel.md.
 
-    python scripts/parallel_examples.py            # ~3 min on 2 cores
+    python scripts/parallel_examples.py            # ~4 min on 2 cores
     python scripts/parallel_examples.py --out /tmp/parallel.md
 
 GPT-3 2.7B (seq 2048, global batch 16, AdamW, FP32) on 8 GPUs of two kinds, split by data, tensor and pipeline
 parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running
 the same batch; then Mixtral 8x7B (seq 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert
-parallelism; Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
+parallelism, and planned on 8 H100s (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute
+where needed searched); Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
 (``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB
 PCIe boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table. These are
 forecasts no measurement could check (no multi-GPU labels were available): they show what the composition does,
@@ -35,6 +36,7 @@ SPLITS = [dict(), dict(dp=8), dict(dp=8, zero=1), dict(dp=8, zero=2), dict(dp=8,
 MOE, MOE_SEQ, MOE_BATCH = "mixtral-8x7b", 2048, 8
 MOE_GPUS = ("a100-sxm4-80gb", "h100-sxm5-80gb")
 MOE_SPLITS = [dict(dp=8), dict(dp=8, ep=2), dict(dp=8, ep=8), dict(tp=8), dict(dp=2, tp=4), dict(dp=4, ep=4, tp=2)]
+MOE_PLAN_GPU = "h100-sxm5-80gb"
 # several nodes of 8 GPUs (gpus_per_node), 100 GB/s network per GPU (internode_gbps)
 BIG, BIG_SEQ, BIG_BATCH = "llama-2-70b", 4096, 64
 BIG_GPUS = ("h100-sxm5-80gb",)
@@ -70,6 +72,8 @@ def main() -> None:
     t0 = time.time()
     dense = _table(MODEL, GPUS, SPLITS, BATCH, SEQ)
     moe = _table(MOE, MOE_GPUS, MOE_SPLITS, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
+    moe_plan = plan_parallel(MOE, MOE_PLAN_GPU, 8, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
+    moe_best = moe_plan.table.drop(columns=["layout", "time vs best"])
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, dtype="bfloat16", gradient_checkpointing=True)
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
@@ -89,6 +93,14 @@ def main() -> None:
         "replicas share the experts, 1/EP each, and exchange token rows by all-to-all (ep_alltoall). Columns that are "
         "zero in every row are left out.", "",
         markdown_table(moe, index=False), "",
+        f"Planned (`neusight.plan_parallel`, `neusight-predict model={MOE} device={MOE_PLAN_GPU} gpus=8 "
+        f"batch_size={MOE_BATCH} seq_len={MOE_SEQ} mode=training dtype=bfloat16`): every dp x tp x pp layout of 8 "
+        f"{MOE_PLAN_GPU} with the expert-parallel degrees that divide its dp and the 8 experts, its micro-batch "
+        "counts, ZeRO stages and activation recompute where nothing fits without it; "
+        f"{len(moe_plan.candidates)} candidates in {moe_plan.seconds:.0f} s, each layout's fastest that fits in "
+        "memory (else its smallest), the layouts that fit first. No fixed split above fits in 80 GB; the plan "
+        "finds which do.", "",
+        markdown_table(moe_best, index=False), "",
         f"## Several nodes: {BIG} on 64 GPUs", "",
         f"{BIG}, sequence {BIG_SEQ}, global batch {BIG_BATCH}, one AdamW training step in BF16 with gradient "
         "checkpointing, on 8 nodes of 8 GPUs: ranks ordered as Megatron-LM orders them (tensor-parallel innermost, "

@@ -110,6 +110,7 @@ def test_inference_plans_have_no_zero():
     (dict(batch_size=0), "batch_size=0"),
     (dict(zero=4), "zero=4"),
     (dict(microbatches=0), "microbatches=0"),
+    (dict(ep=0), "ep=0"),
     (dict(usd_per_gpu_hour=-1.0), "usd_per_gpu_hour"),
 ])
 def test_bad_input_names_the_field(kwargs, fragment):
@@ -135,7 +136,7 @@ def test_plan_from_the_command_line(tmp_path):
     assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
     csv = (tmp_path / "run" / "plan.csv").read_text().splitlines()
-    assert csv[0].startswith("layout,dp,tp,pp,micro-batches,zero,recompute,ms") and len(csv) > 3
+    assert csv[0].startswith("layout,dp,tp,pp,ep,micro-batches,zero,recompute,ms") and len(csv) > 3
 
 
 
@@ -183,3 +184,50 @@ def test_a_plan_where_every_layout_is_left_out_says_so():
     p = plan_parallel("mixtral-8x7b", "h100-sxm5-80gb", gpus=2, batch_size=2, seq_len=16, ep=4, dtype="bfloat16")
     assert p.candidates.empty and p.best is None and len(p.skipped) == 3          # ep=4 divides no dp of 2 GPUs
     assert "no layout could be forecast" in p.summary()
+
+
+_TINY_MOE = dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                 vocab_size=512)
+MOE_RUN = dict(batch_size=8, seq_len=32, mode="training", moe_kernels="loop")
+
+
+def test_expert_parallel_degrees_that_divide_dp_and_the_experts_are_searched():
+    p = plan_parallel(_TINY_MOE, "h100-sxm5-80gb", gpus=8, **MOE_RUN)
+    c = p.candidates
+    assert set(c["dp"]) == {8, 4, 2}            # 2 blocks: at most pp 2; 2 KV heads: at most tp 2
+    for dp, eps in c.groupby("dp")["ep"]:       # 4 experts: ep 8 never, though it divides dp 8
+        assert set(eps) == {e for e in (1, 2, 4) if dp % e == 0}, dp
+    row = c[c["ep"] == 4].iloc[0]
+    direct = predict_parallel(_TINY_MOE, "h100-sxm5-80gb", dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]),
+                              microbatches=int(row["micro-batches"]), zero=int(row["zero"]), ep=4,
+                              optimizer="adamw", **MOE_RUN)
+    assert row["ms"] == pytest.approx(direct.latency_ms, rel=1e-12)
+    assert "expert-parallel degrees" in p.summary() and " ep " in p.summary()
+    best = p.best
+    assert (f", ep {best['ep']}," in p.summary()) == (best["ep"] > 1)
+
+
+def test_models_without_experts_and_a_given_ep_search_no_degrees(plan):
+    assert set(plan.candidates["ep"]) == {1}
+    assert "expert-parallel" not in plan.summary() and " ep " not in plan.summary().splitlines()[2]
+    fixed = plan_parallel(_TINY_MOE, "h100-sxm5-80gb", gpus=4, ep=2, **MOE_RUN)
+    assert set(fixed.candidates["ep"]) == {2}
+    assert {k for k, why in fixed.skipped.items() if "ep=2 does not divide dp" in why} == \
+        {"dp 1 x tp 2 x pp 2", "dp 1 x tp 4 x pp 1", "dp 1 x tp 1 x pp 4"}
+    lora = plan_parallel(_TINY_MOE, "h100-sxm5-80gb", gpus=2, lora_rank=4, lora_targets=["q_proj", "v_proj"],
+                         **MOE_RUN)   # expert parallelism with LoRA: not modelled
+    assert set(lora.candidates["ep"]) == {1} and len(lora.candidates)
+
+
+def test_expert_parallel_plan_from_the_command_line(tmp_path):
+    cfg = tmp_path / "moe.json"
+    cfg.write_text(json.dumps(_TINY_MOE))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=h100-sxm5-80gb", "gpus=[2,4]",
+                        "batch_size=8", "seq_len=32", "mode=training", "csv=plan.csv",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "expert-parallel degrees" in r.stdout
+    rows = (tmp_path / "run" / "plan.csv").read_text().splitlines()
+    ep = rows[0].split(",").index("ep")
+    assert {line.split(",")[ep] for line in rows[1:]} == {"1", "2", "4"}

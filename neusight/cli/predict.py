@@ -67,11 +67,13 @@ class PredictConfig:
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     gpus: Any = None                     # plan: forecast every dp x tp x pp layout of this many GPUs (with the
-    #                                      micro-batch counts, ZeRO stages and recompute), ranked; zero=1-3 keeps one;
+    #                                      micro-batch counts, ep of MoE models, ZeRO stages, recompute), ranked;
+    #                                      zero=1-3 / ep= / microbatches= keep one;
     #                                      a list ([8,16,32]): a plan per count and how the best of each scales
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
-    ep: int = 1                          # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep each
+    ep: Optional[int] = None             # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep
+    #                                      each; null = 1 (with gpus=N: the degrees dividing dp and the experts tried)
     gpus_per_node: int = 8               # GPUs per node sharing NVLink; groups spanning nodes use the network
     internode_gbps: float = 100.0        # per-GPU network link between nodes, bidirectional GB/s (400 Gb/s IB = 100)
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
@@ -629,13 +631,18 @@ def _multi_gpu(cfg: PredictConfig) -> bool:
     return max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or bool(cfg.megatron) or bool(cfg.zero)
 
 
+def _ep(cfg: PredictConfig) -> int:
+    """The expert-parallel degree of one layout (``ep=null``: 1; a plan, ``gpus=``, searches it instead)."""
+    return 1 if cfg.ep is None else cfg.ep
+
+
 def _check_counts(cfg: PredictConfig) -> None:
     """The run-wide numbers checked before any forecast is made (so a bad one does not cost a forecast first)."""
     from neusight.api import names_all
     from neusight.errors import InputError
     from neusight.parallel import Parallelism
 
-    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, cfg.ep)   # its own checks: positive integers, ep | dp
+    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg))   # its own checks: positive integers, ep | dp
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -658,7 +665,7 @@ def _generation(cfg: PredictConfig) -> float:
     other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
-    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep") if getattr(cfg, k) != 1]
+    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep") if getattr(cfg, k) not in (1, None)]
     other += [f"gpus={cfg.gpus}"] if cfg.gpus is not None else []
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
@@ -731,7 +738,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=cfg.ep,
+                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
                              gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         gpus = p.parallelism.gpus
@@ -857,7 +864,7 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
 
     kw = _search_kw(cfg)
     several = cfg.dp * cfg.tp > 1 or bool(cfg.zero)
-    where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if cfg.ep > 1 else "")
+    where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if _ep(cfg) > 1 else "")
              + f"tp {cfg.tp}"
              + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")")) if several else device.name
     glob = "global " if several else ""
@@ -878,8 +885,8 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
 def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
     """The keywords of find_max_batch / find_max_seq_len for ``cfg``'s run (besides the searched size)."""
     return dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
-                dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=cfg.ep, zero=cfg.zero, dp=cfg.dp,
-                fused=cfg.fused, **_step_options(cfg))
+                dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=_ep(cfg), zero=cfg.zero,
+                dp=cfg.dp, fused=cfg.fused, **_step_options(cfg))
 
 
 def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, dict[str, int]]:
