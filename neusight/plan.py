@@ -42,7 +42,7 @@ import pandas as pd
 from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 
-__all__ = ["ParallelPlan", "plan_parallel", "layouts", "scaling_table"]
+__all__ = ["GenerationPlan", "ParallelPlan", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,7 @@ class ParallelPlan:
         best = [g[g["fits"]].sort_values("ms", kind="stable").iloc[0] if g["fits"].any()
                 else g.sort_values("memory GiB", kind="stable").iloc[0]
                 for _, g in c.assign(fits=c["fits"].astype(bool)).groupby("layout", sort=False)]
-        table = pd.DataFrame(best)
-        table = table.assign(_order=~table["fits"].astype(bool)).sort_values(["_order", "ms"], kind="stable")
-        table = table.drop(columns="_order").reset_index(drop=True)
-        fitting = table.loc[table["fits"].astype(bool), "ms"]
-        ref = float(fitting.min()) if len(fitting) else float(table["ms"].min())
-        table.insert(table.columns.get_loc("ms") + 1, "time vs best", table["ms"] / ref)
-        table.insert(0, "rank", range(1, len(table) + 1))
-        table["fits"] = table["fits"].map({True: "yes", False: "no"})
-        return table
+        return _ranked(pd.DataFrame(best), "ms")
 
     @property
     def best(self) -> pd.Series | None:
@@ -111,8 +103,6 @@ class ParallelPlan:
 
     def summary(self) -> str:
         """The run, the layouts ranked, the best one against plain data parallelism, and what was left out."""
-        import textwrap
-
         t = self.table
         per = f", seq {self.seq_len}" if self.seq_len else ""
         searched = (", expert-parallel degrees" if len(t) and self.candidates["ep"].nunique() > 1 else "") + (
@@ -123,21 +113,10 @@ class ParallelPlan:
                  f"{len(self.skipped)} layout{'s' if len(self.skipped) != 1 else ''} left out) in "
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
-        if len(t):
-            from neusight.api import table_formats
-
-            shown = t.drop(columns=["layout"] + (["ep"] if (t["ep"] == 1).all() else []))   # ep: MoE models
-            fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format}
-            with pd.option_context("display.width", 250, "display.max_columns", 50):
-                lines.append(shown.to_string(index=False, formatters=fmt))
+        hidden = ["layout"] + (["ep"] if len(t) and (t["ep"] == 1).all() else [])      # ep: MoE models
+        lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
-        if not len(t):
-            lines.append("no layout could be forecast: each is left out below")
-        elif best is None:
-            lines.append(f"no layout fits in memory; the smallest need: {t['memory GiB'].min():,.1f} GiB per GPU "
-                         f"({t.iloc[t['memory GiB'].argmin()]['layout']}). Try more GPUs (gpus=), a smaller global "
-                         "batch, or half precision (dtype= / amp=)")
-        else:
+        if best is not None:
             lines.append(f"best: {_describe(best)}: {best['ms']:,.2f} ms a step ({best[self.unit]:,.0f} "
                          f"{self.unit}), {best['memory GiB']:,.1f} GiB per GPU")
             plain = t[(t["tp"] == 1) & (t["pp"] == 1)]
@@ -146,13 +125,49 @@ class ParallelPlan:
                 lines.append(f"plain data parallelism ({_describe(p)}): "
                              + (f"{p['ms'] / best['ms']:.2f}x the best's time" if p["fits"] == "yes" else
                                 f"does not fit ({p['memory GiB']:,.1f} GiB per GPU)"))
-        groups: dict[str, list[str]] = {}
-        for label, why in self.skipped.items():
-            groups.setdefault(why, []).append(label)
-        lines += [textwrap.fill(f"left out ({len(v)}): {', '.join(v)}: {why}", width=116, subsequent_indent="  ")
-                  for why, v in groups.items()]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return "\n".join(lines + _left_out_lines(self.skipped) + [f"note: {n}" for n in self.notes])
+
+
+def _ranked(table: pd.DataFrame, key: str) -> pd.DataFrame:
+    """``table`` (one row per layout, with ``fits`` and the time column ``key``) ordered as a plan shows it: the
+    layouts that fit first, each group fastest first; ``rank`` first, ``time vs best`` (against the fastest that
+    fits) after ``key``, ``fits`` as yes / no."""
+    t = table.assign(_order=~table["fits"].astype(bool)).sort_values(["_order", key], kind="stable")
+    t = t.drop(columns="_order").reset_index(drop=True)
+    fitting = t.loc[t["fits"].astype(bool), key]
+    ref = float(fitting.min()) if len(fitting) else float(t[key].min())
+    t.insert(t.columns.get_loc(key) + 1, "time vs best", t[key] / ref)
+    t.insert(0, "rank", range(1, len(t) + 1))
+    t["fits"] = t["fits"].map({True: "yes", False: "no"})
+    return t
+
+
+def _ranking_lines(t: pd.DataFrame, hidden: list[str], fix: str) -> list[str]:
+    """A plan's ranked :attr:`table` ``t`` as text (without the ``hidden`` columns), or why there is none, and what
+    to ``fix`` when no layout fits."""
+    from neusight.api import table_formats
+
+    if not len(t):
+        return ["no layout could be forecast: each is left out below"]
+    shown = t.drop(columns=hidden)
+    fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format}
+    with pd.option_context("display.width", 250, "display.max_columns", 50):
+        lines = [shown.to_string(index=False, formatters=fmt)]
+    if _best_row(t) is None:
+        lines.append(f"no layout fits in memory; the smallest need: {t['memory GiB'].min():,.1f} GiB per GPU "
+                     f"({t.iloc[t['memory GiB'].argmin()]['layout']}). Try more GPUs (gpus=), {fix}")
+    return lines
+
+
+def _left_out_lines(skipped: dict[str, str]) -> list[str]:
+    """The layouts left out, grouped by the reason."""
+    import textwrap
+
+    groups: dict[str, list[str]] = {}
+    for label, why in skipped.items():
+        groups.setdefault(why, []).append(label)
+    return [textwrap.fill(f"left out ({len(v)}): {', '.join(v)}: {why}", width=116, subsequent_indent="  ")
+            for why, v in groups.items()]
 
 
 def _best_row(table: pd.DataFrame) -> pd.Series | None:
@@ -360,3 +375,131 @@ def scaling_table(plans: list[ParallelPlan]) -> pd.DataFrame:
         table["speed-up"] = speed
         table["efficiency"] = speed / (table["gpus"] / ref["gpus"])
     return table
+
+
+# ---------------------------------------------------------------------------------------------------------
+# serving: generate() on N GPUs
+
+
+@dataclass
+class GenerationPlan:
+    """The ways ``gpus`` GPUs of one type can serve ``batch_size`` concurrent sequences with ``generate()``:
+    ``dp`` replicas of the model, each split over ``tp`` GPUs (tensor parallelism) and generating its
+    ``batch_size / dp`` sequences independently; ``candidates`` has a row per layout."""
+
+    model: str
+    device: Device
+    gpus: int
+    batch_size: int                      # concurrent sequences over all replicas
+    prompt_len: int
+    new_tokens: int
+    candidates: pd.DataFrame
+    skipped: dict[str, str]              # layout label -> why it was left out
+    notes: tuple[str, ...] = field(default_factory=tuple)   # the best layout's forecast notes
+    seconds: float = 0.0
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """The layouts, those that fit first, each group fastest first by the whole call's time (replicas run at the
+        same time, so the fastest also generates the most tokens per second), with ``rank`` and ``time vs best``."""
+        c = self.candidates
+        return c if c.empty else _ranked(c, "total ms")
+
+    @property
+    def best(self) -> pd.Series | None:
+        """The layout that fits with the most generated tokens per second, or None when none fits."""
+        return _best_row(self.table)
+
+    def summary(self) -> str:
+        """The run, the layouts ranked, the best one and the one with the shortest time per output token."""
+        t = self.table
+        lines = [f"{self.model}: generate(), {self.batch_size} concurrent sequences, prompt {self.prompt_len}, "
+                 f"{self.new_tokens} new tokens, on {self.gpus} x {self.device.name}",
+                 f"{len(t)} layouts of {self.gpus} GPUs forecast (dp replicas x tp GPUs each; "
+                 f"{len(self.skipped)} left out) in {self.seconds:.1f} s, those that fit in "
+                 f"{self.device.memory_gib:g} GiB first:"]
+        lines += _ranking_lines(t, ["layout"], "fewer sequences, or a smaller cache (static_cache=true, a shorter "
+                                               "prompt)")
+        best = _best_row(t)
+        if best is not None:
+            lines.append(f"best: {best['layout']}: {best['generated tokens/s']:,.0f} generated tokens/s, "
+                         f"{best['per output token ms']:,.2f} ms per output token, time to first token "
+                         f"{best['time to first token ms']:,.1f} ms, {best['memory GiB']:,.1f} GiB per GPU")
+            fit = t[t["fits"] == "yes"]
+            quick = fit.iloc[int(fit["per output token ms"].values.argmin())]
+            if quick["layout"] != best["layout"]:
+                lines.append(f"shortest time per output token: {quick['layout']}: "
+                             f"{quick['per output token ms']:,.2f} ms ({quick['generated tokens/s']:,.0f} generated "
+                             "tokens/s)")
+        return "\n".join(lines + _left_out_lines(self.skipped) + [f"note: {n}" for n in self.notes])
+
+
+def plan_generation(model: Any, device: Device | str, gpus: int, batch_size: int = 1, prompt_len: int = 128,
+                    new_tokens: int = 128, *, usd_per_gpu_hour: float | None = None,
+                    **kwargs: Any) -> GenerationPlan:
+    """Forecast ``generate()`` of ``batch_size`` concurrent sequences (``prompt_len`` prompt tokens, ``new_tokens``
+    new ones) on every ``dp x tp`` layout of ``gpus`` GPUs of ``device``: ``dp`` replicas, each split over ``tp``
+    GPUs (:func:`neusight.generation.predict_generation` with ``tp``) and generating ``batch_size / dp`` of the
+    sequences, and rank them. Pipeline stages are not tried (a decode step would wait on each stage in turn).
+
+    ``usd_per_gpu_hour`` adds the cost per 1M generated tokens, all ``gpus`` GPUs counted; ``kwargs`` go to
+    ``predict_generation`` (``dtype``, ``attn_implementation``, ``static_cache``, ``predictor``, ...).
+
+    Examples
+    --------
+    >>> plan = plan_generation("gpt2", "l4", gpus=2, batch_size=4, prompt_len=32, new_tokens=8)
+    >>> sorted(plan.table["layout"])
+    ['dp 1 x tp 2', 'dp 2 x tp 1']
+    """
+    from neusight.generation import predict_generation
+
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the concurrent sequences, "
+                         "e.g. 32")
+    if "tp" in kwargs:
+        raise InputError("tp= is what plan_generation searches. Fix: leave it out, or forecast one layout with "
+                         "neusight.predict_generation(..., tp=)")
+    if usd_per_gpu_hour is not None:
+        from neusight.api import check_price
+
+        check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
+    device = load_device(device)
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    errors: list[Exception] = []
+    best_ms, notes, name = math.inf, (), model if isinstance(model, str) else type(model).__name__
+    for tp in _divisors(gpus):
+        dp = gpus // tp
+        label = f"dp {dp} x tp {tp}"
+        if batch_size % dp:
+            skipped[label] = f"the {batch_size} sequences do not split into dp replicas"
+            continue
+        try:
+            f = predict_generation(model, device, batch_size // dp, prompt_len, new_tokens, tp=tp, **kwargs)
+        except (InputError, ModelError) as e:
+            errors.append(e)
+            skipped[label] = str(e).split(". Fix:")[0]
+            log.info("%s: left out (%s)", label, skipped[label])
+            continue
+        name = f.model
+        rate = f.tokens_per_s * dp
+        row = {"layout": label, "dp": dp, "tp": tp, "sequences per replica": batch_size // dp,
+               "total ms": f.total_ms, "time to first token ms": f.prefill_ms,
+               "per output token ms": f.time_per_output_token_ms, "generated tokens/s": rate,
+               "memory GiB": (f.memory_peak_bytes or 0.0) / 2**30, "fits": bool(f.memory_fits)}
+        if usd_per_gpu_hour is not None:
+            from neusight.api import unit_cost
+
+            usd, per = unit_cost(rate, "generated tokens/s", usd_per_gpu_hour, gpus)
+            row[f"USD per {per}"] = usd
+        if row["fits"] and f.total_ms < best_ms:
+            best_ms, notes = f.total_ms, f.notes
+        rows.append(row)
+        log.info("%s: %.1f ms, %s", label, f.total_ms, "fits" if row["fits"] else "does not fit")
+    if not rows and errors:
+        raise errors[0]
+    return GenerationPlan(name, device, gpus, batch_size, prompt_len, new_tokens, pd.DataFrame(rows), skipped,
+                          tuple(notes), time.perf_counter() - start)

@@ -9,7 +9,8 @@ the same batch; then Mixtral 8x7B (seq 2048, global batch 8, AdamW, BF16) on 8 8
 parallelism, and planned on 8 H100s (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute
 where needed searched); Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
 (``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB
-PCIe boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table. These are
+PCIe boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table; and a serving plan
+(``neusight.plan_generation``) of Llama-3-70B generating for 16 concurrent sequences on 8 of either GPU. These are
 forecasts no measurement could check (no multi-GPU labels were available): they show what the composition does,
 not how accurate it is.
 """
@@ -25,7 +26,7 @@ import pandas as pd
 from neusight.cli.common import quiet_third_party_logs
 from neusight.e2e_eval import markdown_table
 from neusight.parallel import GPUS_PER_NODE, predict_parallel
-from neusight.plan import plan_parallel, scaling_table
+from neusight.plan import plan_generation, plan_parallel, scaling_table
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +46,9 @@ BIG_SPLITS = [dict(dp=64, zero=3), dict(dp=8, tp=8, zero=1), dict(dp=2, tp=8, pp
 # a plan per GPU count: every layout, micro-batch count, ZeRO stage (and recompute where needed) searched
 PLAN, PLAN_SEQ, PLAN_BATCH, PLAN_COUNTS = "gpt2-large", 1024, 32, (1, 2, 4, 8)
 PLAN_GPUS = ("a100-80gb-pcie", "h100-sxm5-80gb")
+# serving: every dp x tp layout of 8 GPUs generating for SERVE_BATCH concurrent sequences
+SERVE, SERVE_BATCH, SERVE_PROMPT, SERVE_NEW = "llama-3-70b", 16, 512, 128
+SERVE_KW = dict(dtype="bfloat16", attn_implementation="sdpa", static_cache=True)
 
 
 def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, seq: int, **kw) -> pd.DataFrame:
@@ -78,6 +82,10 @@ def main() -> None:
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
     scaling = scaling[["gpu", *[c for c in scaling.columns if c != "gpu"]]]
+    serving = pd.concat([plan_generation(SERVE, gpu, 8, SERVE_BATCH, SERVE_PROMPT, SERVE_NEW, **SERVE_KW).table
+                         .drop(columns=["layout"]).assign(gpu=gpu) for gpu in PLAN_GPUS])
+    serving = serving[["gpu", *[c for c in serving.columns if c != "gpu"]]]
+    serving["time vs best"] = serving["time vs best"].map("{:.2f}".format)
     scaling[["speed-up", "efficiency"]] = scaling[["speed-up", "efficiency"]].map("{:.2f}".format)
     text = "\n".join([
         "# Multi-GPU forecasts (unvalidated)", "",
@@ -114,7 +122,15 @@ def main() -> None:
         "is forecast; the row is the fastest that fits. Speed-up and efficiency against one GPU. The A100 80GB PCIe "
         "boards' NVLink bridges join pairs (`interconnect_group: 2`): a group of more GPUs runs over PCIe, which is "
         "why their best layouts keep tensor parallelism within a pair.", "",
-        markdown_table(scaling, index=False)])
+        markdown_table(scaling, index=False), "",
+        f"## Serving: {SERVE} on 8 GPUs", "",
+        f"{SERVE} generating {SERVE_NEW} tokens after a {SERVE_PROMPT}-token prompt for {SERVE_BATCH} concurrent "
+        "sequences in BF16 (PyTorch's SDPA, a static KV cache), planned with `neusight.plan_generation` "
+        f"(`neusight-predict model={SERVE} device=[{','.join(PLAN_GPUS)}] gpus=8 batch_size={SERVE_BATCH} "
+        f"seq_len={SERVE_PROMPT} new_tokens={SERVE_NEW} dtype=bfloat16 attn_implementation=sdpa "
+        "static_cache=true`): dp replicas of the model, each split over tp GPUs and generating its share of the "
+        "sequences; those that fit first, fastest first (the fastest generates the most tokens per second).", "",
+        markdown_table(serving, index=False)])
     atomic_write_text(args.out, text)
     print(text)
 

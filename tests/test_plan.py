@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ import pytest
 from neusight.devices import modify_device
 from neusight.errors import InputError, ModelError
 from neusight.parallel import predict_parallel
-from neusight.plan import layouts, plan_parallel, scaling_table
+from neusight.generation import predict_generation
+from neusight.plan import layouts, plan_generation, plan_parallel, scaling_table
 
 BIN = __import__("pathlib").Path(sys.executable).parent
 RUN = dict(batch_size=8, seq_len=64, mode="training")
@@ -231,3 +233,59 @@ def test_expert_parallel_plan_from_the_command_line(tmp_path):
     rows = (tmp_path / "run" / "plan.csv").read_text().splitlines()
     ep = rows[0].split(",").index("ep")
     assert {line.split(",")[ep] for line in rows[1:]} == {"1", "2", "4"}
+
+
+GEN = dict(prompt_len=32, new_tokens=8)
+
+
+def test_serving_plan_forecasts_every_dp_x_tp_layout_as_predict_generation_does():
+    small = modify_device("l4", memory_gib=0.7)      # GPT-2 in FP32 needs 0.9 GiB on one GPU: fits only when split
+    p = plan_generation("gpt2", small, gpus=4, batch_size=4, **GEN)
+    c = p.candidates
+    assert sorted(zip(c["dp"], c["tp"])) == [(1, 4), (2, 2), (4, 1)]
+    for r in c.to_dict(orient="records"):
+        f = predict_generation("gpt2", small, 4 // r["dp"], tp=r["tp"], **GEN)
+        assert r["sequences per replica"] == 4 // r["dp"]
+        assert r["total ms"] == pytest.approx(f.total_ms, rel=1e-12)
+        assert r["per output token ms"] == pytest.approx(f.time_per_output_token_ms, rel=1e-12)
+        assert r["generated tokens/s"] == pytest.approx(4 * 8 / f.total_ms * 1e3, rel=1e-12)   # all replicas
+        assert r["fits"] == f.memory_fits
+    t = p.table
+    fits = t["fits"] == "yes"
+    assert fits.any() and not fits.all()
+    assert list(fits) == sorted(fits, reverse=True)                                    # fitting layouts first
+    assert list(t.loc[fits, "total ms"]) == sorted(t.loc[fits, "total ms"])
+    assert p.best is not None and p.best["layout"] == t.iloc[0]["layout"]
+    assert f"best: {p.best['layout']}:" in p.summary()
+
+
+def test_serving_plan_leaves_out_what_cannot_run():
+    p = plan_generation("gpt2", "h100-sxm5-80gb", gpus=8, batch_size=2, **GEN)
+    assert p.skipped["dp 8 x tp 1"] == p.skipped["dp 4 x tp 2"] == "the 2 sequences do not split into dp replicas"
+    assert "tp=8" in p.skipped["dp 1 x tp 8"]                 # GPT-2's 12 heads
+    assert list(p.candidates["layout"]) == ["dp 2 x tp 4"]
+    assert "left out (2): dp 8 x tp 1, dp 4 x tp 2" in p.summary()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(gpus=0), "gpus=0"),
+    (dict(batch_size=0), "batch_size=0"),
+    (dict(tp=2), "tp= is what plan_generation searches"),
+    (dict(usd_per_gpu_hour=0), "usd_per_gpu_hour"),
+])
+def test_bad_serving_plan_input_names_the_field(kwargs, fragment):
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        plan_generation(**(dict(model="gpt2", device="l4", gpus=2, batch_size=2, **GEN) | kwargs))
+
+
+def test_serving_plan_from_the_command_line(tmp_path):
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=[l4,h100-sxm5-80gb]", "gpus=2",
+                        "batch_size=4", "seq_len=32", "new_tokens=8", "gpu_hour_usd=[0.8,3]", "csv=serve.csv",
+                        "json=serve.json", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("layouts of 2 GPUs forecast") == 2 and "USD per 1M generated tokens" in r.stdout
+    plans = json.loads((tmp_path / "run" / "serve.json").read_text())
+    assert [(p["device"], len(p["layouts"])) for p in plans] == [("l4", 2), ("h100-sxm5-80gb", 2)]
+    csv = (tmp_path / "run" / "serve.csv").read_text().splitlines()
+    assert csv[0].startswith("layout,dp,tp,sequences per replica,total ms") and len(csv) == 5

@@ -68,8 +68,9 @@ class PredictConfig:
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     gpus: Any = None                     # plan: forecast every dp x tp x pp layout of this many GPUs (with the
     #                                      micro-batch counts, ep of MoE models, ZeRO stages, recompute), ranked;
-    #                                      zero=1-3 / ep= / microbatches= keep one;
-    #                                      a list ([8,16,32]): a plan per count and how the best of each scales
+    #                                      zero=1-3 / ep= / microbatches= keep one; a list ([8,16,32]): a plan
+    #                                      per count and how the best of each scales; with new_tokens: the dp x tp
+    #                                      layouts serving batch_size sequences, ranked
     megatron: bool = False               # a Megatron-LM train_step: its kernels, grad clipping, fused AdamW (adamw)
     zero: int = 0                        # ZeRO stage of the dp replicas: 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
     ep: Optional[int] = None             # expert parallelism (MoE): groups of ep dp replicas share the experts, 1/ep
@@ -662,20 +663,23 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.generation import predict_generation, predict_generation_many
     from neusight.util import atomic_write_text
 
-    other = [k for k in ("csv", "layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
+    other = [k for k in ("layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
+    other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep") if getattr(cfg, k) not in (1, None)]
-    other += [f"gpus={cfg.gpus}"] if cfg.gpus is not None else []
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
-                         "length; tp= splits the model over GPUs; data-parallel replicas generate independently)")
+                         "length; tp= splits the model over GPUs; data-parallel replicas generate independently, "
+                         "gpus=N plans them)")
     devices, ranking = _gpus(cfg), names_all(cfg.device)
     prices = dict(zip((d.key for d in devices), _prices(cfg)))
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
               amp=cfg.amp, head=cfg.head, attn_implementation=cfg.attn_implementation, fp8=cfg.fp8,
               weight_quant=cfg.weight_quant, static_cache=cfg.static_cache)
+    if cfg.gpus is not None:
+        return _plan_generation(cfg, devices, list(prices.values()), kw)
     skipped: dict[str, str] = {}
     if cfg.tp == 1:   # one GPU each: the traces shared between the GPUs
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
@@ -712,6 +716,40 @@ def _generation(cfg: PredictConfig) -> float:
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
     return float(rows[0]["total_ms"])
+
+
+def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[str, Any]) -> float:
+    """``gpus=N new_tokens=M``: every dp x tp layout of N GPUs serving ``batch_size`` sequences, ranked, per GPU type
+    (neusight.plan.plan_generation); the layouts as CSV, the plans as JSON on request."""
+    import pandas as pd
+
+    from neusight.api import names_all
+    from neusight.errors import InputError
+    from neusight.plan import plan_generation
+    from neusight.util import atomic_write_text
+
+    if cfg.tp != 1:
+        raise InputError(f"gpus={cfg.gpus} searches the dp x tp layouts, and tp={cfg.tp} fixes one. Fix: leave tp out "
+                         "to search, or gpus out to forecast that layout")
+    if names_all(cfg.device):
+        raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
+                         "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    plans = []
+    for dev, price in zip(devices, prices):
+        for n in _gpu_counts(cfg.gpus):
+            plan = plan_generation(cfg.model, dev, n, cfg.batch_size, usd_per_gpu_hour=price, **kw)
+            print(("\n" if plans else "") + plan.summary())
+            plans.append(plan)
+    if cfg.csv:
+        atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
+                                                         for p in plans]).to_csv(index=False))
+    if cfg.json:
+        records = [{"device": p.device.key, "gpus": p.gpus, "batch_size": p.batch_size, "prompt_len": p.prompt_len,
+                    "new_tokens": p.new_tokens, "best": None if p.best is None else p.best.drop("rank").to_dict(),
+                    "layouts": p.table.to_dict(orient="records"), "skipped": p.skipped} for p in plans]
+        atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
+    first = plans[0].best
+    return float(first["total ms"]) if first is not None else float("nan")
 
 
 def _parallel(cfg: PredictConfig) -> float:
