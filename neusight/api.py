@@ -168,11 +168,13 @@ class Prediction:
     def chrome_trace(self) -> dict[str, Any]:
         """The forecast as a timeline in the Chrome trace-event format (open it in ui.perfetto.dev or
         chrome://tracing): the kernels back to back on one GPU stream in program order, each an event named by
-        its kernel with its family, phase, module, dims, bound, utilization and roofline; the phases as spans on
+        its kernel with its family, phase, module, dims, bound, utilization and roofline (gaps where the GPU waits for
+        a launch when the host is modelled, ``host_us``); the phases as spans on
         a second track. Times in microseconds from the step's start."""
         k = self.kernels
-        dur = k["latency_ms"].to_numpy(float) * 1e3
-        start = np.concatenate([[0.0], np.cumsum(dur)[:-1]])
+        cost = k["latency_ms"].to_numpy(float) * 1e3                 # with the host modelled: its wait + gpu_ms
+        dur = k["gpu_ms"].to_numpy(float) * 1e3 if "gpu_ms" in k else cost
+        start = np.concatenate([[0.0], np.cumsum(cost)[:-1]]) + (cost - dur)
         gpu = f"{self.device.name} (forecast)"
         events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": gpu}},
@@ -207,6 +209,26 @@ def e2e_kernel_ms(roofline_ms: np.ndarray, isolated_ms: np.ndarray, overhead_ms:
     isolated prediction, and never below the roofline."""
     excess = np.maximum(isolated_ms - overhead_ms - roofline_ms, 0.0)
     return np.maximum(roofline_ms + scale * excess, floor * overhead_ms)
+
+
+def host_waits_ms(gpu_ms: np.ndarray, host_us: float) -> np.ndarray:
+    """How long the GPU waits before each kernel for the host to launch it, when the host issues one kernel every
+    ``host_us`` microseconds from the run's start and the GPU runs them in order on one stream, each as soon as it
+    is launched and the one before has ended: kernel i is launched at (i + 1) x host_us, starts at max(launch, end of
+    kernel i - 1) and ends ``gpu_ms[i]`` later. The run ends at sum(gpu_ms) + sum(waits)."""
+    d = np.asarray(gpu_ms, dtype=float)
+    if not len(d):
+        return d.copy()
+    done = np.cumsum(d)                                       # the kernels' ends with no host in the way
+    launch = np.arange(1, len(d) + 1) * (host_us / 1e3)
+    ends = done + np.maximum.accumulate(launch - (done - d))  # end_i = C_i + max_{j<=i}(launch_j - C_{j-1})
+    return np.maximum(launch - np.concatenate([[0.0], ends[:-1]]), 0.0)   # launched after the kernel before ended
+
+
+HOST_MODEL_NOTE = ("host modelled (host_us={h:g}): eager PyTorch launches a kernel every {h:g} us; the GPU waits "
+                   "{wait:,.2f} ms ({share:.0f} % of the forecast) for launches where kernels run shorter than that. "
+                   "The host's time per launch depends on the CPU, the PyTorch version and the loop around the model "
+                   "and is not in a GPU's spec sheet; docs/host.md")
 
 
 TF32_NOTE = ("{n} FP32 kernels ({what}) run on TF32 tensor cores (tf32={mode!r}; PyTorch's default puts convolutions "
@@ -381,6 +403,15 @@ HOST_BOUND_NOTE = ("{n} kernel launches averaging {avg:.0f} us of GPU time each:
                    "which is not modelled: then it takes longer than forecast, on any GPU")
 
 
+def check_host_us(host_us: Any) -> None:
+    """``host_us``: None or a non-negative number of microseconds (InputError otherwise)."""
+    if host_us is None:
+        return
+    if isinstance(host_us, bool) or not isinstance(host_us, (int, float)) or not 0 <= host_us < 1e6:
+        raise InputError(f"host_us={host_us!r} is not a host time per kernel launch in microseconds. Fix: e.g. "
+                         "host_us=20 (a modern CPU running eager PyTorch), or leave it out (host not modelled)")
+
+
 def host_bound_note(latency_ms: float, launches: int) -> str | None:
     """The HOST_BOUND_NOTE for a forecast whose kernels average less GPU time than HOST_BOUND_US, else None."""
     if launches <= 0:
@@ -420,14 +451,19 @@ def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.S
 
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
-                  calibrated: bool = True, fused: bool = False, megatron: bool = False, tf32: Any = None) -> Prediction:
+                  calibrated: bool = True, fused: bool = False, megatron: bool = False, tf32: Any = None,
+                  host_us: float | None = None) -> Prediction:
     """Predict an already traced graph on ``device``.
 
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
     ``fused=True`` predicts the kernels ``torch.compile`` runs (:func:`neusight.graph.fusion.fused_kernels`);
     ``megatron=True`` the kernels Megatron-LM runs for the same blocks (:func:`neusight.graph.megatron.megatron_kernels`);
-    ``tf32`` which FP32 kernels run on TF32 tensor cores (:data:`TF32_MODES`; None: PyTorch's default, convolutions).
+    ``tf32`` which FP32 kernels run on TF32 tensor cores (:data:`TF32_MODES`; None: PyTorch's default, convolutions);
+    ``host_us`` the host's time per kernel launch in microseconds (:func:`host_waits_ms`; None: the host is not
+    modelled, as the predictor's end-to-end labels were GPU-bound): each kernel's ``latency_ms`` then includes the
+    GPU's wait for its launch (``host_wait_ms``; ``gpu_ms`` is its time on the GPU).
     """
+    check_host_us(host_us)
     if fused and megatron:
         raise InputError("fused=True and megatron=True exclude each other (torch.compile vs Megatron-LM's own fused "
                          "kernels). Fix: choose one")
@@ -465,6 +501,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     kernels["isolated_ms"] = kernels["latency_ms"]
     kernels["latency_ms"] = e2e_kernel_ms(kernels["roofline_ms"].to_numpy(float), kernels["isolated_ms"].to_numpy(float),
                                           kernels["overhead_ms"].to_numpy(float), scale, floor)
+    if host_us is not None:
+        kernels["gpu_ms"] = kernels["latency_ms"]
+        kernels["host_wait_ms"] = host_waits_ms(kernels["gpu_ms"].to_numpy(float), host_us)
+        kernels["latency_ms"] = kernels["gpu_ms"] + kernels["host_wait_ms"]
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
@@ -492,7 +532,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         notes += (lanes,)
     if beyond := extrapolation_note(device, pred.device_extrapolation(device), kernels):
         notes += (beyond,)
-    if host := host_bound_note(total, len(kernels)):
+    if host_us is not None:
+        wait = float(kernels["host_wait_ms"].sum())
+        notes += (HOST_MODEL_NOTE.format(h=host_us, wait=wait, share=100.0 * wait / max(total, 1e-12)),)
+    elif host := host_bound_note(total, len(kernels)):
         notes += (host,)
     kind, not_covered = forecast_kind(g, kernels, device, pred.train_devices_, fused=fused, megatron=megatron)
     accuracy = measured_accuracy(kind, getattr(pred, "manifest_", {}).get("weights_sha256"), extra=not_covered,
@@ -504,7 +547,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
 def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int | None = None,
             mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
             predictor: Predictor | str | Path | None = None, memory: bool = True, fused: bool = False,
-            tf32: Any = None, **trace_kwargs: Any) -> Prediction:
+            tf32: Any = None, host_us: float | None = None, **trace_kwargs: Any) -> Prediction:
     """Forecast one inference pass or one training step of ``model`` on ``device``.
 
     Parameters
@@ -527,6 +570,10 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
         PyTorch does by default (convolutions: ``torch.backends.cudnn.allow_tf32``; matmuls stay FP32), "all" /
         True matmuls too (``torch.set_float32_matmul_precision("high")``), "off" / False neither (true FP32, as the
         predictor's training kernels were measured).
+    host_us : float, optional
+        The host's (CPU's) time per kernel launch, in microseconds: the GPU then waits for launches where kernels
+        are shorter than that (small batches, decode steps; :func:`host_waits_ms`). Default: not modelled (the
+        GPU time alone, as the NeuSight labels measured GPU-bound runs); docs/host.md.
 
     Returns
     -------
@@ -542,13 +589,14 @@ def predict(model: Any, device: Device | str, batch_size: int = 1, seq_len: int 
     True
     """
     return predict_many(model, [device], batch_size, seq_len, mode, head=head, optimizer=optimizer, predictor=predictor,
-                        memory=memory, fused=fused, tf32=tf32, **trace_kwargs)[0]
+                        memory=memory, fused=fused, tf32=tf32, host_us=host_us, **trace_kwargs)[0]
 
 
 def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | None = None,
                  mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
                  predictor: Predictor | str | Path | None = None, memory: bool = True, fused: bool = False,
-                 tf32: Any = None, left_out: dict[str, str] | None = None, **trace_kwargs: Any) -> list[Prediction]:
+                 tf32: Any = None, left_out: dict[str, str] | None = None, host_us: float | None = None,
+                 **trace_kwargs: Any) -> list[Prediction]:
     """:func:`predict` on several GPUs from one trace (one more per software path a GPU takes: its attention
     backend or experts' kernels, when the model's trace depends on them): ``devices`` is a list of keys, aliases,
     spec paths or Devices, or ``"all"`` (every GPU of the library, :func:`neusight.devices.list_devices`).
@@ -573,6 +621,7 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
         raise InputError("devices=[] names no GPU. Fix: a list of keys such as ['a100-80gb-pcie', 'h100-sxm5-80gb'], "
                          "or 'all'")
     tf32_mode(tf32)   # a bad switch fails before the (slower) trace
+    check_host_us(host_us)
     predictors = {d.key: load_predictor(predictor, d) for d in devs}   # per vendor unless given one
     graphs: dict[tuple[bool, str], Graph] = {}
     preds: list[Prediction] = []
@@ -584,7 +633,7 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
                 graphs[path] = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, device=dev,
                                      **trace_kwargs)
             g = graphs[path]
-            p = predict_graph(g, dev, predictors[dev.key], fused=fused, tf32=tf32)
+            p = predict_graph(g, dev, predictors[dev.key], fused=fused, tf32=tf32, host_us=host_us)
         except InputError as e:
             if left_out is None:
                 raise

@@ -23,7 +23,7 @@ __all__ = ["GenerationForecast", "generation_ranking_table", "predict_generation
 SAMPLES = 3
 # the notes of the last decode step a generation forecast repeats (after how its cache takes new tokens): the
 # host-bound warning (decode steps are where it matters), collectives and the attention backend
-GENERATION_NOTES = ("kernel launches", "collectives", "scaled_dot_product_attention on")
+GENERATION_NOTES = ("kernel launches", "host modelled", "collectives", "scaled_dot_product_attention on")
 CACHE_NOTES = {False: "each decode step concatenates its keys and values onto the whole KV cache (transformers' "
                       "DynamicCache, as eager generate() runs)",
                True: "each decode step writes its keys and values in place into a KV cache sized for the run "
@@ -94,13 +94,15 @@ def _check_run(batch_size: Any, prompt_len: Any, new_tokens: Any, static_cache: 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
                        *, predictor: Any = None, tp: int = 1, static_cache: bool = False,
-                       **trace_kwargs: Any) -> GenerationForecast:
+                       host_us: float | None = None, **trace_kwargs: Any) -> GenerationForecast:
     """Forecast ``generate()`` of ``new_tokens`` tokens after a ``prompt_len``-token prompt (see the module
     docstring). ``trace_kwargs`` go to :func:`neusight.trace` (``dtype=``, ``amp=``, ``attn_implementation=``...).
     ``static_cache`` writes each decode step's keys and values in place (:func:`neusight.trace`), as compiled
     generation and serving engines do, instead of concatenating the whole cache every step.
     ``tp`` > 1 splits the model over that many GPUs (:func:`neusight.parallel.predict_parallel`: each GPU's share of
     every layer, its share of the KV cache's heads, and two all-reduces of the new tokens' activations per layer).
+    ``host_us``: the host's time per kernel launch (:func:`neusight.api.host_waits_ms`), which bounds a decode step
+    of short kernels; None: not modelled.
 
     >>> f = predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=32, new_tokens=16)
     >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
@@ -114,20 +116,21 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
     if tp == 1:
         return predict_generation_many(model, [device], batch_size, prompt_len, new_tokens, predictor=predictor,
-                                       static_cache=static_cache, **trace_kwargs)[0]
+                                       static_cache=static_cache, host_us=host_us, **trace_kwargs)[0]
 
     def forecast(devices: list, seq: int, memory: bool = False, left_out: Any = None, **kw: Any) -> list:
         from neusight.parallel import predict_parallel
 
         return [predict_parallel(model, devices[0], batch_size, seq, "inference", tp=tp, predictor=predictor,
-                                 memory=memory, **kw, **trace_kwargs)]
+                                 memory=memory, host_us=host_us, **kw, **trace_kwargs)]
 
     return _generate([device], batch_size, prompt_len, new_tokens, static_cache, tp, forecast)[0]
 
 
 def predict_generation_many(model: Any, devices: Any, batch_size: int = 1, prompt_len: int = 128,
                             new_tokens: int = 128, *, predictor: Any = None, static_cache: bool = False,
-                            left_out: dict[str, str] | None = None, **trace_kwargs: Any) -> list[GenerationForecast]:
+                            left_out: dict[str, str] | None = None, host_us: float | None = None,
+                            **trace_kwargs: Any) -> list[GenerationForecast]:
     """:func:`predict_generation` on several GPUs (one each, no tensor parallelism) from shared traces
     (:func:`neusight.api.predict_many`): ``devices`` a list or ``"all"``. ``left_out`` as in ``predict_many``: the
     GPUs the prompt's prefill cannot be forecast on, with the reason, instead of an error.
@@ -142,7 +145,7 @@ def predict_generation_many(model: Any, devices: Any, batch_size: int = 1, promp
 
     def forecast(devs: list, seq: int, memory: bool = False, left_out: Any = None, **kw: Any) -> list:
         return predict_many(model, devs, batch_size, seq, "inference", predictor=predictor, memory=memory,
-                            left_out=left_out, **kw, **trace_kwargs)
+                            left_out=left_out, host_us=host_us, **kw, **trace_kwargs)
 
     return _generate(devices, batch_size, prompt_len, new_tokens, static_cache, 1, forecast, left_out)
 

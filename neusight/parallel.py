@@ -457,7 +457,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
                      internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
-                     **trace_kwargs: Any) -> ParallelPrediction:
+                     host_us: float | None = None, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -477,6 +477,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ``cache``: a dict the caller keeps between calls (:func:`neusight.plan.plan_parallel` does): the trace of one
     GPU's micro-batch, its forecast and its memory report are kept in it under everything they depend on, so
     layouts with the same micro-batch size and ``tp`` (differing in ``dp``, ``pp``, ``zero`` or the links) reuse them.
+    ``host_us``: the host's time per kernel launch on each GPU (:func:`neusight.api.host_waits_ms`; None: not
+    modelled).
 
     Examples
     --------
@@ -484,9 +486,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     >>> p.parallelism.gpus, p.parts["tp_comm"] > 0, p.parts["dp_allreduce"] > 0
     (4, True, True)
     """
-    from neusight.api import predict_graph
+    from neusight.api import check_host_us, predict_graph
     from neusight.graph.tracer import trace
 
+    check_host_us(host_us)
     par = Parallelism(dp, tp, pp, microbatches, ep)
     device = load_device(device)
     links = Links.of(par, device, gpus_per_node, internode_gbps)
@@ -510,12 +513,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
     key = (model if isinstance(model, str) else id(model), micro, seq_len, mode, head, optimizer, tp, ep, device,
            id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor, fused, megatron,
-           repr(tf32), repr(sorted(trace_kwargs.items())))
+           repr(tf32), host_us, repr(sorted(trace_kwargs.items())))
     kept = cache.get(key) if cache is not None else None
     if kept is None:
         g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
                   tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
-        kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32)}
+        kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32,
+                                                 host_us=host_us)}
         if cache is not None:
             cache[key] = kept
     g, one = kept["graph"], kept["one"]

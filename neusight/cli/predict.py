@@ -62,6 +62,8 @@ class PredictConfig:
     attn_implementation: str = "eager"   # eager | sdpa | flash_attention_2 | flash_attention_3
     fused: bool = False                  # forecast under torch.compile (fused memory-bound kernels, their memory)
     tf32: Any = None                     # FP32 on TF32 cores (Ampere+): null = convs (PyTorch), all|true, off|false
+    host_us: Optional[float] = None      # host (CPU) time per kernel launch, us: the GPU waits for launches of
+    #                                      short kernels (small batches, decode steps); null = not modelled
     dp: int = 1                          # data-parallel replicas (batch_size is the global batch)
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
@@ -450,9 +452,9 @@ def forecast(cfg: PredictConfig, extra: Device | None = None,
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
     preds = predict_many(cfg.model, devices, cfg.batch_size, cfg.seq_len, cfg.mode, head=cfg.head,
                          optimizer=cfg.optimizer, predictor=cfg.checkpoint, memory=cfg.memory, fused=cfg.fused,
-                         tf32=cfg.tf32, left_out=skipped, attn_implementation=cfg.attn_implementation,
-                         image_size=cfg.image_size, dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache,
-                         **_step_options(cfg))
+                         tf32=cfg.tf32, host_us=cfg.host_us, left_out=skipped,
+                         attn_implementation=cfg.attn_implementation, image_size=cfg.image_size, dtype=cfg.dtype,
+                         amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
     if extra is not None and skipped and extra.key in skipped:
         raise InputError(f"anchor_device={extra.key}: {skipped[extra.key]}. Fix: an anchor GPU the run can be "
                          "forecast on")
@@ -677,7 +679,7 @@ def _generation(cfg: PredictConfig) -> float:
     prices = dict(zip((d.key for d in devices), _prices(cfg)))
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
               amp=cfg.amp, head=cfg.head, attn_implementation=cfg.attn_implementation, fp8=cfg.fp8,
-              weight_quant=cfg.weight_quant, static_cache=cfg.static_cache)
+              weight_quant=cfg.weight_quant, static_cache=cfg.static_cache, host_us=cfg.host_us)
     if cfg.gpus is not None:
         return _plan_generation(cfg, devices, list(prices.values()), kw)
     skipped: dict[str, str] = {}
@@ -776,6 +778,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
+                             host_us=cfg.host_us,
                              amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
                              gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
@@ -832,7 +835,8 @@ def _plan(cfg: PredictConfig) -> float:
                                  zero=cfg.zero or None, ep=cfg.ep, optimizer=optimizer, usd_per_gpu_hour=price,
                                  head=cfg.head, megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
                                  attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-                                 dtype=cfg.dtype, tf32=cfg.tf32, amp=cfg.amp, kv_cache=cfg.kv_cache,
+                                 dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
+                                 kv_cache=cfg.kv_cache,
                                  gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps,
                                  **_step_options(cfg))
             print(("\n" if plans else "") + plan.summary())

@@ -1,0 +1,109 @@
+"""Host (CPU) time per kernel launch, ``host_us``: what the small-batch CNN measurements imply, checked across GPUs.
+Writes docs/host.md.
+
+    python scripts/bench_host.py                       # ~15 s on 2 cores
+    python scripts/bench_host.py --out /tmp/host.md
+
+DeepLearningExamples' FP32 inference rows at batches below 32 (the host-bound rows of docs/evaluation.md, one per
+GPU, model and batch, as ``neusight-evaluate`` selects them) are forecast once per row with the shipped predictor
+(GPU time per kernel), then with the host modelled at every ``host_us`` of a grid (:func:`neusight.api.host_waits_ms`:
+one launch every ``host_us``, the GPU waiting for launches). The value that fits one GPU's rows best (lowest mean
+absolute error) is then applied to the other GPU's rows, which played no part in choosing it: the check that one host
+time per launch carries from one GPU's rows to another's (the rows of both were timed with the same container and
+benchmark loop). Nothing of this is fitted into the predictor: ``host_us`` stays None (not modelled) unless a user
+sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from neusight.api import host_waits_ms, load_predictor, predict_graph
+from neusight.cli.common import quiet_third_party_logs
+from neusight.e2e_eval import load_cnn_benchmarks, markdown_table
+from neusight.graph.tracer import trace
+from neusight.util import atomic_write_text
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "datasets" / "public-benchmarks"
+MIN_BATCH = 32                   # neusight-evaluate's cnn.min_batch: the rows below it are the host-bound ones
+GRID = np.arange(0.0, 100.1, 5.0)   # host_us tried
+
+
+def forecast_rows(folder: Path) -> tuple[pd.DataFrame, list[np.ndarray]]:
+    """The small-batch FP32 inference rows and, per row, its kernels' GPU times (ms, in launch order)."""
+    rows, _ = load_cnn_benchmarks(folder, min_batch=1)
+    rows = rows[(rows["mode"] == "inference") & (rows["batch"] < MIN_BATCH)].reset_index(drop=True)
+    pred = load_predictor(None)
+    graphs: dict[tuple, object] = {}
+    gpu_ms = []
+    for r in rows.itertuples(index=False):
+        layout = str(getattr(r, "memory_format", "contiguous"))
+        key = (r.model, int(r.batch), int(r.image_size), layout)
+        if key not in graphs:      # as neusight.e2e_eval.predict_cnn traces an FP32 inference row
+            graphs[key] = trace(r.model, batch_size=int(r.batch), mode="inference", image_size=int(r.image_size),
+                                memory_format=layout)
+        p = predict_graph(graphs[key], r.gpu, pred, tf32="off")
+        gpu_ms.append(p.kernels["latency_ms"].to_numpy(float))
+    return rows, gpu_ms
+
+
+def errors(rows: pd.DataFrame, gpu_ms: list[np.ndarray], host_us: float) -> np.ndarray:
+    """Signed % error of every row with the host at ``host_us`` (0: the GPU time alone)."""
+    ms = np.array([d.sum() + host_waits_ms(d, host_us).sum() for d in gpu_ms])
+    return (ms - rows["measured_ms"].to_numpy(float)) / rows["measured_ms"].to_numpy(float) * 100
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "host.md")
+    args = ap.parse_args()
+    quiet_third_party_logs()
+    t0 = time.time()
+    rows, gpu_ms = forecast_rows(SHARED)
+    gpus = sorted(rows["gpu"].unique())
+    grid = pd.DataFrame({"host_us": GRID, **{g: [float(np.abs(errors(rows, gpu_ms, h)[rows["gpu"] == g]).mean())
+                                                  for h in GRID] for g in gpus}})
+    checks = []
+    for fit in gpus:
+        h = float(grid.loc[grid[fit].idxmin(), "host_us"])
+        for g in gpus:
+            e = errors(rows, gpu_ms, h)[rows["gpu"] == g]
+            e0 = errors(rows, gpu_ms, 0.0)[rows["gpu"] == g]
+            checks.append({"host_us chosen on": fit, "host_us": h, "rows of": g,
+                           "role": "in-sample" if g == fit else "held out", "rows": int(len(e)),
+                           "mean abs err %": float(np.abs(e).mean()), "mean signed err %": float(e.mean()),
+                           "worst abs err %": float(np.abs(e).max()), "host not modelled: mean abs err %":
+                           float(np.abs(e0).mean())})
+    checks = pd.DataFrame(checks)
+    best = {g: float(grid.loc[grid[g].idxmin(), "host_us"]) for g in gpus}
+    per_row = rows[["gpu", "model", "batch", "version", "measured_ms"]].copy()
+    per_row["launches"] = [len(d) for d in gpu_ms]
+    per_row["GPU-only forecast ms"] = [float(d.sum()) for d in gpu_ms]
+    for h in sorted(set(best.values())):
+        per_row[f"host_us={h:g} ms"] = [float(d.sum() + host_waits_ms(d, h).sum()) for d in gpu_ms]
+    versions = ", ".join(sorted(rows["version"].astype(str).unique()))
+    text = "\n".join([
+        "# Host time per kernel launch (`host_us`)", "",
+        f"Generated by `python scripts/bench_host.py` in {time.time() - t0:.0f} s; regenerate it, do not edit it. "
+        "Its docstring says how. DeepLearningExamples' FP32 inference rows at batches below "
+        f"{MIN_BATCH} ({len(rows)} rows; containers {versions}), forecast with the shipped predictor; `host_us` "
+        "models a host that launches one kernel every `host_us` microseconds (the GPU waits where kernels are "
+        "shorter). Default: None (not modelled).", "",
+        "## Chosen on one GPU's rows, checked on the other's", "",
+        markdown_table(checks, index=False), "",
+        "## Mean absolute error by host_us", "",
+        markdown_table(grid.rename(columns={g: f"{g} mean abs err %" for g in gpus}), index=False), "",
+        "## Per row", "",
+        markdown_table(per_row, index=False)])
+    atomic_write_text(args.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
