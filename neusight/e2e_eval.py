@@ -614,12 +614,14 @@ def _small_md(res: pd.DataFrame) -> str:
     line = (f"Rows with the note: mean abs err {res.loc[noted, 'error_pct'].abs().mean():.1f} % ({int(noted.sum())} "
             f"rows); without it: {res.loc[~noted, 'error_pct'].abs().mean():.1f} % ({int((~noted).sum())} rows).\n\n"
             if noted.any() and (~noted).any() else "")
-    return ("\n## CNNs at small inference batches (host-bound; not modelled)\n\n"
+    return ("\n## CNNs at small inference batches (host-bound; not modelled by default)\n\n"
             "Outside issue 4's scope (batch >= 32). DeepLearningExamples' FP32 inference rows at batches below 32, "
             "forecast as every other row. When kernels are short, the host issuing them (Python, dispatcher, "
             "launches; the benchmark's loop times forward, loss and top-k) becomes the bottleneck, which is not "
-            "modelled: compare a model's batch-1 times across GPUs below. A forecast whose kernels average less than "
-            f"{HOST_BOUND_US:g} us of GPU time each says so in a note (`host-bound note`).\n\n" + line
+            "modelled by default: compare a model's batch-1 times across GPUs below. A forecast whose kernels average "
+            f"less than {HOST_BOUND_US:g} us of GPU time each says so in a note (`host-bound note`). `host_us=` models "
+            "the host at a time per launch the user gives; docs/host.md (`python scripts/bench_host.py`) checks one "
+            "chosen on these rows of one GPU against the other GPU's.\n\n" + line
             + markdown_table(rows, index=False, signed=("err %",)))
 
 
