@@ -42,7 +42,7 @@ import pandas as pd
 from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 
-__all__ = ["GenerationPlan", "ParallelPlan", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
+__all__ = ["GenerationPlan", "ParallelPlan", "across", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +334,28 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         raise errors[0]
     return ParallelPlan(state["name"], device, mode, gpus, batch_size, state["seq"], state["unit"], pd.DataFrame(rows),
                         skipped, tuple(state["notes"]) + tuple(notes_extra), time.perf_counter() - start)
+
+
+def across(plans: list[ParallelPlan] | list[GenerationPlan]) -> list[str]:
+    """Across plans of one run (several GPU types or counts): the fastest best layout that fits and, when the plans
+    are priced, the cheapest; no line for fewer than two plans or when nothing fits."""
+    fitting = [(p, p.best) for p in plans if p.best is not None]
+    if len(plans) < 2 or not fitting:
+        return []
+    key = "ms" if isinstance(plans[0], ParallelPlan) else "total ms"
+    what = "a step" if key == "ms" else "the whole generate() call"
+
+    def named(p: Any, row: pd.Series) -> str:
+        return f"{p.gpus} x {p.device.key} as {row['layout']}"
+
+    p, row = min(fitting, key=lambda f: f[1][key])
+    lines = [f"fastest of the {len(plans)} plans: {named(p, row)}: {row[key]:,.2f} ms {what}"]
+    price = next((c for c in row.index if c.startswith("USD per ")), None)
+    if price is not None:
+        p, row = min(fitting, key=lambda f: f[1][price])
+        lines.append(f"cheapest: {named(p, row)}: {row[price]:,.4g} USD per {price.removeprefix('USD per ')} "
+                     f"({row[key]:,.2f} ms {what})")
+    return lines
 
 
 def _experts_gcd(model: Any, kwargs: dict[str, Any]) -> int:

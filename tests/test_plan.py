@@ -13,7 +13,7 @@ from neusight.devices import modify_device
 from neusight.errors import InputError, ModelError
 from neusight.parallel import predict_parallel
 from neusight.generation import predict_generation
-from neusight.plan import layouts, plan_generation, plan_parallel, scaling_table
+from neusight.plan import across, layouts, plan_generation, plan_parallel, scaling_table
 
 BIN = __import__("pathlib").Path(sys.executable).parent
 RUN = dict(batch_size=8, seq_len=64, mode="training")
@@ -134,6 +134,7 @@ def test_plan_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "layouts of 2 GPUs forecast" in r.stdout and "best: dp " in r.stdout
     assert "best layout per GPU type, side by side" in r.stdout and "USD per 1M tokens" in r.stdout
+    assert "fastest of the 2 plans: 2 x " in r.stdout and "cheapest: 2 x " in r.stdout
     plans = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
@@ -285,7 +286,22 @@ def test_serving_plan_from_the_command_line(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("layouts of 2 GPUs forecast") == 2 and "USD per 1M generated tokens" in r.stdout
+    assert "fastest of the 2 plans: 2 x " in r.stdout and "USD per 1M generated tokens (" in r.stdout
     plans = json.loads((tmp_path / "run" / "serve.json").read_text())
     assert [(p["device"], len(p["layouts"])) for p in plans] == [("l4", 2), ("h100-sxm5-80gb", 2)]
     csv = (tmp_path / "run" / "serve.csv").read_text().splitlines()
     assert csv[0].startswith("layout,dp,tp,sequences per replica,total ms") and len(csv) == 5
+
+
+def test_across_plans_names_the_fastest_and_the_cheapest_that_fit():
+    run = dict(batch_size=4, seq_len=32, mode="training")
+    plans = [plan_parallel("gpt2", dev, n, usd_per_gpu_hour=usd, **run)
+             for dev, usd in (("t4", 0.35), ("h100-sxm5-80gb", 3.0)) for n in (1, 2)]
+    fast = min(plans, key=lambda p: p.best["ms"])
+    cheap = min(plans, key=lambda p: p.best["USD per 1M tokens"])
+    lines = across(plans)
+    assert lines[0].startswith(f"fastest of the 4 plans: {fast.gpus} x {fast.device.key} as {fast.best['layout']}:")
+    assert lines[1].startswith(f"cheapest: {cheap.gpus} x {cheap.device.key} as {cheap.best['layout']}:")
+    assert across(plans[:1]) == [] and len(across([plan_parallel("gpt2", "t4", 2, **run)] * 2)) == 1   # no price
+    none = plan_parallel("gpt2", modify_device("t4", memory_gib=0.1), 1, **run)
+    assert across([none, none]) == []                               # nothing fits

@@ -727,7 +727,7 @@ def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[s
 
     from neusight.api import names_all
     from neusight.errors import InputError
-    from neusight.plan import plan_generation
+    from neusight.plan import across, plan_generation
     from neusight.util import atomic_write_text
 
     if cfg.tp != 1:
@@ -742,6 +742,8 @@ def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[s
             plan = plan_generation(cfg.model, dev, n, cfg.batch_size, usd_per_gpu_hour=price, **kw)
             print(("\n" if plans else "") + plan.summary())
             plans.append(plan)
+    if lines := across(plans):
+        print("\n" + "\n".join(lines))
     if cfg.csv:
         atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
                                                          for p in plans]).to_csv(index=False))
@@ -809,7 +811,7 @@ def _plan(cfg: PredictConfig) -> float:
 
     from neusight.api import names_all
     from neusight.errors import InputError
-    from neusight.plan import plan_parallel, scaling_table
+    from neusight.plan import across, plan_parallel, scaling_table
     from neusight.util import atomic_write_text
 
     counts = _gpu_counts(cfg.gpus)
@@ -863,6 +865,8 @@ def _plan(cfg: PredictConfig) -> float:
         print("\nbest layout per GPU type, side by side:")
         table = pd.DataFrame(best_rows).set_index("run").drop(columns=["layout"]).T
         print(table.to_string(formatters={c: _cell for c in table.columns}))
+    if lines := across(plans):
+        print("\n" + "\n".join(lines))
     if cfg.csv:
         atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
                                                          for p in plans]).to_csv(index=False))
