@@ -480,9 +480,10 @@ def plan_generation(model: Any, device: Device | str, gpus: int, batch_size: int
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the concurrent sequences, "
                          "e.g. 32")
-    if "tp" in kwargs:
-        raise InputError("tp= is what plan_generation searches. Fix: leave it out, or forecast one layout with "
-                         "neusight.predict_generation(..., tp=)")
+    fixed = [k for k in ("tp", "dp") if k in kwargs]
+    if fixed:
+        raise InputError(f"{fixed[0]}= is what plan_generation searches. Fix: leave it out, or forecast one replica "
+                         "with neusight.predict_generation(..., tp=)")
     if usd_per_gpu_hour is not None:
         from neusight.api import check_price
 

@@ -272,6 +272,7 @@ def test_serving_plan_leaves_out_what_cannot_run():
     (dict(gpus=0), "gpus=0"),
     (dict(batch_size=0), "batch_size=0"),
     (dict(tp=2), "tp= is what plan_generation searches"),
+    (dict(dp=2), "dp= is what plan_generation searches"),
     (dict(usd_per_gpu_hour=0), "usd_per_gpu_hour"),
 ])
 def test_bad_serving_plan_input_names_the_field(kwargs, fragment):
