@@ -12,7 +12,10 @@ communication between GPUs over the device's interconnect:
 2. PP: the blocks are split evenly into ``pp`` stages (embeddings with the first, the head and the loss with
    the last); each micro-batch crosses every stage boundary once forward and once backward (point-to-point,
    tokens x hidden). With ``m`` micro-batches a 1F1B or GPipe schedule takes (m + pp - 1) slots of the slowest
-   stage: the pipeline bubble is (pp - 1) slots.
+   stage: the pipeline bubble is (pp - 1) slots. Megatron-LM's interleaved schedule (``vpp`` model chunks per GPU,
+   its virtual pipeline stages: GPU s holds chunks s, s + pp, ...) cuts the bubble to (pp - 1) / vpp slots, sends
+   every micro-batch across vpp times as many chunk boundaries, and holds activations of (1 + (pp - 1) / (pp x
+   vpp)) x the layers' worth on the first GPU (Korthikanti et al. 2022, section 4.2.3).
 3. DP: every replica runs ``batch_size / dp``; after the backward pass its gradients (FP32, its share of the
    parameters) are all-reduced, not overlapped with the backward pass (Megatron-LM's default of its time).
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
@@ -71,16 +74,18 @@ _BLOCK = re.compile(r"^(.*?\.(?:h|layer|layers|block)\.\d+)(?:\.|$)")
 @dataclass(frozen=True)
 class Parallelism:
     """How many GPUs split the step, and how: ``dp x tp x pp`` GPUs, ``microbatches`` per replica; ``ep`` of the
-    ``dp`` replicas share each mixture-of-experts layer's experts (expert parallelism)."""
+    ``dp`` replicas share each mixture-of-experts layer's experts (expert parallelism); ``vpp`` model chunks per
+    pipeline GPU (Megatron-LM's interleaved schedule; 1: plain 1F1B)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
     ep: int = 1
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "microbatches", "ep"):
+        for name in ("dp", "tp", "pp", "microbatches", "ep", "vpp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name}={v!r} must be a positive integer. Fix: e.g. {name}=1")
@@ -88,6 +93,11 @@ class Parallelism:
             raise InputError(f"ep={self.ep} does not divide dp={self.dp}: the experts are spread over groups of ep "
                              f"data-parallel replicas. Fix: an ep that divides {self.dp} (ep={self.dp}: every replica "
                              "holds its own share of the experts)")
+        if self.vpp > 1 and (self.pp == 1 or self.microbatches % self.pp):
+            raise InputError(f"vpp={self.vpp} interleaves model chunks over pipeline stages, and needs pp > 1 and a "
+                             f"number of micro-batches that pp divides (pp={self.pp}, microbatches="
+                             f"{self.microbatches}), as Megatron-LM's interleaved schedule does. Fix: vpp=1, or "
+                             "pp >= 2 with microbatches a multiple of pp")
 
     @property
     def gpus(self) -> int:
@@ -441,7 +451,8 @@ class ParallelPrediction:
                  + (f", seq {self.seq_len}" if self.seq_len else "")
                  + f" on {par.gpus} x {self.device.name} (dp {par.dp}, "
                    + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}, pp {par.pp}, "
-                   f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
+                   + (f"interleaved: {par.vpp} chunks per GPU, " if par.vpp > 1 else "")
+                   + f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
                  f"total: {self.latency_ms:,.2f} ms"]
         lines.append("parts: " + " | ".join(f"{k} {v:,.2f} ms" for k, v in self.parts.items() if v > 0))
         if self.memory_breakdown is not None:
@@ -457,7 +468,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
                      internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
-                     host_us: float | None = None, **trace_kwargs: Any) -> ParallelPrediction:
+                     host_us: float | None = None, vpp: int = 1, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -479,6 +490,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     layouts with the same micro-batch size and ``tp`` (differing in ``dp``, ``pp``, ``zero`` or the links) reuse them.
     ``host_us``: the host's time per kernel launch on each GPU (:func:`neusight.api.host_waits_ms`; None: not
     modelled).
+    ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
+    plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
 
     Examples
     --------
@@ -490,7 +503,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     from neusight.graph.tracer import trace
 
     check_host_us(host_us)
-    par = Parallelism(dp, tp, pp, microbatches, ep)
+    par = Parallelism(dp, tp, pp, microbatches, ep, vpp)
     device = load_device(device)
     links = Links.of(par, device, gpus_per_node, internode_gbps)
     if batch_size % (dp * microbatches):
@@ -533,6 +546,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if pp > max(n, 1):
         raise InputError(f"pp={pp} pipeline stages for the {n} transformer blocks of {g.model}: a stage would hold "
                          f"none. Fix: pp <= {max(n, 1)}")
+    if vpp > 1 and n % (pp * vpp):
+        raise InputError(f"vpp={vpp} chunks on each of pp={pp} stages need a number of transformer blocks that "
+                         f"{pp * vpp} divides; {g.model} has {n}. Fix: a vpp with {n} % (pp x vpp) == 0, or vpp=1")
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
     ep_ms = _expert_alltoall_ms(g, index, n, par, training, device, links.ep)
@@ -576,6 +592,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         report = kept["memory"]
         b = _zero_breakdown(report, zero, shards, units) if zero else report.breakdown
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
+        in_flight *= 1.0 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0     # interleaved: more chunks in flight
         breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else
                      v * in_flight if key == "activations" else float(v) for key, v in b.items()}
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
@@ -700,8 +717,9 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
                      "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
                      "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device, links and links.tp),
                      "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
+                     # chunk boundaries a micro-batch crosses leaving this GPU: vpp (the last GPU: vpp - 1)
                      "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device, links and links.pp)
-                     * (s < par.pp - 1)})
+                     * (par.vpp - (s == par.pp - 1))})
     stages = pd.DataFrame(rows)
     slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
@@ -710,13 +728,13 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
     # the pace of the slowest stage: sum of the stages' slots + (m - 1) x the slowest. Parts: the slowest stage's
     # m micro-batches (compute, tensor-parallel all-reduces), every hand-off between stages, and the bubble: the
     # other stages' work while the first micro-batch fills and drains the pipeline ((pp - 1) slots when the
-    # stages are balanced).
+    # stages are balanced; with vpp chunks per GPU the pipeline fills chunk by chunk, (pp - 1) / vpp slots).
     work = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms"]].sum(axis=1)
     parts = {"compute": m * float(slowest["forward_ms"] + slowest["backward_ms"]),
              "tp_comm": m * float(slowest["tp_comm_ms"]),
              "ep_alltoall": m * float(slowest["ep_comm_ms"]),
              "pp_p2p": float(stages["p2p_ms"].sum() + (m - 1) * slowest["p2p_ms"]),
-             "pp_bubble": float(work.sum() - work.loc[slowest.name])}
+             "pp_bubble": float(work.sum() - work.loc[slowest.name]) / par.vpp}   # interleaved: 1 / vpp of it
     return parts, stages
 
 

@@ -25,8 +25,8 @@ the least memory). Layouts the model cannot take (attention heads that ``tp`` do
 stages than blocks, a batch that ``dp`` does not split) are left out with the reason.
 
 Candidates with the same micro-batch size, ``tp``, ``ep`` and recompute share one trace, single-GPU forecast and
-memory report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs one trace
-per distinct (micro-batch size, tp, ep, recompute).
+memory report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs
+one trace per distinct (micro-batch size, tp, ep, recompute).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def layout_label(dp: int, tp: int, pp: int) -> str:
 @dataclass
 class ParallelPlan:
     """The layouts of ``gpus`` GPUs for one run, forecast: ``candidates`` has a row per forecast (layout,
-    micro-batches, expert parallelism, ZeRO stage, recompute), :attr:`table` one per layout (its best candidate),
+    micro-batches, expert parallelism, interleaving, ZeRO stage, recompute), :attr:`table` one per layout (its best
+    candidate),
     fastest that fits first."""
 
     model: str
@@ -105,7 +106,8 @@ class ParallelPlan:
         """The run, the layouts ranked, the best one against plain data parallelism, and what was left out."""
         t = self.table
         per = f", seq {self.seq_len}" if self.seq_len else ""
-        searched = (", expert-parallel degrees" if len(t) and self.candidates["ep"].nunique() > 1 else "") + (
+        c = self.candidates
+        searched = (", expert-parallel degrees" if len(t) and c["ep"].nunique() > 1 else "") + (
             ", ZeRO stages, recompute where needed" if self.mode == "training" else "")
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}{per} on {self.gpus} x {self.device.name}",
                  f"{len(t)} layouts of {self.gpus} GPUs forecast ({len(self.candidates)} candidates: micro-batch "
@@ -113,7 +115,7 @@ class ParallelPlan:
                  f"{len(self.skipped)} layout{'s' if len(self.skipped) != 1 else ''} left out) in "
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
-        hidden = ["layout"] + (["ep"] if len(t) and (t["ep"] == 1).all() else [])      # ep: MoE models
+        hidden = ["layout"] + [k for k in ("ep", "vpp") if len(t) and (t[k] == 1).all()]   # ep: MoE, vpp: pp > 1
         lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
         if best is not None:
@@ -178,6 +180,7 @@ def _best_row(table: pd.DataFrame) -> pd.Series | None:
 def _describe(row: pd.Series) -> str:
     m = int(row["micro-batches"])
     return (row["layout"] + (f", ep {int(row['ep'])}" if row["ep"] > 1 else "")
+            + (f", interleaved ({int(row['vpp'])} chunks per GPU)" if row["vpp"] > 1 else "")
             + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
             + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
             + (", activation recompute" if row["recompute"] == "yes" else ""))
@@ -185,8 +188,8 @@ def _describe(row: pd.Series) -> str:
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
                   mode: str = "training", *, microbatches: int | None = None, zero: int | None = None,
-                  ep: int | None = None, optimizer: str | None = "adamw", usd_per_gpu_hour: float | None = None,
-                  **kwargs: Any) -> ParallelPlan:
+                  ep: int | None = None, vpp: int = 1, optimizer: str | None = "adamw",
+                  usd_per_gpu_hour: float | None = None, **kwargs: Any) -> ParallelPlan:
     """Forecast every layout of ``gpus`` GPUs of ``device`` for one step of ``model`` at global ``batch_size``
     and rank them (module docstring: which candidates are tried).
 
@@ -201,6 +204,11 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         Keep this expert-parallel degree of a mixture-of-experts model (layouts whose ``dp`` it does not divide are
         left out) instead of searching those that divide ``dp`` and the experts (1 for a model without experts,
         with ``megatron=True`` or ``lora_rank``, which expert parallelism is not modelled with).
+    vpp : int
+        Interleaved model chunks per GPU on the layouts with pipeline stages (Megatron-LM's interleaved schedule;
+        layouts it does not fit are left out; 1: plain 1F1B). Not searched: the forecast shrinks the bubble as 1 /
+        vpp and charges only the added point-to-point transfers, so it would always pick the most chunks, while the
+        per-chunk overheads of a real run are not modelled.
     optimizer : str, optional
         The training step's optimizer (its state counts against the memory); None: no step.
     gradient_checkpointing : bool or int, optional (in ``kwargs``)
@@ -229,6 +237,9 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
         raise InputError(f"ep={ep!r} is not a positive integer. Fix: e.g. ep=2, or leave it out to search the "
                          "expert-parallel degrees")
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+        raise InputError(f"vpp={vpp!r} is not a positive integer. Fix: vpp=1 (plain 1F1B) or the interleaved model "
+                         "chunks per pipeline GPU, e.g. vpp=2")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
@@ -259,15 +270,21 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
             return [ep]
         return [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
 
-    def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any, e: int) -> dict[str, Any]:
+    def candidates(label: str, dp: int, tp: int, pp: int, m: int, stages: list[int], ckpt: Any) -> list[dict]:
+        return [candidate(label, dp, tp, pp, m, z, ckpt, e, vpp if pp > 1 else 1) for e in degrees(dp)
+                for z in stages]
+
+    def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any, e: int,
+                  v: int) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
-                             ep=e, optimizer=optimizer if training else None, cache=cache, **extra, **kwargs)
+                             ep=e, vpp=v, optimizer=optimizer if training else None, cache=cache, **extra,
+                             **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
-        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "micro-batches": m, "zero": z,
+        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v, "micro-batches": m, "zero": z,
                "recompute": "yes" if p.per_gpu.graph.gradient_checkpointing else "no",
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
@@ -294,6 +311,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         counts = [microbatches] if microbatches is not None else _divisors(replica)
         if microbatches is None and pp > 1:     # fewer micro-batches than stages: a longer bubble, no less memory
             counts = [m for m in counts if m >= pp] or [replica]
+            if vpp > 1:                         # the interleaved schedule wants a multiple of pp
+                counts = [m for m in counts if m % pp == 0] or counts
         if replica % counts[0]:
             skipped[label] = f"microbatches={microbatches} does not split a replica's batch"
             continue
@@ -301,12 +320,12 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         last_fit, recompute_fit = math.inf, False
         try:
             for m in counts:
-                plain = [candidate(label, dp, tp, pp, m, z, False, e) for e in degrees(dp) for z in stages]
+                plain = candidates(label, dp, tp, pp, m, stages, False)
                 rows += plain
                 tried = plain
                 if searching and not any(r["fits"] for r in plain) and not (pp == 1 and recompute_fit):
                     try:      # activation recompute, where nothing fits without it
-                        again = [candidate(label, dp, tp, pp, m, z, True, e) for e in degrees(dp) for z in stages]
+                        again = candidates(label, dp, tp, pp, m, stages, True)
                     except InputError as e:
                         if "gradient_checkpointing" not in str(e):
                             raise
@@ -383,13 +402,14 @@ def scaling_table(plans: list[ParallelPlan]) -> pd.DataFrame:
         if best is None:
             row.update({"layout": "none fits", "ms": math.nan, plan.unit: math.nan})
         else:
-            row.update({k: best[k] for k in ("layout", "ep", "micro-batches", "zero", "recompute", "ms", plan.unit,
-                                               "memory GiB")})
+            row.update({k: best[k] for k in ("layout", "ep", "vpp", "micro-batches", "zero", "recompute", "ms",
+                                               plan.unit, "memory GiB")})
             row.update({k: best[k] for k in best.index if k.startswith("USD per")})
         rows.append(row)
     table = pd.DataFrame(rows)
-    if "ep" in table and table["ep"].fillna(1).eq(1).all():      # a model without experts
-        table = table.drop(columns="ep")
+    for k in ("ep", "vpp"):      # a model without experts, plans without interleaving
+        if k in table and table[k].fillna(1).eq(1).all():
+            table = table.drop(columns=k)
     fitting = table["ms"].notna()
     if fitting.any():
         ref = table[fitting].iloc[0]

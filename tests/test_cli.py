@@ -65,6 +65,8 @@ BAD = {
                                       "dtype=bfloat16"), "fp8=True needs FP8 tensor cores; a100-80gb-pcie"),
     "predict-int4-training": (("neusight-predict", "model=llama-3-8b", "device=l4", "mode=training",
                                "weight_quant=int4"), "weight_quant='int4' forecasts serving a quantized checkpoint"),
+    "predict-interleaving-without-stages": (("neusight-predict", "model=gpt2", "device=t4", "vpp=2"),
+                                            "vpp=2 interleaves model chunks over pipeline stages"),
     "predict-negative-host-time": (("neusight-predict", "model=gpt2", "device=t4", "host_us=-5"), "host_us=-5"),
     "predict-serving-plan-with-tp": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "new_tokens=8", "tp=2"),
                                      "gpus=4 searches the dp x tp layouts, and tp=2 fixes one"),

@@ -477,3 +477,32 @@ def test_largest_batch_under_zero_is_where_the_parallel_forecast_stops_fitting()
     assert fit.memory_fits and not miss.memory_fits
     with pytest.raises(InputError, match="dp=1 has none"):
         find_max_batch("gpt2", "p4", zero=1, **kw)
+
+
+def test_interleaved_schedule_divides_the_bubble_and_adds_chunk_boundaries():
+    """vpp chunks per GPU (Megatron-LM's interleaved 1F1B): the same stages' work, the bubble / vpp, every GPU
+    sending a micro-batch across vpp chunk boundaries (the last one vpp - 1), and activations of (1 + (pp - 1) /
+    (pp x vpp)) x the layers' worth in flight on the first GPU."""
+    kw = dict(batch_size=8, seq_len=64, mode="training", pp=4, microbatches=8, optimizer="adamw")
+    plain = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
+    three = predict_parallel("gpt2", "h100-sxm5-80gb", vpp=3, **kw)
+    assert three.parts["compute"] == plain.parts["compute"] and three.parts["optimizer"] == plain.parts["optimizer"]
+    assert three.parts["pp_bubble"] == pytest.approx(plain.parts["pp_bubble"] / 3, rel=1e-12)
+    hop = plain.stages["p2p_ms"].iloc[0]
+    assert hop > 0 and list(plain.stages["p2p_ms"]) == pytest.approx([hop, hop, hop, 0.0])
+    assert list(three.stages["p2p_ms"]) == pytest.approx([3 * hop, 3 * hop, 3 * hop, 2 * hop])
+    assert three.memory_breakdown["activations"] == pytest.approx(plain.memory_breakdown["activations"]
+                                                                  * (1 + 3 / 12), rel=1e-12)
+    assert three.latency_ms < plain.latency_ms
+    assert "interleaved: 3 chunks per GPU" in three.summary()
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(pp=1, vpp=2), "vpp=2 interleaves model chunks over pipeline stages, and needs pp > 1"),
+    (dict(pp=4, microbatches=6, vpp=3), "microbatches=6"),
+    (dict(pp=4, microbatches=8, vpp=2), "vpp=2 chunks on each of pp=4 stages need a number of transformer blocks"),
+    (dict(pp=2, microbatches=2, vpp=0), "vpp=0 must be a positive integer"),
+])
+def test_bad_interleaving_says_what_to_change(kw, fragment):
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        predict_parallel("gpt2", "h100-sxm5-80gb", batch_size=24, seq_len=16, mode="training", **kw)

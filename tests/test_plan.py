@@ -139,7 +139,7 @@ def test_plan_from_the_command_line(tmp_path):
     assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
     csv = (tmp_path / "run" / "plan.csv").read_text().splitlines()
-    assert csv[0].startswith("layout,dp,tp,pp,ep,micro-batches,zero,recompute,ms") and len(csv) > 3
+    assert csv[0].startswith("layout,dp,tp,pp,ep,vpp,micro-batches,zero,recompute,ms") and len(csv) > 3
 
 
 
@@ -306,3 +306,14 @@ def test_across_plans_names_the_fastest_and_the_cheapest_that_fit():
     assert across(plans[:1]) == [] and len(across([plan_parallel("gpt2", "t4", 2, **run)] * 2)) == 1   # no price
     none = plan_parallel("gpt2", modify_device("t4", memory_gib=0.1), 1, **run)
     assert across([none, none]) == []                               # nothing fits
+
+
+def test_a_given_interleaving_applies_to_the_pipeline_layouts():
+    p = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, vpp=3, **RUN)
+    c = p.candidates
+    assert set(c.loc[c["pp"] > 1, "vpp"]) == {3} and set(c.loc[c["pp"] == 1, "vpp"]) == {1}
+    assert (c.loc[c["pp"] > 1, "micro-batches"] % c.loc[c["pp"] > 1, "pp"] == 0).all()
+    plain = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, **RUN).candidates
+    assert set(plain["vpp"]) == {1}                                # not searched
+    assert " vpp " in p.summary() and " vpp " not in plan_parallel("gpt2", "h100-sxm5-80gb", gpus=2,
+                                                                    **RUN).summary()

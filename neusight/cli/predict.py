@@ -68,6 +68,7 @@ class PredictConfig:
     tp: int = 1                          # tensor-parallel GPUs per replica (Megatron-style split of each block)
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
+    vpp: int = 1                         # interleaved model chunks per pipeline GPU (Megatron-LM's virtual stages)
     gpus: Any = None                     # plan: forecast every dp x tp x pp layout of this many GPUs (with the
     #                                      micro-batch counts, ep of MoE models, ZeRO stages, recompute), ranked;
     #                                      zero=1-3 / ep= / microbatches= keep one; a list ([8,16,32]): a plan
@@ -645,7 +646,8 @@ def _check_counts(cfg: PredictConfig) -> None:
     from neusight.errors import InputError
     from neusight.parallel import Parallelism
 
-    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg))   # its own checks: positive integers, ep | dp
+    # its own checks: positive integers, ep | dp, vpp with pp stages
+    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1)
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -669,7 +671,8 @@ def _generation(cfg: PredictConfig) -> float:
     other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
-    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep") if getattr(cfg, k) not in (1, None)]
+    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp")
+              if getattr(cfg, k) not in (1, None)]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
@@ -781,7 +784,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
                              host_us=cfg.host_us,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
+                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp,
                              gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps, **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         gpus = p.parallelism.gpus
@@ -834,7 +837,8 @@ def _plan(cfg: PredictConfig) -> float:
         for n in counts:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
-                                 zero=cfg.zero or None, ep=cfg.ep, optimizer=optimizer, usd_per_gpu_hour=price,
+                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, optimizer=optimizer,
+                                 usd_per_gpu_hour=price,
                                  head=cfg.head, megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
                                  attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
                                  dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
