@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     body = f"""## Planning a multi-GPU run (`gpus=N`)
 
 Every `dp x tp x pp` layout of N GPUs forecast with `neusight.parallel.predict_parallel` (per layout the
-micro-batch counts, in training without pipeline stages the ZeRO stages, and activation recompute where a
-candidate does not fit without it; candidates with the same micro-batch size, tp and recompute share one
-trace) and ranked, memory fit first. Warm process in Python.
+micro-batch counts, for mixture-of-experts models the expert-parallel degrees, in training without pipeline stages
+the ZeRO stages, and activation recompute where a candidate does not fit without it; candidates with the same
+micro-batch size, tp, ep and recompute share one trace) and ranked, memory fit first. Warm process in Python.
 No multi-GPU measurement is available to check the rankings: this table measures the time a plan takes.
 
 | plan | layouts forecast | left out | candidates | layouts that fit | best | Python (s) |
