@@ -12,6 +12,6 @@ from neusight.plan import GenerationPlan, ParallelPlan, plan_generation, plan_pa
 
 __all__ = ["Device", "GenerationForecast", "GenerationPlan", "NeuSightError", "ParallelPlan", "ParallelPrediction",
            "Prediction", "list_devices", "list_models", "load_device", "load_predictor", "modify_device",
-           "plan_generation", "plan_parallel", "predict", "predict_generation", "predict_graph", "predict_kernel_table", "predict_many", "predict_parallel", "rank",
-           "trace"]
+           "plan_generation", "plan_parallel", "predict", "predict_generation", "predict_graph", "predict_kernel_table",
+           "predict_many", "predict_parallel", "rank", "trace"]
 __version__ = "0.1.0"

@@ -225,7 +225,7 @@ def host_waits_ms(gpu_ms: np.ndarray, host_us: float) -> np.ndarray:
     return np.maximum(launch - np.concatenate([[0.0], ends[:-1]]), 0.0)   # launched after the kernel before ended
 
 
-HOST_MODEL_NOTE = ("host modelled (host_us={h:g}): eager PyTorch launches a kernel every {h:g} us; the GPU waits "
+HOST_MODEL_NOTE = ("host modelled (host_us={h:g}): the host launches a kernel every {h:g} us; the GPU waits "
                    "{wait:,.2f} ms ({share:.0f} % of the forecast) for launches where kernels run shorter than that. "
                    "The host's time per launch depends on the CPU, the PyTorch version and the loop around the model "
                    "and is not in a GPU's spec sheet; docs/host.md")

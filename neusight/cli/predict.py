@@ -783,9 +783,9 @@ def _parallel(cfg: PredictConfig) -> float:
                              microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             host_us=cfg.host_us,
-                             amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp,
-                             gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps, **_step_options(cfg))
+                             host_us=cfg.host_us, amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
+                             vpp=cfg.vpp, gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps,
+                             **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         gpus = p.parallelism.gpus
         unit = p.per_gpu.throughput[1]   # tokens, images or samples: what one GPU's step processes
@@ -838,13 +838,11 @@ def _plan(cfg: PredictConfig) -> float:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
                                  zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, optimizer=optimizer,
-                                 usd_per_gpu_hour=price,
-                                 head=cfg.head, megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
-                                 attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-                                 dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
-                                 kv_cache=cfg.kv_cache,
-                                 gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps,
-                                 **_step_options(cfg))
+                                 usd_per_gpu_hour=price, head=cfg.head, megatron=cfg.megatron,
+                                 predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
+                                 image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
+                                 amp=cfg.amp, kv_cache=cfg.kv_cache, gpus_per_node=cfg.gpus_per_node,
+                                 internode_gbps=cfg.internode_gbps, **_step_options(cfg))
             print(("\n" if plans else "") + plan.summary())
             plans.append(plan)
             mine.append(plan)
