@@ -726,12 +726,9 @@ def _generation(cfg: PredictConfig) -> float:
 def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[str, Any]) -> float:
     """``gpus=N new_tokens=M``: every dp x tp layout of N GPUs serving ``batch_size`` sequences, ranked, per GPU type
     (neusight.plan.plan_generation); the layouts as CSV, the plans as JSON on request."""
-    import pandas as pd
-
     from neusight.api import names_all
     from neusight.errors import InputError
-    from neusight.plan import across, plan_generation
-    from neusight.util import atomic_write_text
+    from neusight.plan import plan_generation
 
     if cfg.tp != 1:
         raise InputError(f"gpus={cfg.gpus} searches the dp x tp layouts, and tp={cfg.tp} fixes one. Fix: leave tp out "
@@ -745,18 +742,29 @@ def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[s
             plan = plan_generation(cfg.model, dev, n, cfg.batch_size, usd_per_gpu_hour=price, **kw)
             print(("\n" if plans else "") + plan.summary())
             plans.append(plan)
+    records = [{"device": p.device.key, "gpus": p.gpus, "batch_size": p.batch_size, "prompt_len": p.prompt_len,
+                "new_tokens": p.new_tokens, "best": None if p.best is None else p.best.drop("rank").to_dict(),
+                "layouts": p.table.to_dict(orient="records"), "skipped": p.skipped} for p in plans]
+    _finish_plans(cfg, plans, records)
+    first = plans[0].best
+    return float(first["total ms"]) if first is not None else float("nan")
+
+
+def _finish_plans(cfg: PredictConfig, plans: list, records: list[dict[str, Any]]) -> None:
+    """The lines across several plans (neusight.plan.across), then every candidate as CSV and ``records`` as JSON
+    on request."""
+    import pandas as pd
+
+    from neusight.plan import across
+    from neusight.util import atomic_write_text
+
     if lines := across(plans):
         print("\n" + "\n".join(lines))
     if cfg.csv:
         atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
                                                          for p in plans]).to_csv(index=False))
     if cfg.json:
-        records = [{"device": p.device.key, "gpus": p.gpus, "batch_size": p.batch_size, "prompt_len": p.prompt_len,
-                    "new_tokens": p.new_tokens, "best": None if p.best is None else p.best.drop("rank").to_dict(),
-                    "layouts": p.table.to_dict(orient="records"), "skipped": p.skipped} for p in plans]
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
-    first = plans[0].best
-    return float(first["total ms"]) if first is not None else float("nan")
 
 
 def _parallel(cfg: PredictConfig) -> float:
@@ -814,8 +822,7 @@ def _plan(cfg: PredictConfig) -> float:
 
     from neusight.api import names_all
     from neusight.errors import InputError
-    from neusight.plan import across, plan_parallel, scaling_table
-    from neusight.util import atomic_write_text
+    from neusight.plan import plan_parallel, scaling_table
 
     counts = _gpu_counts(cfg.gpus)
     fixed = [f"{k}={getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) != 1]
@@ -867,13 +874,7 @@ def _plan(cfg: PredictConfig) -> float:
         print("\nbest layout per GPU type, side by side:")
         table = pd.DataFrame(best_rows).set_index("run").drop(columns=["layout"]).T
         print(table.to_string(formatters={c: _cell for c in table.columns}))
-    if lines := across(plans):
-        print("\n" + "\n".join(lines))
-    if cfg.csv:
-        atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
-                                                         for p in plans]).to_csv(index=False))
-    if cfg.json:
-        atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
+    _finish_plans(cfg, plans, records)
     first = plans[0].best
     return float(first["ms"]) if first is not None else float("nan")
 
