@@ -78,6 +78,7 @@ def main() -> None:
     moe = _table(MOE, MOE_GPUS, MOE_SPLITS, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_plan = plan_parallel(MOE, MOE_PLAN_GPU, 8, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_best = moe_plan.table.drop(columns=["layout", "time vs best"])
+    moe_best = moe_best.drop(columns=[c for c in ("ep", "vpp") if (moe_best[c] == 1).all()])   # as the summary
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, dtype="bfloat16", gradient_checkpointing=True)
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
