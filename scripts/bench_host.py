@@ -53,12 +53,6 @@ def forecast_rows(folder: Path) -> tuple[pd.DataFrame, list[np.ndarray]]:
     return rows, gpu_ms
 
 
-def errors(rows: pd.DataFrame, gpu_ms: list[np.ndarray], host_us: float) -> np.ndarray:
-    """Signed % error of every row with the host at ``host_us`` (0: the GPU time alone)."""
-    ms = np.array([d.sum() + host_waits_ms(d, host_us).sum() for d in gpu_ms])
-    return (ms - rows["measured_ms"].to_numpy(float)) / rows["measured_ms"].to_numpy(float) * 100
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "host.md")
@@ -67,26 +61,29 @@ def main() -> None:
     t0 = time.time()
     rows, gpu_ms = forecast_rows(SHARED)
     gpus = sorted(rows["gpu"].unique())
-    grid = pd.DataFrame({"host_us": GRID, **{g: [float(np.abs(errors(rows, gpu_ms, h)[rows["gpu"] == g]).mean())
-                                                  for h in GRID] for g in gpus}})
+    measured = rows["measured_ms"].to_numpy(float)
+    # every row's forecast (ms) and signed % error at each host_us of the grid (0: the GPU time alone), once
+    ms = {float(h): np.array([d.sum() + host_waits_ms(d, h).sum() for d in gpu_ms]) for h in GRID}
+    err = {h: (v - measured) / measured * 100 for h, v in ms.items()}
+    on = {g: (rows["gpu"] == g).to_numpy() for g in gpus}
+    grid = pd.DataFrame({"host_us": GRID, **{g: [float(np.abs(err[h][on[g]]).mean()) for h in ms] for g in gpus}})
+    best = {g: float(grid.loc[grid[g].idxmin(), "host_us"]) for g in gpus}
     checks = []
     for fit in gpus:
-        h = float(grid.loc[grid[fit].idxmin(), "host_us"])
+        h = best[fit]
         for g in gpus:
-            e = errors(rows, gpu_ms, h)[rows["gpu"] == g]
-            e0 = errors(rows, gpu_ms, 0.0)[rows["gpu"] == g]
+            e, e0 = err[h][on[g]], err[0.0][on[g]]
             checks.append({"host_us chosen on": fit, "host_us": h, "rows of": g,
                            "role": "in-sample" if g == fit else "held out", "rows": int(len(e)),
                            "mean abs err %": float(np.abs(e).mean()), "mean signed err %": float(e.mean()),
                            "worst abs err %": float(np.abs(e).max()), "host not modelled: mean abs err %":
                            float(np.abs(e0).mean())})
     checks = pd.DataFrame(checks)
-    best = {g: float(grid.loc[grid[g].idxmin(), "host_us"]) for g in gpus}
     per_row = rows[["gpu", "model", "batch", "version", "measured_ms"]].copy()
     per_row["launches"] = [len(d) for d in gpu_ms]
-    per_row["GPU-only forecast ms"] = [float(d.sum()) for d in gpu_ms]
+    per_row["GPU-only forecast ms"] = ms[0.0]
     for h in sorted(set(best.values())):
-        per_row[f"host_us={h:g} ms"] = [float(d.sum() + host_waits_ms(d, h).sum()) for d in gpu_ms]
+        per_row[f"host_us={h:g} ms"] = ms[h]
     versions = ", ".join(sorted(rows["version"].astype(str).unique()))
     text = "\n".join([
         "# Host time per kernel launch (`host_us`)", "",
