@@ -16,9 +16,10 @@ inherits; nothing is fitted here):
   larger expert GEMMs), unless ``ep`` is given;
 - in training, per layout without pipeline stages and with ``dp > 1``, ZeRO stages 0-3 (1-3 trade collectives for
   memory);
-- in training, activation recompute (Hugging Face's gradient checkpointing: every layer's forward again in the
-  backward pass) where a micro-batch count does not fit without it (not where it fits: recompute only adds time),
-  unless ``gradient_checkpointing`` is given.
+- in training, activation recompute where a micro-batch count does not fit without it (not where it fits:
+  recompute only adds time), unless ``gradient_checkpointing`` is given: first Megatron-LM's selective
+  recomputation (only the attention cores run again in the backward pass), then, where that does not fit either,
+  full recompute (Hugging Face's gradient checkpointing: every layer's forward again).
 
 A layout is then represented by its fastest candidate that fits in the GPU's memory (else by the one that needs
 the least memory). Layouts the model cannot take (attention heads that ``tp`` does not divide, more pipeline
@@ -26,7 +27,8 @@ stages than blocks, a batch that ``dp`` does not split) are left out with the re
 
 Candidates with the same micro-batch size, ``tp``, ``ep`` and recompute share one trace, single-GPU forecast and
 memory report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs
-one trace per distinct (micro-batch size, tp, ep, recompute).
+one trace per distinct (micro-batch size, tp, ep, recompute). The ``recompute`` column says which: ``no``,
+``selective``, ``full`` (every layer) or ``1 in n`` (every n-th layer, when given).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import pandas as pd
 
 from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
+from neusight.graph.graph import SELECTIVE
 
 __all__ = ["GenerationPlan", "ParallelPlan", "across", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
 
@@ -177,13 +180,20 @@ def _best_row(table: pd.DataFrame) -> pd.Series | None:
     return table.iloc[0] if len(table) and table.iloc[0]["fits"] == "yes" else None
 
 
+def recompute_label(ckpt: Any) -> str:
+    """A trace's ``gradient_checkpointing`` as the plans' ``recompute`` column says it."""
+    if not ckpt:
+        return "no"
+    return ckpt if ckpt == SELECTIVE else "full" if ckpt is True else f"1 in {int(ckpt)}"
+
+
 def _describe(row: pd.Series) -> str:
     m = int(row["micro-batches"])
     return (row["layout"] + (f", ep {int(row['ep'])}" if row["ep"] > 1 else "")
             + (f", interleaved ({int(row['vpp'])} chunks per GPU)" if row["vpp"] > 1 else "")
             + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
             + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
-            + (", activation recompute" if row["recompute"] == "yes" else ""))
+            + (f", {row['recompute']} activation recompute" if row["recompute"] != "no" else ""))
 
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
@@ -211,8 +221,9 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         per-chunk overheads of a real run are not modelled.
     optimizer : str, optional
         The training step's optimizer (its state counts against the memory); None: no step.
-    gradient_checkpointing : bool or int, optional (in ``kwargs``)
-        Keep it on (or off) everywhere instead of trying activation recompute where nothing fits without it.
+    gradient_checkpointing : bool, int or "selective", optional (in ``kwargs``)
+        Keep it on (or off, or selective) everywhere instead of trying activation recompute where nothing fits
+        without it.
     usd_per_gpu_hour : float, optional
         Adds the cost per 1M tokens (images, samples) of every candidate, all ``gpus`` GPUs counted.
     **kwargs
@@ -257,6 +268,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     errors: list[Exception] = []
     notes_extra: list[str] = []
     searching = training and kwargs.get("gradient_checkpointing") is None   # recompute tried where needed
+    recomputes: list[Any] = [SELECTIVE, True]                                 # the kinds tried, in this order
     if searching:
         kwargs.pop("gradient_checkpointing", None)
     state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "unit": "samples/s", "seq": seq_len,
@@ -285,7 +297,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
         row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v, "micro-batches": m, "zero": z,
-               "recompute": "yes" if p.per_gpu.graph.gradient_checkpointing else "no",
+               "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing),
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
                "compute ms": parts["compute"], "communication ms": sum(parts[k] for k in COMM_PARTS),
@@ -323,15 +335,22 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 plain = candidates(label, dp, tp, pp, m, stages, False)
                 rows += plain
                 tried = plain
+                again = []
                 if searching and not any(r["fits"] for r in plain) and not (pp == 1 and recompute_fit):
-                    try:      # activation recompute, where nothing fits without it
-                        again = candidates(label, dp, tp, pp, m, stages, True)
-                    except InputError as e:
-                        if "gradient_checkpointing" not in str(e):
-                            raise
-                        searching = False
-                        notes_extra.append("activation recompute not searched: " + str(e).split(". Fix:")[0])
-                        again = []
+                    for how in list(recomputes):    # selective, then full, where nothing fits without
+                        try:
+                            more = candidates(label, dp, tp, pp, m, stages, how)
+                        except InputError as e:
+                            if "gradient_checkpointing" not in str(e):
+                                raise
+                            recomputes.remove(how)
+                            notes_extra.append(f"{recompute_label(how)} activation recompute not searched: "
+                                               + str(e).split(". Fix:")[0])
+                            continue
+                        again += more
+                        if any(r["fits"] for r in more):
+                            break
+                    searching = bool(recomputes)
                     rows += again
                     tried = plain + again
                     recompute_fit = recompute_fit or any(r["fits"] for r in again)

@@ -213,6 +213,43 @@ def test_checkpointing_every_second_layer_sits_between_none_and_all(tiny_gpt2):
         neusight.trace(tiny_gpt2, gradient_checkpointing=0.5, **kw)
 
 
+def test_selective_recompute_drops_the_attention_scores_and_reruns_only_the_attention_core(tiny_gpt2):
+    """gradient_checkpointing="selective" (Megatron-LM's selective recomputation): the attention core keeps none
+    of its a s^2 b-sized tensors (FP32 softmax output, dropout output, 1-byte mask: 9 bytes per score); checked
+    against a real CPU run with the same checkpointed core; the backward pass gains exactly the attention core's
+    forward work (its two batched matmuls), far less than full recompute; memory and time sit between none and
+    full recompute."""
+    b, s, a = 4, 256, 4
+    kw = dict(batch_size=b, seq_len=s, mode="training", optimizer=None)
+    graphs = {gc: neusight.trace(tiny_gpt2, gradient_checkpointing=gc, **kw) for gc in (False, "selective", True)}
+    sel = graphs["selective"]
+    assert sel.gradient_checkpointing == "selective" and any("selective recomputation" in n for n in sel.notes)
+    peak = {gc: estimate_memory(g, allocator="exact").tensor_peak_bytes for gc, g in graphs.items()}
+    assert peak[True] < peak["selective"] < peak[False]
+    assert peak["selective"] == pytest.approx(measure_cpu(tiny_gpt2, gradient_checkpointing="selective",
+                                                          **kw).peak_bytes, rel=0.05)
+    in_layers = {gc: saved_activations(g) for gc, g in graphs.items()}
+    in_layers = {gc: v[v.index.str.contains(r"\.h\.\d", regex=True)].sum() for gc, v in in_layers.items()}
+    # 2 layers: 9 bytes per score go; the checkpointed call keeps its inputs referenced until the backward, among
+    # them the (b, 1, s, s) FP32 attention mask, which the plain step's mask add does not save
+    dropped = 2 * (9 * a * s * s * b - 4 * b * s * s)
+    assert in_layers[False] - in_layers["selective"] == pytest.approx(dropped, rel=0.02)
+    k = {gc: g.kernels for gc, g in graphs.items()}
+    core = k[False][(k[False]["phase"] == "forward") & (k[False]["family"] == "bmm")]
+    assert len(core) == 2 * 2                                       # QK^T and AV per layer
+    extra = (k["selective"].query("phase == 'backward'")["flops"].sum()
+             - k[False].query("phase == 'backward'")["flops"].sum())
+    assert extra >= core["flops"].sum()                             # the GEMMs again, plus softmax / dropout
+    assert extra < 0.5 * (k[True].query("phase == 'backward'")["flops"].sum()
+                          - k[False].query("phase == 'backward'")["flops"].sum())
+    t = {gc: neusight.predict_graph(g, "a100-pcie-40gb").latency_ms for gc, g in graphs.items()}
+    assert t[False] < t["selective"] < t[True]
+    with pytest.raises(InputError, match="no attention function"):
+        neusight.trace("resnet18", batch_size=2, image_size=64, mode="training", gradient_checkpointing="selective")
+    with pytest.raises(InputError, match="'selective'"):
+        neusight.trace(tiny_gpt2, gradient_checkpointing="some", **kw)
+
+
 @pytest.mark.parametrize("model, mode, fragment", [("gpt2", "inference", "mode='inference'"),
                                                    ("resnet18", "training", "does not")])
 def test_gradient_checkpointing_needs_a_training_step_of_a_hugging_face_model(model, mode, fragment):

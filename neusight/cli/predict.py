@@ -90,6 +90,7 @@ class PredictConfig:
     static_cache: bool = False           # generation: new tokens written in place (StaticCache, serving engines), not
     #                                      concatenated onto the whole cache every step (eager DynamicCache)
     gradient_checkpointing: Any = None   # training: layers recompute their forward in backward (HF); n: every n-th;
+    #                                      selective: the attention cores only (Megatron-LM's selective recompute);
     #                                      null = off (with gpus=N: tried where a candidate does not fit without it)
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)

@@ -15,6 +15,10 @@ KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", 
                   "bytes", "modeled", "channel_align", "nchw_operands"]
 
 
+# gradient_checkpointing's value for Megatron-LM's selective recomputation (the attention core only)
+SELECTIVE = "selective"
+
+
 @dataclass
 class Graph:
     """Result of :func:`neusight.trace`.
@@ -41,7 +45,8 @@ class Graph:
     keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)
     amp: str | None = None      # the autocast dtype of a mixed-precision trace ("float16", "bfloat16"), else None
     kv_cache: int | None = None  # tokens already in the KV cache of a generation step, else None
-    gradient_checkpointing: bool | int = False   # layers recompute their forward in backward (n: every n-th)
+    gradient_checkpointing: bool | int | str = False   # layers recompute their forward in backward (n: every n-th;
+    #                                                   "selective": the attention core only)
     lora_rank: int | None = None   # LoRA fine-tuning: the adapters' rank (base weights frozen), else None
     model_kind: str = ""   # how the model was built: "hf" (transformers), "vision" (CNN presets), "module" (nn.Module)
     # every call of a mixture-of-experts layer: (its module path, "forward" or "backward" (a checkpointed layer's

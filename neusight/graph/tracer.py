@@ -15,6 +15,7 @@ import functools
 import inspect
 import logging
 import random
+import sys
 from typing import Any, Iterator
 
 import numpy as np
@@ -29,7 +30,7 @@ from torch.utils.module_tracker import ModuleTracker
 from neusight.errors import InputError, ModelError, TraceError
 from neusight.graph import fastmeta
 from neusight.graph.amp import Autocast, amp_dtype, model_dtype
-from neusight.graph.graph import Graph
+from neusight.graph.graph import SELECTIVE, Graph
 from neusight.graph.layout import check_memory_format
 from neusight.graph.models import BuiltModel, build_model
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
@@ -69,6 +70,9 @@ LORA_NOTE = ("LoRA fine-tuning: rank-{r} adapters on {n} projections ({targets})
 LAYERDROP_NOTE = ("LayerDrop off: every layer is traced, where a training step skips each with probability {p} "
                   "({names}); its layers' share of the forecast is what a step with all layers takes, {keep} of it "
                   "on average")
+SELECTIVE_NOTE = ("selective recomputation: the attention core (scores, softmax, dropout, the two batched matmuls or "
+                  "the fused attention kernel) runs again in the backward pass instead of keeping its activations, "
+                  "as Megatron-LM's --recompute-activations does")
 CHECKPOINT_NOTE = ("gradient checkpointing: {which} runs its forward again in the backward pass (Hugging Face's "
                    "activation checkpointing, non-reentrant torch.utils.checkpoint), keeping only its input between "
                    "the passes")
@@ -630,7 +634,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
           expert_parallel: int = 1, fp8: bool = False, weight_quant: str | None = None,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
-          kv_cache: int | None = None, gradient_checkpointing: bool | int = False, lora_rank: int | None = None,
+          kv_cache: int | None = None, gradient_checkpointing: bool | int | str = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
           ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
           memory_format: str = "contiguous") -> Graph:
@@ -700,11 +704,13 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     device : str, Device or None
         The GPU the trace is for; only what the software stack itself decides by the GPU depends on it (the
         experts kernels of ``moe_kernels="auto"``).
-    gradient_checkpointing : bool or int
+    gradient_checkpointing : bool, int or "selective"
         Training with activation (gradient) checkpointing, as ``model.gradient_checkpointing_enable()`` runs it
         in Hugging Face models: each layer keeps only its input and runs its forward again in the backward pass.
         Fewer activations held (the memory forecast), one more forward's work (the latency forecast). An integer n
-        checkpoints every n-th layer only (transformers' ``every_n_layers``).
+        checkpoints every n-th layer only (transformers' ``every_n_layers``). "selective" recomputes only each
+        attention core (Megatron-LM's selective recomputation): the s x s scores are not kept, at the cost of their
+        kernels run again.
     amp : {None, "float16", "bfloat16"} or bool
         Automatic mixed precision: the FP32 model's forward and loss under ``torch.autocast("cuda", amp)``
         (:mod:`neusight.graph.amp`: GEMMs and convolutions in ``amp``, softmax, norms and losses in FP32, the
@@ -885,15 +891,18 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if adapted:
         kinds = sorted({n.rpartition(".")[2] for n in adapted})
         notes += (LORA_NOTE.format(r=lora_rank, n=len(adapted), targets=", ".join(kinds)),)
-    # True (every layer) or n > 1 (one layer in n); False without checkpointing (validated by _enable_checkpointing)
-    ckpt = int(gradient_checkpointing) if gradient_checkpointing else False
+    # True (every layer), n > 1 (one layer in n) or "selective"; False without (validated by _enable_checkpointing)
+    ckpt = (SELECTIVE if gradient_checkpointing == SELECTIVE else int(gradient_checkpointing)
+            if gradient_checkpointing else False)
     ckpt = True if ckpt == 1 else ckpt
     if dropped:
         probs = sorted({p for _, p in dropped})
         p_text = " / ".join(f"{p:g}" for p in probs)
         keep = f"{1 - probs[-1]:.0%}" + (f" to {1 - probs[0]:.0%}" if len(probs) > 1 else "")
         notes += (LAYERDROP_NOTE.format(p=p_text, names=", ".join(f"{n}={p:g}" for n, p in dropped), keep=keep),)
-    if ckpt:
+    if ckpt == SELECTIVE:
+        notes += (SELECTIVE_NOTE,)
+    elif ckpt:
         notes += (CHECKPOINT_NOTE.format(which="every layer" if ckpt is True else f"one layer in {ckpt}"),)
     if device is not None and paths.sdpa:
         how = "; ".join(SDPA_BACKENDS[b] for b in sorted(paths.sdpa))
@@ -944,14 +953,21 @@ def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype |
 def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: torch.dtype | None = None,
                           device: Any = None, attn_implementation: str = "eager") -> contextlib.AbstractContextManager:
     """Turn on a Hugging Face model's activation checkpointing for the trace (``every``: True = every layer, an
-    integer n = every n-th layer); returns the context the trace runs in. The recomputation in the backward pass
-    runs under :class:`_Recompute` (the forward's CUDA code paths on ``device`` and autocast ``amp``; ``context_fn``);
-    transformers' check for packed sequences, which reads the position ids' values (a device sync on a GPU,
-    impossible on meta), is skipped: the traced inputs are plain sequences."""
+    integer n = every n-th layer, "selective" = the attention core only, :func:`_selective_recompute`); returns the
+    context the trace runs in. The recomputation in the backward pass runs under :class:`_Recompute` (the forward's
+    CUDA code paths on ``device`` and autocast ``amp``; ``context_fn``); transformers' check for packed sequences,
+    which reads the position ids' values (a device sync on a GPU, impossible on meta), is skipped: the traced
+    inputs are plain sequences."""
     module = built.module
+    if every == SELECTIVE:
+        if mode != "training":
+            raise InputError(f"gradient_checkpointing={SELECTIVE!r} recomputes the attention core in the backward "
+                             f"pass; mode={mode!r} has none. Fix: mode='training', or leave gradient_checkpointing out")
+        return _selective_recompute(built, amp, device, attn_implementation)
     if every is not True and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise InputError(f"gradient_checkpointing={every!r} is not true or a positive number of layers. Fix: true "
-                         "(every layer) or e.g. 2 (every second layer)")
+        raise InputError(f"gradient_checkpointing={every!r} is not true, a positive number of layers or "
+                         f"{SELECTIVE!r}. Fix: true (every layer), e.g. 2 (every second layer) or {SELECTIVE!r} (the "
+                         "attention core only)")
     every_n = 1 if every is True else int(every)
     if mode != "training":
         raise InputError(f"gradient_checkpointing=True recomputes activations in the backward pass; mode={mode!r} "
@@ -985,6 +1001,63 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: 
     from unittest import mock
 
     return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+class _selective_recompute:  # noqa: N801 - used like a function returning a context
+    """Megatron-LM's selective activation recomputation (``--recompute-activations``; Korthikanti et al. 2022):
+    only the attention core, the scores, softmax, dropout and the two batched matmuls (or the fused attention
+    kernel), runs again in the backward pass; the projections, MLP and norms keep their activations. Transformers'
+    models call their attention core through one function, the modeling module's ``eager_attention_forward`` or
+    the ``attn_implementation``'s entry in ``ALL_ATTENTION_FUNCTIONS``; inside this context each becomes a
+    non-reentrant ``torch.utils.checkpoint`` of itself, so its saved tensors (the s x s scores and masks among them)
+    are dropped after the forward and made again in the backward: the whole core, up to its output (the last batched
+    matmul too, which torch.utils.checkpoint's early stop would skip, as Megatron's own checkpoint function does
+    not). A model with no such call is an error when the context ends. Re-entrant in sequence (a real run's warm-up
+    step, then its measured one)."""
+
+    def __init__(self, built: BuiltModel, amp: torch.dtype | None, device: Any, attn_implementation: str) -> None:
+        self.built, self.calls = built, 0
+        self.context = (lambda: (contextlib.nullcontext(), _Recompute(amp, device, attn_implementation)))
+        modules = {sys.modules.get(type(m).__module__) for m in built.module.modules()}
+        self.targets: list[tuple[Any, str]] = [(mod, "eager_attention_forward") for mod in modules if mod is not None
+                                               and callable(getattr(mod, "eager_attention_forward", None))]
+        try:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError:
+            ALL_ATTENTION_FUNCTIONS = None
+        mapping = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
+        if isinstance(mapping, dict) and attn_implementation in mapping:
+            self.targets.append((mapping, attn_implementation))
+        self.stack: contextlib.ExitStack | None = None
+
+    def _wrapped(self, fn: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+        def core(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            # the whole core again, as Megatron's CheckpointFunction, not up to its last saved tensor only
+            with set_checkpoint_early_stop(False):
+                return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context, **kwargs)
+        return core
+
+    def __enter__(self) -> None:
+        from unittest import mock
+
+        self.stack = contextlib.ExitStack()
+        for owner, name in self.targets:
+            if isinstance(owner, dict):
+                self.stack.enter_context(mock.patch.dict(owner, {name: self._wrapped(owner[name])}))
+            else:
+                self.stack.enter_context(mock.patch.object(owner, name, self._wrapped(getattr(owner, name))))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+        if exc[0] is None and not self.calls:
+            built = self.built
+            raise InputError(f"gradient_checkpointing={SELECTIVE!r} recomputes the attention core, and {built.name} "
+                             f"({type(built.module).__name__}) calls no attention function the tracer can checkpoint "
+                             "(transformers' eager_attention_forward or its attention interface). Fix: "
+                             "gradient_checkpointing=true (whole layers)")
 
 
 def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | None) -> None:
