@@ -452,7 +452,7 @@ def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.S
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
                   calibrated: bool = True, fused: bool = False, megatron: bool = False, tf32: Any = None,
-                  host_us: float | None = None) -> Prediction:
+                  host_us: float | None = None, sequence_parallel: int = 1) -> Prediction:
     """Predict an already traced graph on ``device``.
 
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
@@ -461,7 +461,9 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     ``tf32`` which FP32 kernels run on TF32 tensor cores (:data:`TF32_MODES`; None: PyTorch's default, convolutions);
     ``host_us`` the host's time per kernel launch in microseconds (:func:`host_waits_ms`; None: the host is not
     modelled, as the predictor's end-to-end labels were GPU-bound): each kernel's ``latency_ms`` then includes the
-    GPU's wait for its launch (``host_wait_ms``; ``gpu_ms`` is its time on the GPU).
+    GPU's wait for its launch (``host_wait_ms``; ``gpu_ms`` is its time on the GPU);
+    ``sequence_parallel`` the GPUs of a tensor-parallel group that split the blocks' whole-width kernels by tokens
+    (:func:`neusight.parallel.split_sequence`; 1: none).
     """
     check_host_us(host_us)
     if fused and megatron:
@@ -472,6 +474,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
     k = (fused_kernels(g, device) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
+    if sequence_parallel != 1:
+        from neusight.parallel import split_sequence
+
+        k = split_sequence(k, sequence_parallel)
     if k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str).str.startswith("float8").any():
         from neusight.graph.fp8 import check_fp8_device
 

@@ -447,6 +447,16 @@ def saved_activations(graph: Graph) -> pd.Series:
     return pd.Series(totals, dtype="int64", name="saved_bytes")
 
 
+def saved_bytes_by_op(graph: Graph) -> pd.Series:
+    """Bytes of the storages saved for backward (as :func:`saved_activations`), per index of the op that made
+    them."""
+    totals: dict[int, int] = {}
+    for s in _walk(graph):
+        if s.backward_use and s.kind in ("made in forward", "made in loss"):
+            totals[s.start] = totals.get(s.start, 0) + s.nbytes
+    return pd.Series(totals, dtype="int64", name="saved_bytes")
+
+
 def fixed_costs(device: Any, graph: Graph) -> dict[str, int]:
     """Framework bytes on the device that no tensor of the model accounts for (see the constants above).
 

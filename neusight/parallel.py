@@ -8,7 +8,12 @@ communication between GPUs over the device's interconnect:
    the vocabulary of the embedding and the LM head too; layer norms, dropout and residual adds stay whole. One
    GPU's share is traced as its own model (:func:`shard_tensor_parallel`), so every kernel of the forward and
    backward pass has its per-GPU shape. Communication: two all-reduces of the block's activations (tokens x
-   hidden, FP32) per block in the forward pass, two in the backward pass, one after the embedding.
+   hidden, FP32) per block in the forward pass, two in the backward pass, one after the embedding. With
+   Megatron-LM's sequence parallelism (``sp``; Korthikanti et al. 2022, section 4.2.2) the kernels a block runs
+   over the whole (tokens, hidden) activation, the layer norms, the dropouts after the attention and MLP outputs
+   and the residual adds, run on tokens / tp rows each (:func:`split_sequence`), and what they save for the
+   backward pass is 1 / tp as large; each all-reduce becomes a reduce-scatter and an all-gather of the same
+   volume, and pipeline stages exchange 1 / tp of the activation per GPU.
 2. PP: the blocks are split evenly into ``pp`` stages (embeddings with the first, the head and the loss with
    the last); each micro-batch crosses every stage boundary once forward and once backward (point-to-point,
    tokens x hidden). With ``m`` micro-batches a 1F1B or GPipe schedule takes (m + pp - 1) slots of the slowest
@@ -59,7 +64,8 @@ from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
 __all__ = ["Parallelism", "Links", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
-           "shard_expert_parallel", "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms"]
+           "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "allreduce_ms", "allgather_ms",
+           "alltoall_ms", "p2p_ms"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
 # costs a few microseconds of launch and synchronisation. Public characteristics, not fitted here.
@@ -67,6 +73,8 @@ LINK_EFFICIENCY = 0.8
 HOP_LATENCY_S = 5e-6
 
 _OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
+# the inside of a split MLP: GPT-2 / BERT / OPT activations, a Llama-style MLP's gate x up product (on its module)
+_MLP_INNER = re.compile(r"(?:\.mlp|\.mlp\.act|\.act_fn|\.activation_fn|\.intermediate_act_fn|\.intermediate)$")
 # a transformer block's module path: ``transformer.h.3``, ``bert.encoder.layer.3``, ``encoder.block.3``, ...
 _BLOCK = re.compile(r"^(.*?\.(?:h|layer|layers|block)\.\d+)(?:\.|$)")
 
@@ -75,7 +83,8 @@ _BLOCK = re.compile(r"^(.*?\.(?:h|layer|layers|block)\.\d+)(?:\.|$)")
 class Parallelism:
     """How many GPUs split the step, and how: ``dp x tp x pp`` GPUs, ``microbatches`` per replica; ``ep`` of the
     ``dp`` replicas share each mixture-of-experts layer's experts (expert parallelism); ``vpp`` model chunks per
-    pipeline GPU (Megatron-LM's interleaved schedule; 1: plain 1F1B)."""
+    pipeline GPU (Megatron-LM's interleaved schedule; 1: plain 1F1B); ``sp``: Megatron-LM's sequence parallelism
+    within the ``tp`` GPUs of a tensor-parallel group (module docstring, item 1)."""
 
     dp: int = 1
     tp: int = 1
@@ -83,6 +92,7 @@ class Parallelism:
     microbatches: int = 1
     ep: int = 1
     vpp: int = 1
+    sp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "ep", "vpp"):
@@ -93,6 +103,11 @@ class Parallelism:
             raise InputError(f"ep={self.ep} does not divide dp={self.dp}: the experts are spread over groups of ep "
                              f"data-parallel replicas. Fix: an ep that divides {self.dp} (ep={self.dp}: every replica "
                              "holds its own share of the experts)")
+        if not isinstance(self.sp, bool):
+            raise InputError(f"sp={self.sp!r} is not true or false. Fix: sp=true (sequence parallelism) or sp=false")
+        if self.sp and self.tp == 1:
+            raise InputError("sp=True splits the tokens of the layer norms, dropouts and residual adds over the GPUs "
+                             "of a tensor-parallel group; tp=1 has none. Fix: tp >= 2, or sp=false")
         if self.vpp > 1 and (self.pp == 1 or self.microbatches % self.pp):
             raise InputError(f"vpp={self.vpp} interleaves model chunks over pipeline stages, and needs pp > 1 and a "
                              f"number of micro-batches that pp divides (pp={self.pp}, microbatches="
@@ -450,7 +465,8 @@ class ParallelPrediction:
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}"
                  + (f", seq {self.seq_len}" if self.seq_len else "")
                  + f" on {par.gpus} x {self.device.name} (dp {par.dp}, "
-                   + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}, pp {par.pp}, "
+                   + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}{' with sp' if par.sp else ''}, "
+                   + f"pp {par.pp}, "
                    + (f"interleaved: {par.vpp} chunks per GPU, " if par.vpp > 1 else "")
                    + f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
                  f"total: {self.latency_ms:,.2f} ms"]
@@ -468,7 +484,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
                      internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
-                     host_us: float | None = None, vpp: int = 1, **trace_kwargs: Any) -> ParallelPrediction:
+                     host_us: float | None = None, vpp: int = 1, sp: bool = False,
+                     **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -492,6 +509,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     modelled).
     ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
+    ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
 
     Examples
     --------
@@ -503,7 +521,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     from neusight.graph.tracer import trace
 
     check_host_us(host_us)
-    par = Parallelism(dp, tp, pp, microbatches, ep, vpp)
+    par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp)
     device = load_device(device)
     links = Links.of(par, device, gpus_per_node, internode_gbps)
     if batch_size % (dp * microbatches):
@@ -527,13 +545,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
     key = (model if isinstance(model, str) else id(model), micro, seq_len, mode, head, optimizer, tp, ep, device,
            id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor, fused, megatron,
-           repr(tf32), host_us, repr(sorted(trace_kwargs.items())))
+           repr(tf32), host_us, sp, repr(sorted(trace_kwargs.items())))
     kept = cache.get(key) if cache is not None else None
     if kept is None:
         g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
                   tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
         kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32,
-                                                 host_us=host_us)}
+                                                 host_us=host_us, sequence_parallel=tp if sp else 1)}
         if cache is not None:
             cache[key] = kept
     g, one = kept["graph"], kept["one"]
@@ -591,7 +609,16 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         if "memory" not in kept:
             kept["memory"] = estimate_memory(g, device, fused=fused)
         report = kept["memory"]
-        b = _zero_breakdown(report, zero, shards, units) if zero else report.breakdown
+        b = _zero_breakdown(report, zero, shards, units) if zero else dict(report.breakdown)
+        if sp:      # what the sequence-parallel kernels save for the backward pass: 1 / tp of it per GPU
+            if "sp_saved" not in kept:
+                from neusight.memory import saved_bytes_by_op
+
+                made = g.kernels.loc[sequence_parallel_mask(g.kernels) & (g.kernels["phase"] == "forward"),
+                                     "op_index"]
+                saved = saved_bytes_by_op(g)
+                kept["sp_saved"] = float(saved[saved.index.isin(made)].sum())
+            b["activations"] = b["activations"] - kept["sp_saved"] * (1.0 - 1.0 / tp)
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0
         in_flight *= 1.0 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0     # interleaved: more chunks in flight
         breakdown = {key: v * held[0] if key in ("weights", "gradients", "optimizer") else
@@ -621,6 +648,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   f"layer{'s' if n_layers != 1 else ''} and runs them on the token rows of all {ep}, sent and returned "
                   "by an all-to-all each (two more per layer in the backward pass); routing balanced, all-to-alls not "
                   "overlapped with compute",)
+    if sp:
+        n_sp = int(sequence_parallel_mask(g.kernels).sum())
+        notes += (f"sequence parallelism: {n_sp} kernels of the blocks (layer norms, dropouts, residual adds) run on "
+                  f"1/{tp} of the tokens per GPU and save 1/{tp} of their activations; all-reduces as reduce-scatter "
+                  "+ all-gather of the same volume",)
     if zero:
         what = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and weights")[zero - 1]
         notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
@@ -719,7 +751,8 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
                      "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device, links and links.tp),
                      "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
                      # chunk boundaries a micro-batch crosses leaving this GPU: vpp (the last GPU: vpp - 1)
-                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes, device, links and links.pp)
+                     "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes / (par.tp if par.sp else 1), device,
+                                                                links and links.pp)
                      * (par.vpp - (s == par.pp - 1))})
     stages = pd.DataFrame(rows)
     slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
@@ -827,6 +860,38 @@ def _stages(k: pd.DataFrame, block: pd.Series, pp: int) -> pd.Series:
     early = (fwd & (k["op_index"] < first_fwd)) | (bwd & (k["op_index"] > last_bwd))
     stage = stage.where(in_block, (~early) * (pp - 1))
     return stage.fillna(pp - 1).astype(int)
+
+
+def sequence_parallel_mask(k: pd.DataFrame) -> pd.Series:
+    """The kernels of ``k`` (a trace's kernel table) that Megatron-LM's sequence parallelism splits by tokens:
+    inside a transformer block, the elementwise and layer-norm kernels over the whole (tokens, hidden) activation
+    (the layer norms, the dropouts after the attention and MLP outputs, the residual adds), which tensor
+    parallelism alone runs whole on every GPU. Kernels inside the split attention and MLP (narrower than hidden on
+    a tensor-parallel shard), GEMMs and reductions are not among them; nor is the MLP's activation (by module path,
+    :data:`_MLP_INNER`), as a 4 x hidden MLP split over tp=4 GPUs is as wide as the block."""
+    block = _block_numbers(k, _block_index(k))
+    tokens, hidden = _activation_shape(k, block)
+    full = k["dims"].map(lambda d: len(d) == 2 and d[0] == tokens and d[1] == hidden).astype(bool)
+    inner = k["module"].astype(str).str.contains(_MLP_INNER)
+    return block.notna() & k["family"].isin(("elementwise", "layernorm")) & full & ~inner
+
+
+def split_sequence(k: pd.DataFrame, tp: int) -> pd.DataFrame:
+    """``k`` with the kernels of :func:`sequence_parallel_mask` on tokens / ``tp`` rows each (their dims, FLOPs
+    and bytes divided by ``tp``), as one GPU of a sequence-parallel group runs them."""
+    if tp == 1:
+        return k
+    mask = sequence_parallel_mask(k)
+    tokens, _ = _activation_shape(k, _block_numbers(k, _block_index(k)))
+    if tokens % tp:
+        raise InputError(f"sp=True splits the {int(tokens)} tokens of a micro-batch over tp={tp} GPUs, which do not "
+                         f"divide them. Fix: a batch x sequence length that {tp} divides, or sp=false")
+    out = k.copy()
+    out["dims"] = [(d[0] // tp, *d[1:]) if m else d for d, m in zip(out["dims"], mask)]
+    for column in ("flops", "algo_flops", "bytes"):
+        if column in out:
+            out[column] = out[column].where(~mask, out[column] / tp)
+    return out
 
 
 def _activation_shape(k: pd.DataFrame, block: pd.Series) -> tuple[float, float]:

@@ -119,6 +119,7 @@ class ParallelPlan:
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
         hidden = ["layout"] + [k for k in ("ep", "vpp") if len(t) and (t[k] == 1).all()]   # ep: MoE, vpp: pp > 1
+        hidden += ["sp"] if len(t) and not t["sp"].any() else []                          # sp: given, tp > 1
         lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
         if best is not None:
@@ -191,6 +192,7 @@ def _describe(row: pd.Series) -> str:
     m = int(row["micro-batches"])
     return (row["layout"] + (f", ep {int(row['ep'])}" if row["ep"] > 1 else "")
             + (f", interleaved ({int(row['vpp'])} chunks per GPU)" if row["vpp"] > 1 else "")
+            + (", sequence parallelism" if row["sp"] else "")
             + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
             + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
             + (f", {row['recompute']} activation recompute" if row["recompute"] != "no" else ""))
@@ -198,7 +200,7 @@ def _describe(row: pd.Series) -> str:
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
                   mode: str = "training", *, microbatches: int | None = None, zero: int | None = None,
-                  ep: int | None = None, vpp: int = 1, optimizer: str | None = "adamw",
+                  ep: int | None = None, vpp: int = 1, sp: bool = False, optimizer: str | None = "adamw",
                   usd_per_gpu_hour: float | None = None, **kwargs: Any) -> ParallelPlan:
     """Forecast every layout of ``gpus`` GPUs of ``device`` for one step of ``model`` at global ``batch_size``
     and rank them (module docstring: which candidates are tried).
@@ -219,6 +221,10 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         layouts it does not fit are left out; 1: plain 1F1B). Not searched: the forecast shrinks the bubble as 1 /
         vpp and charges only the added point-to-point transfers, so it would always pick the most chunks, while the
         per-chunk overheads of a real run are not modelled.
+    sp : bool
+        Megatron-LM's sequence parallelism on the layouts with tensor parallelism (``sp`` column). Not searched:
+        the forecast has it save memory and time at no cost (the same collective volume), so it is on or off as
+        given.
     optimizer : str, optional
         The training step's optimizer (its state counts against the memory); None: no step.
     gradient_checkpointing : bool, int or "selective", optional (in ``kwargs``)
@@ -251,6 +257,9 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
         raise InputError(f"vpp={vpp!r} is not a positive integer. Fix: vpp=1 (plain 1F1B) or the interleaved model "
                          "chunks per pipeline GPU, e.g. vpp=2")
+    if not isinstance(sp, bool):
+        raise InputError(f"sp={sp!r} is not true or false. Fix: sp=true (sequence parallelism where tp > 1) or "
+                         "sp=false")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
@@ -290,13 +299,15 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                   v: int) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
-                             ep=e, vpp=v, optimizer=optimizer if training else None, cache=cache, **extra,
+                             ep=e, vpp=v, sp=sp and tp > 1, optimizer=optimizer if training else None, cache=cache,
+                             **extra,
                              **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
-        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v, "micro-batches": m, "zero": z,
+        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v, "sp": sp and tp > 1,
+               "micro-batches": m, "zero": z,
                "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing),
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),

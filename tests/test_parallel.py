@@ -506,3 +506,48 @@ def test_interleaved_schedule_divides_the_bubble_and_adds_chunk_boundaries():
 def test_bad_interleaving_says_what_to_change(kw, fragment):
     with pytest.raises(InputError, match=re.escape(fragment)):
         predict_parallel("gpt2", "h100-sxm5-80gb", batch_size=24, seq_len=16, mode="training", **kw)
+
+
+def test_sequence_parallelism_splits_the_whole_width_kernels_and_their_activations_by_tokens():
+    """sp=True (Megatron-LM's sequence parallelism) on tp=4 GPT-2 blocks: per block the layer norms, the two
+    dropouts after the row-parallel projections and the residual adds (forward and backward: 12 kernels) run on
+    tokens / 4 rows; the MLP's activation, as wide as the block on a 4-way shard of a 4 x hidden MLP, is not among
+    them; what they save for backward (per block in FP32: two layer-norm inputs and two outputs, 4 bytes each, and
+    two 1-byte dropout masks: 18 bytes per token and hidden unit, Korthikanti et al.'s 10 sbh in 16 bits) is 1 / 4
+    as large; the collectives do not change."""
+    from neusight.parallel import sequence_parallel_mask, split_sequence
+
+    b, s, tp, h, blocks = 4, 128, 4, 768, 12
+    kw = dict(batch_size=b, seq_len=s, mode="training", tp=tp, optimizer="adamw")
+    plain = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
+    sp = predict_parallel("gpt2", "h100-sxm5-80gb", sp=True, **kw)
+    k = plain.per_gpu.graph.kernels
+    mask = sequence_parallel_mask(k)
+    assert mask.sum() == 12 * blocks
+    picked = k.loc[mask, "module"].str.replace(r"\.h\.\d+", ".h.N", regex=True)
+    assert set(picked) == {"transformer.h.N", "transformer.h.N.ln_1", "transformer.h.N.ln_2",
+                           "transformer.h.N.attn.resid_dropout", "transformer.h.N.mlp.dropout"}
+    act = k["module"].str.endswith(".mlp.act")
+    assert k.loc[act, "dims"].map(lambda d: tuple(d) == (b * s, h)).any()   # as wide as the block, not picked
+    split = split_sequence(k, tp)
+    assert (split.loc[mask, "dims"] == k.loc[mask, "dims"].map(lambda d: (d[0] // tp, d[1]))).all()
+    assert (split.loc[~mask, "dims"] == k.loc[~mask, "dims"]).all()
+    assert split.loc[mask, "bytes"].sum() == pytest.approx(k.loc[mask, "bytes"].sum() / tp)
+    assert sp.parts["tp_comm"] == plain.parts["tp_comm"] and sp.parts["compute"] < plain.parts["compute"]
+    tokens = b * s
+    saved = plain.memory_breakdown["activations"] - sp.memory_breakdown["activations"]
+    # + each layer norm's mean and reciprocal deviation per token (2 x 2 x 4 bytes); the first block's input is
+    # the embedding's (not split) while the last block's output is saved by the final layer norm: they cancel
+    assert saved == pytest.approx((1 - 1 / tp) * blocks * (18 * h + 16) * tokens, rel=1e-6)
+    assert "tp 4 with sp" in sp.summary() and any("sequence parallelism" in n for n in sp.notes)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(tp=1, sp=True), "tp=1 has none"),
+    (dict(tp=4, sp="yes"), "sp='yes' is not true or false"),
+    (dict(tp=4, sp=True, seq_len=30), "do not divide them"),
+])
+def test_bad_sequence_parallelism_says_what_to_change(kw, fragment):
+    run = {**dict(batch_size=1, seq_len=32, mode="training"), **kw}
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        predict_parallel("gpt2", "h100-sxm5-80gb", **run)

@@ -324,3 +324,26 @@ def test_a_given_interleaving_applies_to_the_pipeline_layouts():
     assert set(plain["vpp"]) == {1}                                # not searched
     assert " vpp " in p.summary() and " vpp " not in plan_parallel("gpt2", "h100-sxm5-80gb", gpus=2,
                                                                     **RUN).summary()
+
+
+def test_sequence_parallelism_applies_to_the_tensor_parallel_layouts():
+    """sp=True is given, not searched: on every layout with tp > 1 (the sp column), none without; there it saves
+    memory, and time where the split kernels are above their launch floor, at the same collectives (pipeline
+    stages exchange less)."""
+    with_sp, without = (plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, sp=sp, **RUN) for sp in (True, False))
+    c = with_sp.candidates
+    assert (c["sp"] == (c["tp"] > 1)).all() and not without.candidates["sp"].any()
+    key = ["layout", "micro-batches", "zero", "recompute"]
+    both = c.merge(without.candidates, on=key, suffixes=("", "_plain"))
+    assert len(both) == len(c)
+    tp = both[both["tp"] > 1]
+    assert len(tp) and (tp["ms"] <= tp["ms_plain"]).all() and (tp["ms"] < tp["ms_plain"]).any()
+    assert (tp["memory GiB"] < tp["memory GiB_plain"]).all()
+    one_stage = tp["pp"] == 1               # pipeline stages send 1 / tp of the activation per GPU with sp
+    assert (tp.loc[one_stage, "communication ms"] == tp.loc[one_stage, "communication ms_plain"]).all()
+    assert (tp.loc[~one_stage, "communication ms"] < tp.loc[~one_stage, "communication ms_plain"]).all()
+    rest = both[both["tp"] == 1]
+    assert (rest["ms"] == rest["ms_plain"]).all()
+    header = [line for line in with_sp.summary().splitlines() if line.lstrip().startswith("rank")]
+    assert header and " sp " in header[0] + " "
+    assert all(" sp " not in line + " " for line in without.summary().splitlines() if line.lstrip().startswith("rank"))

@@ -69,6 +69,7 @@ class PredictConfig:
     pp: int = 1                          # pipeline stages
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     vpp: int = 1                         # interleaved model chunks per pipeline GPU (Megatron-LM's virtual stages)
+    sp: bool = False                     # sequence parallelism in each tensor-parallel group (Megatron-LM; tp > 1)
     gpus: Any = None                     # plan: forecast every dp x tp x pp layout of this many GPUs (with the
     #                                      micro-batch counts, ep of MoE models, ZeRO stages, recompute), ranked;
     #                                      zero=1-3 / ep= / microbatches= keep one; a list ([8,16,32]): a plan
@@ -648,7 +649,8 @@ def _check_counts(cfg: PredictConfig) -> None:
     from neusight.parallel import Parallelism
 
     # its own checks: positive integers, ep | dp, vpp with pp stages
-    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1)
+    Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1,
+                cfg.sp if cfg.gpus is None else False)
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -674,6 +676,7 @@ def _generation(cfg: PredictConfig) -> float:
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp")
               if getattr(cfg, k) not in (1, None)]
+    other += ["sp=true"] if cfg.sp else []
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
@@ -784,6 +787,9 @@ def _parallel(cfg: PredictConfig) -> float:
         raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp, zero), "
                          "where every GPU holds one replica's shard; pp / microbatches / megatron=true spread it "
                          "otherwise. Fix: leave it out, or use dp and tp only")
+    if searches and cfg.sp:
+        raise InputError(f"{searches[0]} searches the memory of a tensor-parallel shard without sequence parallelism; "
+                         "with sp=true it would overstate the activations. Fix: leave one of them out")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
@@ -793,7 +799,8 @@ def _parallel(cfg: PredictConfig) -> float:
                              predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
                              host_us=cfg.host_us, amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
-                             vpp=cfg.vpp, gpus_per_node=cfg.gpus_per_node, internode_gbps=cfg.internode_gbps,
+                             vpp=cfg.vpp, sp=cfg.sp, gpus_per_node=cfg.gpus_per_node,
+                             internode_gbps=cfg.internode_gbps,
                              **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         gpus = p.parallelism.gpus
@@ -845,7 +852,7 @@ def _plan(cfg: PredictConfig) -> float:
         for n in counts:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
-                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, optimizer=optimizer,
+                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, optimizer=optimizer,
                                  usd_per_gpu_hour=price, head=cfg.head, megatron=cfg.megatron,
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
