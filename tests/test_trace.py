@@ -601,6 +601,20 @@ def test_checkpointed_layers_recompute_attention_with_the_gpus_backend():
                    "aten._scaled_dot_product_flash_attention_backward.default"}
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2"])
+def test_selective_recompute_runs_the_fused_attention_again_and_nothing_else(impl):
+    """gradient_checkpointing="selective" with a fused attention kernel (SDPA's flash backend, flash-attn 2 as
+    transformers calls it): each layer's attention kernel runs a second time in the backward pass, under the same
+    backend; every other kernel is the plain step's."""
+    run = dict(batch_size=2, seq_len=64, mode="training", attn_implementation=impl, dtype="bfloat16",
+               device="a100-sxm4-40gb")
+    plain, sel = (neusight.trace(_GQA_LM, gradient_checkpointing=gc, **run) for gc in (False, "selective"))
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    count = {name: g.kernels.groupby(["phase", "aten_op"]).size() for name, g in (("plain", plain), ("sel", sel))}
+    extra = count["sel"].sub(count["plain"], fill_value=0)
+    assert extra[extra != 0].to_dict() == {("backward", flash): 2}      # 2 layers, one attention call each
+
+
 def test_the_cli_traces_again_for_a_gpu_with_other_attention_backends(tmp_path):
     import json
 

@@ -1026,8 +1026,11 @@ class _selective_recompute:  # noqa: N801 - used like a function returning a con
         except ImportError:
             ALL_ATTENTION_FUNCTIONS = None
         mapping = getattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping", None)
-        if isinstance(mapping, dict) and attn_implementation in mapping:
-            self.targets.append((mapping, attn_implementation))
+        # the model's own implementation: flash_attention_2 / _3 are built as sdpa (the flash-attn calls are traced)
+        built_as = getattr(getattr(built.module, "config", None), "_attn_implementation", None)
+        for name in dict.fromkeys((attn_implementation, built_as)):
+            if isinstance(mapping, dict) and name in mapping:
+                self.targets.append((mapping, name))
         self.stack: contextlib.ExitStack | None = None
 
     def _wrapped(self, fn: Any) -> Any:
