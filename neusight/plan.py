@@ -119,7 +119,7 @@ class ParallelPlan:
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
         hidden = ["layout"] + [k for k in ("ep", "vpp") if len(t) and (t[k] == 1).all()]   # ep: MoE, vpp: pp > 1
-        hidden += ["sp"] if len(t) and not t["sp"].any() else []                          # sp: given, tp > 1
+        hidden += ["sp"] if len(t) and (t["sp"] == "no").all() else []                    # sp: given, tp > 1
         lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
         if best is not None:
@@ -192,7 +192,7 @@ def _describe(row: pd.Series) -> str:
     m = int(row["micro-batches"])
     return (row["layout"] + (f", ep {int(row['ep'])}" if row["ep"] > 1 else "")
             + (f", interleaved ({int(row['vpp'])} chunks per GPU)" if row["vpp"] > 1 else "")
-            + (", sequence parallelism" if row["sp"] else "")
+            + (", sequence parallelism" if row["sp"] == "yes" else "")
             + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
             + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
             + (f", {row['recompute']} activation recompute" if row["recompute"] != "no" else ""))
@@ -306,8 +306,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
-        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v, "sp": sp and tp > 1,
-               "micro-batches": m, "zero": z,
+        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v,
+               "sp": "yes" if sp and tp > 1 else "no", "micro-batches": m, "zero": z,
                "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing),
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),

@@ -140,7 +140,7 @@ def test_plan_from_the_command_line(tmp_path):
     assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
     csv = (tmp_path / "run" / "plan.csv").read_text().splitlines()
-    assert csv[0].startswith("layout,dp,tp,pp,ep,vpp,micro-batches,zero,recompute,ms") and len(csv) > 3
+    assert csv[0].startswith("layout,dp,tp,pp,ep,vpp,sp,micro-batches,zero,recompute,ms") and len(csv) > 3
 
 
 
@@ -332,7 +332,7 @@ def test_sequence_parallelism_applies_to_the_tensor_parallel_layouts():
     stages exchange less)."""
     with_sp, without = (plan_parallel("gpt2", "h100-sxm5-80gb", gpus=4, sp=sp, **RUN) for sp in (True, False))
     c = with_sp.candidates
-    assert (c["sp"] == (c["tp"] > 1)).all() and not without.candidates["sp"].any()
+    assert ((c["sp"] == "yes") == (c["tp"] > 1)).all() and (without.candidates["sp"] == "no").all()
     key = ["layout", "micro-batches", "zero", "recompute"]
     both = c.merge(without.candidates, on=key, suffixes=("", "_plain"))
     assert len(both) == len(c)
