@@ -1,11 +1,11 @@
 """Multi-GPU forecasts of one training step, several ways of splitting it. Writes docs/parallel.md.
 
-    python scripts/parallel_examples.py            # ~4 min on 2 cores
+    python scripts/parallel_examples.py            # ~9 min on 2 cores
     python scripts/parallel_examples.py --out /tmp/parallel.md
 
 GPT-3 2.7B (seq 2048, global batch 16, AdamW, FP32) on 8 GPUs of two kinds, split by data, tensor and pipeline
 parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running
-the same batch; then Mixtral 8x7B (seq 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert
+the same batch, and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert
 parallelism, and planned on 8 H100s (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute
 where needed searched); Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
 (``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB
@@ -26,7 +26,7 @@ import pandas as pd
 from neusight.cli.common import quiet_third_party_logs
 from neusight.e2e_eval import markdown_table
 from neusight.parallel import GPUS_PER_NODE, predict_parallel
-from neusight.plan import plan_generation, plan_parallel, scaling_table
+from neusight.plan import plan_generation, plan_parallel, recompute_label, scaling_table
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +34,8 @@ MODEL, SEQ, BATCH = "gpt3-2.7b", 2048, 16
 GPUS = ("a100-sxm4-40gb", "h100-sxm5-80gb")
 SPLITS = [dict(), dict(dp=8), dict(dp=8, zero=1), dict(dp=8, zero=2), dict(dp=8, zero=3), dict(tp=8),
           dict(pp=8, microbatches=16), dict(dp=2, tp=4), dict(dp=2, tp=2, pp=2, microbatches=4)]
+# the tp=8 split again: Megatron-LM's sequence parallelism and selective recompute against none and full recompute
+SP_RUNS = [(False, False), (True, False), (False, "selective"), (True, "selective"), (False, True)]
 MOE, MOE_SEQ, MOE_BATCH = "mixtral-8x7b", 2048, 8
 MOE_GPUS = ("a100-sxm4-80gb", "h100-sxm5-80gb")
 MOE_SPLITS = [dict(dp=8), dict(dp=8, ep=2), dict(dp=8, ep=8), dict(tp=8), dict(dp=2, tp=4), dict(dp=4, ep=4, tp=2)]
@@ -68,6 +70,20 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
     return table.drop(columns=unused + plain)
 
 
+def _memory_savers() -> pd.DataFrame:
+    """GPT-3 2.7B as tp=8 on each GPU of GPUS with and without sequence parallelism and activation recompute."""
+    rows = []
+    for gpu in GPUS:
+        for sp, ckpt in SP_RUNS:
+            p = predict_parallel(MODEL, gpu, BATCH, SEQ, "training", optimizer="adamw", tp=8, sp=sp,
+                                 gradient_checkpointing=ckpt)
+            rows.append({"gpu": gpu, "sp": "yes" if sp else "no", "recompute": recompute_label(ckpt),
+                         "step ms": p.latency_ms, "compute ms": p.parts["compute"], "tp_comm ms": p.parts["tp_comm"],
+                         "activations GiB": p.memory_breakdown["activations"] / 2**30,
+                         "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no"})
+    return pd.DataFrame(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "parallel.md")
@@ -75,10 +91,12 @@ def main() -> None:
     quiet_third_party_logs()
     t0 = time.time()
     dense = _table(MODEL, GPUS, SPLITS, BATCH, SEQ)
+    savers = _memory_savers()
     moe = _table(MOE, MOE_GPUS, MOE_SPLITS, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_plan = plan_parallel(MOE, MOE_PLAN_GPU, 8, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_best = moe_plan.table.drop(columns=["layout", "time vs best"])
-    moe_best = moe_best.drop(columns=[c for c in ("ep", "vpp") if (moe_best[c] == 1).all()])   # as the summary
+    moe_best = moe_best.drop(columns=[c for c, off in (("ep", 1), ("vpp", 1), ("sp", "no"))
+                                      if (moe_best[c] == off).all()])                      # as the summary
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, dtype="bfloat16", gradient_checkpointing=True)
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
@@ -96,6 +114,14 @@ def main() -> None:
         "so these numbers are forecasts that nothing here has checked; the single-GPU parts are the same forecasts "
         "as everywhere else.", "",
         markdown_table(dense, index=False), "",
+        "## Sequence parallelism and selective recompute", "",
+        f"The tp=8 split of {MODEL} again, with Megatron-LM's sequence parallelism (`sp=true`: the blocks' layer "
+        "norms, dropouts and residual adds on 1/8 of the tokens per GPU, their saved activations 1/8 as large) and "
+        "activation recompute: selective (`gradient_checkpointing=selective`: the attention cores run again in the "
+        "backward pass, the s x s scores are not kept) and full (`gradient_checkpointing=true`: every layer's "
+        "forward again). Korthikanti et al. (2022) describe both; the forecast charges the recomputed kernels and "
+        "no cost for sequence parallelism beyond the split kernels (the collectives keep their volume).", "",
+        markdown_table(savers, index=False), "",
         f"## Mixture of experts: {MOE}", "",
         f"{MOE}, sequence {MOE_SEQ}, global batch {MOE_BATCH}, one AdamW training step in BF16 (routed experts as "
         "transformers runs them on the GPU, balanced routing). EP = expert parallelism: groups of EP data-parallel "
