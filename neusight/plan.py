@@ -284,6 +284,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                              "name": model if isinstance(model, str) else type(model).__name__}
 
     experts = _experts_gcd(model, kwargs) if ep is None else 0
+    attention_saved: dict[int, float] = {}     # per trace: bytes its attention modules save for backward
+    floors: dict[int, float] = {}              # per candidate row: a lower bound of its memory under selective
 
     def degrees(dp: int) -> list[int]:
         """The expert-parallel degrees tried on ``dp`` replicas."""
@@ -320,6 +322,13 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
             row[f"USD per {per}"] = usd
         if row["fits"] and p.latency_ms < state["best_ms"]:
             state["best_ms"], state["notes"] = p.latency_ms, tuple(p.notes)
+        # the least memory selective recompute could leave: all the attention modules' saved bytes gone, at the
+        # most activations in flight (1; interleaved: 1 + (pp - 1) / (pp vpp), as predict_parallel counts them)
+        g = p.per_gpu.graph
+        if id(g) not in attention_saved:
+            attention_saved[id(g)] = _attention_saved_bytes(g)
+        in_flight = 1.0 + (pp - 1) / (pp * v) if v > 1 else 1.0
+        floors[id(row)] = (p.memory_peak_bytes or 0.0) - attention_saved[id(g)] * in_flight
         return row
 
     for dp, tp, pp in layouts(gpus):
@@ -349,6 +358,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 again = []
                 if searching and not any(r["fits"] for r in plain) and not (pp == 1 and recompute_fit):
                     for how in list(recomputes):    # selective, then full, where nothing fits without
+                        if how == SELECTIVE and all(floors[id(r)] > device.memory_bytes for r in plain):
+                            continue    # even without the attention cores' activations none would fit
                         try:
                             more = candidates(label, dp, tp, pp, m, stages, how)
                         except InputError as e:
@@ -405,6 +416,17 @@ def across(plans: list[ParallelPlan] | list[GenerationPlan]) -> list[str]:
         lines.append(f"cheapest: {named(p, row)}: {row[price]:,.4g} USD per {price.removeprefix('USD per ')} "
                      f"({row[key]:,.2f} ms {what})")
     return lines
+
+
+def _attention_saved_bytes(g: Any) -> float:
+    """Bytes a trace's attention modules (a module path's last name with "attn" or "attention") save for the
+    backward pass themselves: an upper bound of what selective recompute frees, as the attention core it checkpoints
+    runs inside such a module (its projections are child modules: counted or not, the bound holds)."""
+    from neusight.memory import saved_activations
+
+    saved = saved_activations(g)
+    last = saved.index.to_series().str.rsplit(".", n=1).str[-1]
+    return float(saved[last.str.contains(r"attn|attention", case=False).to_numpy()].sum())
 
 
 def _experts_gcd(model: Any, kwargs: dict[str, Any]) -> int:

@@ -144,12 +144,20 @@ def test_plan_from_the_command_line(tmp_path):
 
 
 
-def test_recompute_is_tried_only_where_nothing_fits_without_it(plan):
+@pytest.fixture(scope="module")
+def longer_plan():
+    """GPT-2 at sequence 256 on two 3.3 GiB GPUs: tp 2 fits with selective recompute, pp 2 needs full recompute."""
+    return plan_parallel("gpt2", modify_device("h100-sxm5-80gb", memory_gib=3.3), gpus=2, batch_size=8, seq_len=256,
+                         mode="training")
+
+
+def test_recompute_is_tried_only_where_nothing_fits_without_it(longer_plan):
     """Selective recompute only where the plain candidate does not fit, full recompute only where the selective
     one does not fit either; each recomputes more: slower, and a peak no higher (lower when the peak is one of
-    activations; here the optimizer step's can be the peak, which recompute does not change)."""
-    c = plan.candidates
+    activations; the optimizer step's can be the peak, which recompute does not change)."""
+    c = longer_plan.candidates
     assert set(c["recompute"]) == {"no", "selective", "full"}     # the small GPU needs both somewhere
+    assert longer_plan.table.set_index("layout").loc["dp 1 x tp 2 x pp 1", "recompute"] == "selective"
     key = ["layout", "micro-batches", "zero"]
     plain, selective, full = (c[c["recompute"] == r] for r in ("no", "selective", "full"))
     for more, less in ((selective, plain), (full, selective), (full, plain)):
@@ -160,6 +168,18 @@ def test_recompute_is_tried_only_where_nothing_fits_without_it(plan):
         assert (both["memory GiB"] <= both["memory GiB_less"]).all()
     both = full.merge(plain, on=key, suffixes=("", "_plain"))
     assert (both["memory GiB"] < both["memory GiB_plain"]).any()
+
+
+def test_selective_recompute_is_skipped_only_where_it_cannot_fit(plan, small_gpu):
+    """At sequence 64 the attention cores save too little for selective recompute to bring any candidate under
+    1.5 GiB: the plan goes to full recompute without tracing it, and selective would indeed not have fitted."""
+    c = plan.candidates
+    assert "selective" not in set(c["recompute"]) and "full" in set(c["recompute"])
+    for _, r in c[c["recompute"] == "full"].sample(2, random_state=0).iterrows():
+        p = predict_parallel("gpt2", small_gpu, dp=int(r["dp"]), tp=int(r["tp"]), pp=int(r["pp"]),
+                             microbatches=int(r["micro-batches"]), zero=int(r["zero"]), optimizer="adamw",
+                             gradient_checkpointing="selective", **RUN)
+        assert not p.memory_fits
 
 
 def test_fixed_recompute_is_kept(small_gpu):
