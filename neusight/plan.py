@@ -285,7 +285,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
 
     experts = _experts_gcd(model, kwargs) if ep is None else 0
     attention_saved: dict[int, float] = {}     # per trace: bytes its attention modules save for backward
-    floors: dict[int, float] = {}              # per candidate row: a lower bound of its memory under selective
+    kept: dict[int, tuple] = {}                # per candidate row: its memory, trace and activations in flight
 
     def degrees(dp: int) -> list[int]:
         """The expert-parallel degrees tried on ``dp`` replicas."""
@@ -302,8 +302,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
                              ep=e, vpp=v, sp=sp and tp > 1, optimizer=optimizer if training else None, cache=cache,
-                             **extra,
-                             **kwargs)
+                             **extra, **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
@@ -322,14 +321,20 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
             row[f"USD per {per}"] = usd
         if row["fits"] and p.latency_ms < state["best_ms"]:
             state["best_ms"], state["notes"] = p.latency_ms, tuple(p.notes)
-        # the least memory selective recompute could leave: all the attention modules' saved bytes gone, at the
-        # most activations in flight (1; interleaved: 1 + (pp - 1) / (pp vpp), as predict_parallel counts them)
-        g = p.per_gpu.graph
-        if id(g) not in attention_saved:
-            attention_saved[id(g)] = _attention_saved_bytes(g)
-        in_flight = 1.0 + (pp - 1) / (pp * v) if v > 1 else 1.0
-        floors[id(row)] = (p.memory_peak_bytes or 0.0) - attention_saved[id(g)] * in_flight
+        # at the most activations in flight (1; interleaved: 1 + (pp - 1) / (pp vpp), as predict_parallel counts)
+        kept[id(row)] = (p.memory_peak_bytes or 0.0, p.per_gpu.graph, 1.0 + (pp - 1) / (pp * v) if v > 1 else 1.0)
         return row
+
+    def selective_may_fit(plain: list[dict[str, Any]]) -> bool:
+        """Whether selective recompute could bring one of the ``plain`` candidates under the GPU's memory: at most
+        every byte the trace's attention modules save for backward goes."""
+        for r in plain:
+            peak, g, in_flight = kept[id(r)]
+            if id(g) not in attention_saved:
+                attention_saved[id(g)] = _attention_saved_bytes(g)
+            if peak - attention_saved[id(g)] * in_flight <= device.memory_bytes:
+                return True
+        return False
 
     for dp, tp, pp in layouts(gpus):
         label = layout_label(dp, tp, pp)
@@ -358,7 +363,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 again = []
                 if searching and not any(r["fits"] for r in plain) and not (pp == 1 and recompute_fit):
                     for how in list(recomputes):    # selective, then full, where nothing fits without
-                        if how == SELECTIVE and all(floors[id(r)] > device.memory_bytes for r in plain):
+                        if how == SELECTIVE and not selective_may_fit(plain):
                             continue    # even without the attention cores' activations none would fit
                         try:
                             more = candidates(label, dp, tp, pp, m, stages, how)

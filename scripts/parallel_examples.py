@@ -4,15 +4,16 @@
     python scripts/parallel_examples.py --out /tmp/parallel.md
 
 GPT-3 2.7B (seq 2048, global batch 16, AdamW, FP32) on 8 GPUs of two kinds, split by data, tensor and pipeline
-parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running
-the same batch, and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert
-parallelism, and planned on 8 H100s (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute
-where needed searched); Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
-(``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB
-PCIe boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table; and a serving plan
+parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running the
+same batch, and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq
+2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert parallelism, and planned on 8 H100s
+(every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute where needed searched);
+Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
+(``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB PCIe
+boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table; and a serving plan
 (``neusight.plan_generation``) of Llama-3-70B generating for 16 concurrent sequences on 8 of either GPU. These are
-forecasts no measurement could check (no multi-GPU labels were available): they show what the composition does,
-not how accurate it is.
+forecasts no measurement could check (no multi-GPU labels were available): they show what the composition does, not
+how accurate it is.
 """
 
 from __future__ import annotations
