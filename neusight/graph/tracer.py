@@ -953,7 +953,7 @@ def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype |
 def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: torch.dtype | None = None,
                           device: Any = None, attn_implementation: str = "eager") -> contextlib.AbstractContextManager:
     """Turn on a Hugging Face model's activation checkpointing for the trace (``every``: True = every layer, an
-    integer n = every n-th layer, "selective" = the attention core only, :func:`_selective_recompute`); returns the
+    integer n = every n-th layer, "selective" = the attention core only, :class:`_SelectiveRecompute`); returns the
     context the trace runs in. The recomputation in the backward pass runs under :class:`_Recompute` (the forward's
     CUDA code paths on ``device`` and autocast ``amp``; ``context_fn``); transformers' check for packed sequences,
     which reads the position ids' values (a device sync on a GPU, impossible on meta), is skipped: the traced
@@ -963,7 +963,7 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: 
         if mode != "training":
             raise InputError(f"gradient_checkpointing={SELECTIVE!r} recomputes the attention core in the backward "
                              f"pass; mode={mode!r} has none. Fix: mode='training', or leave gradient_checkpointing out")
-        return _selective_recompute(built, amp, device, attn_implementation)
+        return _SelectiveRecompute(built, amp, device, attn_implementation)
     if every is not True and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise InputError(f"gradient_checkpointing={every!r} is not true, a positive number of layers or "
                          f"{SELECTIVE!r}. Fix: true (every layer), e.g. 2 (every second layer) or {SELECTIVE!r} (the "
@@ -1003,17 +1003,17 @@ def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: 
     return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
 
 
-class _selective_recompute:  # noqa: N801 - used like a function returning a context
+class _SelectiveRecompute:
     """Megatron-LM's selective activation recomputation (``--recompute-activations``; Korthikanti et al. 2022):
     only the attention core, the scores, softmax, dropout and the two batched matmuls (or the fused attention
     kernel), runs again in the backward pass; the projections, MLP and norms keep their activations. Transformers'
     models call their attention core through one function, the modeling module's ``eager_attention_forward`` or
     the ``attn_implementation``'s entry in ``ALL_ATTENTION_FUNCTIONS``; inside this context each becomes a
     non-reentrant ``torch.utils.checkpoint`` of itself, so its saved tensors (the s x s scores and masks among them)
-    are dropped after the forward and made again in the backward: the whole core, up to its output (the last batched
-    matmul too, which torch.utils.checkpoint's early stop would skip, as Megatron's own checkpoint function does
-    not). A model with no such call is an error when the context ends. Re-entrant in sequence (a real run's warm-up
-    step, then its measured one)."""
+    are dropped after the forward and made again in the backward: the whole core up to its output, as Megatron's
+    own checkpoint function reruns it (torch.utils.checkpoint's early stop would skip the last batched matmul, whose
+    output no backward needs). A model with no such call is an error when the context ends. Can be entered again
+    after it exits (a real run's warm-up step, then its measured one)."""
 
     def __init__(self, built: BuiltModel, amp: torch.dtype | None, device: Any, attn_implementation: str) -> None:
         self.built, self.calls = built, 0
