@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/neusight-predict model=gpt2-large device=h100-sxm5-80gb batch_size=4 seq_len=1024 mode=training
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n auto
 
 clean:
 	rm -rf $(VENV) outputs multirun
