@@ -440,20 +440,21 @@ def saved_activations(graph: Graph) -> pd.Series:
     >>> int(saved.filter(like="transformer.h.3.").sum()) == int(saved.filter(like="transformer.h.4.").sum())
     True
     """
-    totals: dict[str, int] = {}
-    for s in _walk(graph):
-        if s.backward_use and s.kind in ("made in forward", "made in loss"):
-            totals[s.module] = totals.get(s.module, 0) + s.nbytes
-    return pd.Series(totals, dtype="int64", name="saved_bytes")
+    return _saved_by(graph, lambda s: s.module)
 
 
 def saved_bytes_by_op(graph: Graph) -> pd.Series:
     """Bytes of the storages saved for backward (as :func:`saved_activations`), per index of the op that made
     them."""
-    totals: dict[int, int] = {}
+    return _saved_by(graph, lambda s: s.start)
+
+
+def _saved_by(graph: Graph, key: Callable[[_Storage], Any]) -> pd.Series:
+    """Bytes of the storages saved for backward, summed per ``key`` of the storage, in program order."""
+    totals: dict[Any, int] = {}
     for s in _walk(graph):
         if s.backward_use and s.kind in ("made in forward", "made in loss"):
-            totals[s.start] = totals.get(s.start, 0) + s.nbytes
+            totals[key(s)] = totals.get(key(s), 0) + s.nbytes
     return pd.Series(totals, dtype="int64", name="saved_bytes")
 
 
