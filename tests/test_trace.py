@@ -372,6 +372,16 @@ def test_nn_module_with_input_shapes():
     assert sorted(lin["dims"]) == [(1, 8, 16, 32), (1, 8, 32, 4)]
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", None])
+def test_training_a_module_without_trainable_parameters_is_an_input_error(optimizer):
+    # before: a bare ValueError from the optimizer, or a ModelError pointing at the input shapes
+    frozen = nn.Linear(16, 4).requires_grad_(False)
+    for net in (nn.Sequential(nn.ReLU(), nn.Softmax(dim=-1)), frozen):
+        with pytest.raises(InputError, match=r"mode='training'.*has none.*Fix: mode='inference'"):
+            neusight.trace(net, batch_size=2, mode="training", input_shapes=[(16,)], optimizer=optimizer)
+    assert len(neusight.trace(frozen, batch_size=2, input_shapes=[(16,)]).kernels) > 0   # inference still traces
+
+
 class _Conv1D(nn.Module):
     """GPT-2's projection: x @ W with W stored (in, out), untransposed."""
 

@@ -807,6 +807,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
             raise InputError(f"weight_quant={weight_quant!r} with {other} is not modelled. Fix: leave one of them out "
                              "(a quantized model computes in its dtype, e.g. dtype='bfloat16')")
     training = mode == "training"
+    if training and not any(p.requires_grad for p in module.parameters()):
+        raise InputError(f"mode='training' runs a backward pass to the model's trainable parameters, and {built.name} "
+                         f"({type(module).__name__}) has none (no nn.Parameter that requires grad). Fix: "
+                         "mode='inference', or a model with parameters")
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
     if memory_format == "channels_last":
