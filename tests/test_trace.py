@@ -372,6 +372,16 @@ def test_nn_module_with_input_shapes():
     assert sorted(lin["dims"]) == [(1, 8, 16, 32), (1, 8, 32, 4)]
 
 
+def test_an_unknown_option_is_an_input_error_naming_the_closest():
+    # before: TypeError "trace() got an unexpected keyword argument", from whichever forecast was called
+    with pytest.raises(InputError, match=r"^input_shape=\[\(16,\)\] is not an option.*Fix: input_shapes="):
+        neusight.predict(nn.Linear(16, 4), "t4", batch_size=2, input_shape=[(16,)])
+    with pytest.raises(InputError, match=r"optimiser='sgd'.*Fix: optimizer="):
+        neusight.trace("gpt2", batch_size=1, seq_len=8, mode="training", optimiser="sgd")
+    with pytest.raises(InputError, match=r"zzz=1 .*Fix: leave it out"):
+        neusight.predict_parallel("gpt2", "t4", batch_size=2, seq_len=8, dp=2, zzz=1)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", None])
 def test_training_a_module_without_trainable_parameters_is_an_input_error(optimizer):
     # before: a bare ValueError from the optimizer, or a ModelError pointing at the input shapes

@@ -637,7 +637,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           kv_cache: int | None = None, gradient_checkpointing: bool | int | str = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
           ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
-          memory_format: str = "contiguous") -> Graph:
+          memory_format: str = "contiguous", **unknown: Any) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -730,6 +730,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         ``model.to(memory_format=torch.channels_last)`` and a channels-last input run it (4-D tensors channels-last,
         5-D ones channels-last-3d). It decides which convolutions cuDNN transposes on tensor cores
         (:mod:`neusight.graph.layout`).
+    **unknown
+        Any other keyword is refused with an InputError naming the closest option (``input_shape`` ->
+        ``input_shapes``), here and in every forecast that passes its options on to the trace.
 
     Returns
     -------
@@ -743,6 +746,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     >>> int(g.kernels.query("family == 'conv'").shape[0])
     20
     """
+    if unknown:
+        _refuse_options(unknown)
     torch_dtype = model_dtype(dtype)
     from neusight.graph.moe import check_moe_kernels, clear_dispatch, dispatch_calls, grouped_gemm_runs
     from neusight.graph.ssm import check_ssm_kernels, fused_calls, ssm_note
@@ -1279,6 +1284,19 @@ class _FusedAdam(torch.optim.AdamW):
             op(ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [],
                [s["step"] for s in st], lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                eps=group["eps"], amsgrad=False, maximize=False)
+
+
+def _refuse_options(unknown: dict[str, Any]) -> None:
+    """An option no trace takes (a misspelt one, most often) as an InputError naming it and the closest option;
+    every forecast passes its trace options through :func:`trace`, so they all refuse it here."""
+    import difflib
+
+    known = [p for p in inspect.signature(trace).parameters if p not in ("model", "unknown")]
+    name, value = next(iter(unknown.items()))
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    fix = f"{close[0]}=... (the closest option)" if close else "leave it out"
+    raise InputError(f"{name}={value!r} is not an option of the trace (neusight.trace's options: "
+                     f"{', '.join(known)}). Fix: {fix}")
 
 
 def _make_optimizer(module: torch.nn.Module, name: str) -> torch.optim.Optimizer:
