@@ -23,12 +23,19 @@ communication between GPUs over the device's interconnect:
    vpp)) x the layers' worth on the first GPU (Korthikanti et al. 2022, section 4.2.3).
 3. DP: every replica runs ``batch_size / dp``; after the backward pass its gradients (FP32, its share of the
    parameters) are all-reduced, not overlapped with the backward pass (Megatron-LM's default of its time).
+   ``overlap_grad_reduce`` overlaps them as PyTorch DDP, FSDP and Megatron-LM's ``--overlap-grad-reduce`` do:
+   each transformer block's gradients are reduced on a communication stream as soon as the block's backward
+   kernels (and its tensor-parallel all-reduces) are done, one collective per block in the order they finish,
+   the rest of the model's (embeddings, head) when the backward pass ends; only the part of that stream that
+   outlasts the busiest stage's last backward pass is charged (:func:`exposed_grad_reduce_ms`). The slowdown of
+   kernels that share the GPU with the collectives is not modelled.
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
    sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
    and steps its 1 / dp of the parameters. The gradients are reduce-scattered and the updated parameters
    all-gathered (1, 2: the all-reduce's volume); with 3 each block's parameters are all-gathered before its
    forward and again before its backward, its gradients reduce-scattered after it, and a GPU holds two gathered
-   blocks at a time (the current one and the prefetched next). None of it is overlapped with compute.
+   blocks at a time (the current one and the prefetched next). None of it is overlapped with compute (the
+   gradients' reduction is, with ``overlap_grad_reduce`` below).
 4. EP (mixture-of-experts models): groups of ``ep`` data-parallel replicas share each experts layer's experts,
    1 / ep per GPU (:func:`shard_expert_parallel`), as DeepSpeed-MoE and Megatron-LM's expert parallelism do. Every
    call of an experts layer sends its token rows to the GPUs of their experts and gets the results back: two
@@ -485,7 +492,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
                      internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
                      host_us: float | None = None, vpp: int = 1, sp: bool = False,
-                     **trace_kwargs: Any) -> ParallelPrediction:
+                     overlap_grad_reduce: bool = False, **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -510,6 +517,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
+    ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
+    backward pass, block by block as their gradients are done (module docstring, item 3); only what outlasts the
+    backward pass counts. Needs dp > 1 and training.
 
     Examples
     --------
@@ -521,6 +531,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     from neusight.graph.tracer import trace
 
     check_host_us(host_us)
+    if not isinstance(overlap_grad_reduce, bool):
+        raise InputError(f"overlap_grad_reduce={overlap_grad_reduce!r} is not true or false. Fix: "
+                         "overlap_grad_reduce=true (the gradients' reduction beside the backward pass) or leave it out")
+    if overlap_grad_reduce and (dp == 1 or mode != "training"):
+        raise InputError("overlap_grad_reduce=true overlaps the data-parallel replicas' gradient reduction with the "
+                         f"backward pass; {'dp=1 has none' if dp == 1 else 'this run is inference'}. Fix: "
+                         f"{'dp > 1' if dp == 1 else 'mode=training'}, or leave overlap_grad_reduce out")
     par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp)
     device = load_device(device)
     links = Links.of(par, device, gpus_per_node, internode_gbps)
@@ -595,12 +612,28 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                                  + allreduce_ms(grad_bytes * expert_share, dp // ep, device, links.dp)
                                  if training else 0.0)
         parts["dp_gather"] = 0.0
+    if overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
+        def reduce_ms(nbytes: float) -> float:
+            if zero:
+                return sharded_ms(nbytes)
+            return (allreduce_ms(nbytes * (1 - expert_share), dp, device, links.dp)
+                    + allreduce_ms(nbytes * expert_share, dp // ep, device, links.dp))
+
+        busiest = max(range(pp), key=lambda i: held[i])
+        units_s = _stage_units(g, index, n, pp)[busiest]
+        ratio = grad_bytes / max(sum(units_s.values()), 1.0)      # gradient bytes per parameter byte
+        grads = {u: b * ratio for u, b in units_s.items()}
+        tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block, backward
+        alone = parts["dp_allreduce"]
+        parts["dp_allreduce"] = exposed_grad_reduce_ms(k, stage == busiest, grads, "latency_ms", reduce_ms, tp_ms)
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device, links.pp) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
     shards = _zero_shards(dp, ep, expert_share)
     stepped = share / shards if zero else share           # with ZeRO each GPU steps its 1 / dp of the parameters
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
-    roofline_ms = (sum(roofline.values()) + parts["dp_allreduce"] + parts["dp_gather"] + parts["embedding_allreduce"]
+    dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms, tp_ms)
+                   if overlap_grad_reduce else parts["dp_allreduce"])
+    roofline_ms = (sum(roofline.values()) + dp_roofline + parts["dp_gather"] + parts["embedding_allreduce"]
                    + float(k.loc[opt, "roofline_ms"].sum()) * stepped)
     breakdown = None
     if memory:
@@ -653,12 +686,19 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"sequence parallelism: {n_sp} kernels of the blocks (layer norms, dropouts, residual adds) run on "
                   f"1/{tp} of the tokens per GPU and save 1/{tp} of their activations; all-reduces as reduce-scatter "
                   "+ all-gather of the same volume",)
+    if overlap_grad_reduce:
+        what = "reduce-scatter" if zero else "all-reduce"
+        notes += (f"the gradients' {what} overlaps the backward pass (overlap_grad_reduce), one collective per "
+                  f"transformer block as its gradients are done: {alone:,.1f} ms of it alone, "
+                  f"{parts['dp_allreduce']:,.1f} ms left exposed after the busiest stage's last backward pass "
+                  "(kernels sharing the GPU with it are not slowed in the forecast)",)
     if zero:
         what = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and weights")[zero - 1]
         notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
                   + (f"data-parallel replicas (the experts' over the {dp // ep} holding the same experts)"
                      if ep > 1 else "data-parallel replicas")
-                  + "; its collectives are not overlapped with compute (an upper bound on their time)",)
+                  + ("; its parameter all-gathers are" if overlap_grad_reduce else "; its collectives are")
+                  + " not overlapped with compute (an upper bound on their time)",)
     return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
                               one, roofline_ms, notes, breakdown)
 
@@ -724,15 +764,7 @@ def _zero_breakdown(report: Any, zero: int, dp: float, units: list[float]) -> di
 def _unit_parameter_bytes(g: Any, index: dict[str, float]) -> list[float]:
     """Parameter bytes of each unit FSDP wraps (every transformer block) and of the rest of the model (embeddings,
     final norm, head) as one more unit; the whole model as one unit without parameter names."""
-    sizes = [t.numel * t.itemsize for t in g.params]
-    if not g.param_names:
-        return [float(sum(sizes))]
-    units: dict[str, float] = {}
-    for name, size in zip(g.param_names, sizes):
-        m = _BLOCK.match(name)
-        key = m.group(1) if m and m.group(1) in index else ""
-        units[key] = units.get(key, 0.0) + size
-    return [u for u in units.values() if u > 0]
+    return [u for u in _stage_units(g, index, len(index), 1)[0].values() if u > 0]
 
 
 def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,
@@ -820,31 +852,66 @@ _OUTPUT_WEIGHT = re.compile(r"(?:^|\.)(?:lm_head|decoder)\.weight$")
 _EMBEDDINGS = re.compile(r"embed|(?:^|\.)(?:wte|wpe|shared)\.")      # word, position, token-type embeddings
 
 
-def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple[list[float], float]:
-    """(share of the traced parameters each pipeline stage holds, bytes of the tied word embedding the first and
-    the last stage all-reduce). Blocks' parameters go with their block's stage, embeddings with the first stage,
-    the rest (final norm, an untied head) with the last; with pp > 1 a tied word embedding is also held by the
-    last stage, which needs it for the output layer (Megatron-LM keeps such a copy and all-reduces its gradient
-    with the first stage's). Without parameter names: 1 / pp each."""
+def _stage_units(g: Any, index: dict[str, float], n: int, pp: int) -> list[dict[str, float]]:
+    """Per pipeline stage, the parameter bytes it holds by unit: a transformer block's module path, or ``""`` for
+    the rest of the model. Blocks' parameters go with their block's stage, embeddings with the first stage, the
+    rest (final norm, an untied head) with the last; with pp > 1 a tied word embedding is also held by the last
+    stage, which needs it for the output layer (Megatron-LM keeps such a copy and all-reduces its gradient with
+    the first stage's; key ``"tied"`` there). Without parameter names: 1 / pp of everything each, as ``""``."""
     sizes = [t.numel * t.itemsize for t in g.params]
     total = float(sum(sizes))
-    if pp == 1 or not g.param_names or total == 0:
-        return [1.0 / pp] * pp, 0.0
-    held = [0.0] * pp
-    word = 0.0
-    tied = not any(_OUTPUT_WEIGHT.search(name) for name in g.param_names)
+    if pp == 1 and g.param_names and index:
+        out: list[dict[str, float]] = [{}]
+    elif pp == 1 or not g.param_names or total == 0:
+        return [{"": total / pp} for _ in range(pp)]
+    else:
+        out = [{} for _ in range(pp)]
+    tied = pp > 1 and not any(_OUTPUT_WEIGHT.search(name) for name in g.param_names)
     for name, size in zip(g.param_names, sizes):
         m = _BLOCK.match(name)
         if m and m.group(1) in index and n:
-            held[int(index[m.group(1)]) * pp // n] += size
-        elif _EMBEDDINGS.search(name):
-            held[0] += size
-            if tied and _WORD_EMBEDDING.search(name):
-                word = float(size)
+            s, unit = int(index[m.group(1)]) * pp // n, m.group(1)
         else:
-            held[-1] += size
-    held[-1] += word
-    return [h / total for h in held], word
+            s, unit = (0 if _EMBEDDINGS.search(name) else pp - 1), ""
+            if tied and s == 0 and _WORD_EMBEDDING.search(name):
+                out[-1]["tied"] = float(size)
+        out[s][unit] = out[s].get(unit, 0.0) + size
+    return out
+
+
+def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple[list[float], float]:
+    """(share of the traced parameters each pipeline stage holds, bytes of the tied word embedding the first and
+    the last stage all-reduce), from :func:`_stage_units`."""
+    units = _stage_units(g, index, n, pp)
+    total = float(sum(t.numel * t.itemsize for t in g.params))
+    if total == 0:
+        return [1.0 / pp] * pp, 0.0
+    return [sum(u.values()) / total for u in units], units[-1].get("tied", 0.0)
+
+
+def exposed_grad_reduce_ms(k: pd.DataFrame, mine: pd.Series, grads: dict[str, float], column: str,
+                           reduce_ms: Any, tp_block_ms: float = 0.0) -> float:
+    """What a gradient reduction overlapped with the backward pass adds to a step (ms).
+
+    ``k``: one micro-batch's kernels with ``column`` times, ``mine``: those of the stage in question; ``grads``:
+    gradient bytes by unit (a transformer block's module path, anything else: the rest of the model);
+    ``reduce_ms(bytes)``: one collective's time; ``tp_block_ms``: each block's tensor-parallel all-reduces in the
+    backward pass. A block's gradients are ready when its last backward kernel ends (its tensor-parallel
+    all-reduces counted in the time), the rest at the end of the backward pass; the collectives run one at a
+    time in the order their gradients are ready, each once the one before has ended. Returns how far the last
+    one ends after the backward pass (0: all hidden).
+    """
+    bk = k.loc[mine & (k["phase"] == "backward"), ["op_index", "module", column]].sort_values("op_index")
+    path = bk["module"].astype(str).str.extract(_BLOCK, expand=False)
+    clock = bk[column].astype(float).cumsum()
+    last = clock.groupby(path).max().sort_values()            # each block's last backward kernel, in that order
+    end = float(bk[column].sum()) + tp_block_ms * len(last)
+    ready = [(t + tp_block_ms * (i + 1), u) for i, (u, t) in enumerate(last.items()) if u in grads]
+    ready += [(end, u) for u in grads if u not in last.index]
+    free = 0.0
+    for t, u in sorted(ready, key=lambda r: r[0]):
+        free = max(free, t) + reduce_ms(grads[u])
+    return max(0.0, free - end)
 
 
 def _stages(k: pd.DataFrame, block: pd.Series, pp: int) -> pd.Series:

@@ -86,6 +86,8 @@ BAD = {
                                               "sp=true"), "tp=1 has none"),
     "predict-max-batch-with-sequence-parallelism": (("neusight-predict", "model=gpt2", "device=t4", "tp=2", "sp=true",
                                                      "find_max_batch=true"), "without sequence parallelism"),
+    "predict-overlap-without-replicas": (("neusight-predict", "model=gpt2", "device=t4", "mode=training",
+                                          "overlap_grad_reduce=true"), "overlap_grad_reduce=true overlaps"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
                                      "lora_targets"),
     "predict-tokens-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "total_tokens=1e6"),

@@ -551,3 +551,54 @@ def test_bad_sequence_parallelism_says_what_to_change(kw, fragment):
     run = {**dict(batch_size=1, seq_len=32, mode="training"), **kw}
     with pytest.raises(InputError, match=re.escape(fragment)):
         predict_parallel("gpt2", "h100-sxm5-80gb", **run)
+
+
+def test_an_overlapped_gradient_reduction_leaves_what_outlasts_the_backward_pass():
+    """Two blocks and the rest of the model, each gradient collective taking its bytes in ms: block 1's backward
+    ends at 5 (its collective runs 5-9), block 0's at 9 (9-13), the backward pass at 10, the rest's collective
+    waits for block 0's (13-15): 5 ms past the backward pass. Forward kernels and another stage's are not in it;
+    a block's tensor-parallel all-reduces (1 ms each block) delay its gradients and the backward's end alike."""
+    import pandas as pd
+
+    from neusight.parallel import exposed_grad_reduce_ms
+
+    k = pd.DataFrame({"op_index": range(7), "phase": ["forward", "backward", "backward", "backward", "backward",
+                                                      "backward", "backward"],
+                      "module": ["transformer.h.0.mlp", "lm_head", "transformer.h.1.mlp.c_proj", "transformer.h.1.attn",
+                                 "transformer.h.0.attn", "transformer.h.2.mlp", "transformer.wte"],
+                      "ms": [50.0, 1.0, 1.0, 3.0, 4.0, 70.0, 1.0]})
+    mine = k["module"] != "transformer.h.2.mlp"
+    grads = {"transformer.h.1": 4.0, "transformer.h.0": 4.0, "": 2.0}
+    assert exposed_grad_reduce_ms(k, mine, grads, "ms", lambda b: b) == pytest.approx(5.0)
+    assert exposed_grad_reduce_ms(k, mine, grads, "ms", lambda b: b, tp_block_ms=1.0) == pytest.approx(5.0)
+    assert exposed_grad_reduce_ms(k, mine, grads, "ms", lambda b: b / 4) == pytest.approx(0.5)   # only the rest's
+    assert exposed_grad_reduce_ms(k, mine, {"": 2.0}, "ms", lambda b: b) == pytest.approx(2.0)   # no blocks: all
+
+
+@pytest.mark.parametrize("kw", [dict(dp=4), dict(dp=4, zero=2), dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2)])
+def test_overlapping_the_gradient_reduction_hides_at_most_the_backward_pass(kw):
+    """The law: overlapped, the exposed reduction is no more than the reduction alone and no less than what the
+    busiest stage's backward pass cannot cover; nothing else changes."""
+    run = dict(batch_size=8, seq_len=128, mode="training", optimizer="adamw", **kw)
+    alone = predict_parallel("gpt2", "a100-sxm4-40gb", **run)
+    over = predict_parallel("gpt2", "a100-sxm4-40gb", overlap_grad_reduce=True, **run)
+    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"]
+    backward = float(alone.stages["backward_ms"].max() + alone.stages["tp_comm_ms"].max() / 2)
+    assert max(0.0, a - backward) <= o < a
+    assert over.latency_ms == pytest.approx(alone.latency_ms - (a - o))
+    assert {k: v for k, v in over.parts.items() if k != "dp_allreduce"} == \
+        {k: v for k, v in alone.parts.items() if k != "dp_allreduce"}
+    assert over.roofline_ms <= alone.roofline_ms
+    assert over.memory_peak_bytes == alone.memory_peak_bytes
+    assert any("overlap_grad_reduce" in n and f"{a:,.1f} ms of it alone" in n for n in over.notes)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(dp=1), "dp=1 has none"),
+    (dict(dp=2, mode="inference"), "this run is inference"),
+    (dict(dp=2, overlap_grad_reduce="yes"), "overlap_grad_reduce='yes' is not true or false"),
+])
+def test_bad_overlap_of_the_gradient_reduction_says_what_to_change(kw, fragment):
+    run = {"batch_size": 4, "seq_len": 32, "mode": "training", "overlap_grad_reduce": True, **kw}
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        predict_parallel("gpt2", "a100-sxm4-40gb", **run)

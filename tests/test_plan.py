@@ -102,6 +102,23 @@ def test_fixed_zero_and_micro_batches_are_kept():
     assert set(c.loc[(c["dp"] == 1) | (c["pp"] > 1), "zero"]) == {0}
 
 
+def test_an_overlapped_gradient_reduction_applies_to_the_layouts_with_replicas():
+    """overlap_grad_reduce reaches every candidate with dp > 1 (no slower, its dp collective at most as long) and
+    leaves the others as they were (a dp=1 layout has no reduction to overlap, which predict_parallel refuses)."""
+    kw = dict(gpus=4, zero=0, microbatches=1, gradient_checkpointing=False, **RUN)
+    key = ["dp", "tp", "pp", "ep"]
+    alone = plan_parallel("gpt2", "h100-sxm5-80gb", **kw).candidates.set_index(key).sort_index()
+    over = plan_parallel("gpt2", "h100-sxm5-80gb", overlap_grad_reduce=True, **kw).candidates.set_index(key).sort_index()
+    assert list(over.index) == list(alone.index)
+    replicas = over.index.get_level_values("dp") > 1
+    assert replicas.any() and (~replicas).any()
+    assert (over.loc[replicas, "ms"] < alone.loc[replicas, "ms"]).all()
+    assert (over.loc[replicas, "communication ms"] < alone.loc[replicas, "communication ms"]).all()
+    assert over.loc[~replicas, "ms"].tolist() == alone.loc[~replicas, "ms"].tolist()
+    with pytest.raises(InputError, match="overlap_grad_reduce='yes'"):
+        plan_parallel("gpt2", "h100-sxm5-80gb", overlap_grad_reduce="yes", **kw)
+
+
 def test_inference_plans_have_no_zero():
     p = plan_parallel("gpt2", "h100-sxm5-80gb", gpus=2, batch_size=4, seq_len=32, mode="inference")
     assert set(p.candidates["zero"]) == {0} and p.best is not None
