@@ -5,7 +5,8 @@
 
 GPT-3 2.7B (seq 2048, global batch 16, AdamW, FP32) on 8 GPUs of two kinds, split by data, tensor and pipeline
 parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running the
-same batch, and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq
+same batch (each split with data parallelism also with its gradients' reduction overlapped with the backward pass),
+and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq
 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert parallelism, and planned on 8 H100s
 (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute where needed searched);
 Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
@@ -54,19 +55,29 @@ SERVE, SERVE_BATCH, SERVE_PROMPT, SERVE_NEW = "llama-3-70b", 16, 512, 128
 SERVE_KW = dict(dtype="bfloat16", attn_implementation="sdpa", static_cache=True)
 
 
-def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, seq: int, **kw) -> pd.DataFrame:
+def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, seq: int, overlap: bool = False,
+           **kw) -> pd.DataFrame:
+    """One row per GPU and split; ``overlap``: two more columns, the step with the gradients' reduction overlapped
+    with the backward pass (``overlap_grad_reduce=true``, splits with dp > 1) and what of it stays exposed."""
     rows = []
     for gpu in gpus:
+        cache: dict = {}     # the overlapped forecast reuses the split's trace and single-GPU forecast
         for split in splits:
-            p = predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", **split, **kw)
+            p = predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", cache=cache, **split, **kw)
+            over = (predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", cache=cache,
+                                     overlap_grad_reduce=True, **split, **kw)
+                    if overlap and p.parallelism.dp > 1 else None)
             par = p.parallelism
             rows.append({"gpu": gpu, "dp x tp x pp (micro-batches)": f"{par.dp} x {par.tp} x {par.pp} ({par.microbatches})",
                          "EP": par.ep, "ZeRO": split.get("zero", 0),
                          "GPUs": par.gpus, "nodes": -(-par.gpus // GPUS_PER_NODE), "step ms": p.latency_ms,
                          **{f"{k} ms": v for k, v in p.parts.items()},
-                         "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no"})
+                         "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no",
+                         **({"step ms, overlapped": over.latency_ms if over else p.latency_ms,
+                             "dp_allreduce ms exposed": over.parts["dp_allreduce"] if over else 0.0}
+                            if overlap else {})})
     table = pd.DataFrame(rows)
-    unused = [c for c in table.columns if c.endswith(" ms") and c != "step ms" and not table[c].any()]
+    unused = [c for c in table.columns if c.endswith(" ms") and not c.startswith("step ms") and not table[c].any()]
     plain = [c for c, v in (("EP", 1), ("ZeRO", 0), ("nodes", 1)) if (table[c] == v).all()]
     return table.drop(columns=unused + plain)
 
@@ -91,14 +102,15 @@ def main() -> None:
     args = ap.parse_args()
     quiet_third_party_logs()
     t0 = time.time()
-    dense = _table(MODEL, GPUS, SPLITS, BATCH, SEQ)
+    dense = _table(MODEL, GPUS, SPLITS, BATCH, SEQ, overlap=True)
     savers = _memory_savers()
     moe = _table(MOE, MOE_GPUS, MOE_SPLITS, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_plan = plan_parallel(MOE, MOE_PLAN_GPU, 8, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_best = moe_plan.table.drop(columns=["layout", "time vs best"])
     moe_best = moe_best.drop(columns=[c for c, off in (("ep", 1), ("vpp", 1), ("sp", "no"))
                                       if (moe_best[c] == off).all()])                      # as the summary
-    big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, dtype="bfloat16", gradient_checkpointing=True)
+    big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, overlap=True, dtype="bfloat16",
+                 gradient_checkpointing=True)
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
     scaling = scaling[["gpu", *[c for c in scaling.columns if c != "gpu"]]]
@@ -113,7 +125,10 @@ def main() -> None:
         f"{MODEL}, sequence {SEQ}, global batch {BATCH}, one AdamW training step in FP32 (eager kernels), with the "
         "shipped predictor. How the step is composed: `neusight/parallel.py`. No multi-GPU measurement was available, "
         "so these numbers are forecasts that nothing here has checked; the single-GPU parts are the same forecasts "
-        "as everywhere else.", "",
+        "as everywhere else. The last two columns: the same step with the data-parallel gradients' reduction "
+        "overlapped with the backward pass block by block (`overlap_grad_reduce=true`, as PyTorch DDP, FSDP and "
+        "Megatron-LM's `--overlap-grad-reduce` run it), and the part of that reduction left exposed after the last "
+        "backward pass (the other columns: not overlapped, Megatron-LM's default).", "",
         markdown_table(dense, index=False), "",
         "## Sequence parallelism and selective recompute", "",
         f"The tp=8 split of {MODEL} again, with Megatron-LM's sequence parallelism (`sp=true`: the blocks' layer "
@@ -141,7 +156,8 @@ def main() -> None:
         f"{BIG}, sequence {BIG_SEQ}, global batch {BIG_BATCH}, one AdamW training step in BF16 with gradient "
         "checkpointing, on 8 nodes of 8 GPUs: ranks ordered as Megatron-LM orders them (tensor-parallel innermost, "
         "pipeline stages outermost), groups that span nodes at 100 GB/s per GPU (`internode_gbps`), the others over "
-        "NVLink.", "",
+        "NVLink. Last two columns as in the first table: the gradients' reduction overlapped with the backward "
+        "pass.", "",
         markdown_table(big, index=False), "",
         f"## Planning: {PLAN} on 1-{max(PLAN_COUNTS)} GPUs", "",
         f"{PLAN}, sequence {PLAN_SEQ}, global batch {PLAN_BATCH}, one AdamW training step in FP32, planned with "
