@@ -34,8 +34,12 @@ communication between GPUs over the device's interconnect:
    and steps its 1 / dp of the parameters. The gradients are reduce-scattered and the updated parameters
    all-gathered (1, 2: the all-reduce's volume); with 3 each block's parameters are all-gathered before its
    forward and again before its backward, its gradients reduce-scattered after it, and a GPU holds two gathered
-   blocks at a time (the current one and the prefetched next). None of it is overlapped with compute (the
-   gradients' reduction is, with ``overlap_grad_reduce`` below).
+   blocks at a time (the current one and the prefetched next). None of it is overlapped with compute unless
+   asked: the gradients' reduction with ``overlap_grad_reduce`` (above), the parameters' gathers with
+   ``overlap_param_gather``: ZeRO 1 / 2 gather the updated parameters during the next step's forward pass, each
+   block's before the block runs (Megatron-LM's ``--overlap-param-gather``); ZeRO 3 / FSDP prefetches each block's
+   gather while the block before it runs, in both passes (:func:`exposed_collectives_ms`: one communication
+   stream, collectives in the order they are issued).
 4. EP (mixture-of-experts models): groups of ``ep`` data-parallel replicas share each experts layer's experts,
    1 / ep per GPU (:func:`shard_expert_parallel`), as DeepSpeed-MoE and Megatron-LM's expert parallelism do. Every
    call of an experts layer sends its token rows to the GPUs of their experts and gets the results back: two
@@ -492,7 +496,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
                      internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
                      host_us: float | None = None, vpp: int = 1, sp: bool = False,
-                     overlap_grad_reduce: bool = False, **trace_kwargs: Any) -> ParallelPrediction:
+                     overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                     **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -520,6 +525,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
     backward pass, block by block as their gradients are done (module docstring, item 3); only what outlasts the
     backward pass counts. Needs dp > 1 and training.
+    ``overlap_param_gather`` (ZeRO stages 1-3): the parameters' all-gathers overlap the compute (module docstring,
+    item 3): with ZeRO 1 / 2 the updated parameters are gathered during the next step's forward pass, each block's
+    before it runs (Megatron-LM's ``--overlap-param-gather``); with ZeRO 3 (FSDP) each block's gather is prefetched
+    while the block before it runs, in the forward and in the backward pass.
 
     Examples
     --------
@@ -538,6 +547,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         raise InputError("overlap_grad_reduce=true overlaps the data-parallel replicas' gradient reduction with the "
                          f"backward pass; {'dp=1 has none' if dp == 1 else 'this run is inference'}. Fix: "
                          f"{'dp > 1' if dp == 1 else 'mode=training'}, or leave overlap_grad_reduce out")
+    if not isinstance(overlap_param_gather, bool):
+        raise InputError(f"overlap_param_gather={overlap_param_gather!r} is not true or false. Fix: "
+                         "overlap_param_gather=true (ZeRO's parameter gathers beside the compute) or leave it out")
+    if overlap_param_gather and not zero:
+        raise InputError("overlap_param_gather=true overlaps ZeRO's parameter all-gathers with the compute; zero=0 "
+                         "gathers none. Fix: zero=1, 2 or 3 (with dp > 1), or leave overlap_param_gather out")
     par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp)
     device = load_device(device)
     links = Links.of(par, device, gpus_per_node, internode_gbps)
@@ -626,14 +641,38 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block, backward
         alone = parts["dp_allreduce"]
         parts["dp_allreduce"] = exposed_grad_reduce_ms(k, stage == busiest, grads, "latency_ms", reduce_ms, tp_ms)
+    dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms, tp_ms)
+                   if overlap_grad_reduce else parts["dp_allreduce"])
+    gather_roofline, gather_alone = parts["dp_gather"], parts["dp_gather"]
+    if overlap_param_gather:   # ZeRO: pp == 1, one stage; every unit's parameters gathered before it runs
+        units_0 = _stage_units(g, index, n, 1)[0]
+        gathers = {u: sharded_ms(b) for u, b in units_0.items()}
+        scatters = {u: sharded_ms(b * grad_bytes / max(sum(units_0.values()), 1.0)) for u, b in units_0.items()}
+        tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block, either pass
+        whole = pd.Series(True, index=k.index)
+
+        def exposed(column: str) -> tuple[float, float | None]:
+            """(exposed gathers, exposed reduce-scatters if they overlap too) under ``column``'s kernel times."""
+            kw = dict(gathers=gathers, prefetch=1 if zero == 3 else None, tp_block_ms=tp_ms)
+            fwd = exposed_collectives_ms(k, whole, ("forward", "loss"), column, **kw)
+            if zero < 3:     # gathered once, after the step: during the next forward pass
+                return fwd, None
+            bwd = exposed_collectives_ms(k, whole, ("backward",), column, **kw)
+            if not overlap_grad_reduce:
+                return fwd + bwd, None
+            both = exposed_collectives_ms(k, whole, ("backward",), column, reduces=scatters, **kw)
+            return fwd + bwd, both - bwd     # the reduce-scatters: what they add to the gathers' backward
+
+        parts["dp_gather"], scattered = exposed("latency_ms")
+        parts["dp_allreduce"] = parts["dp_allreduce"] if scattered is None else scattered
+        gather_roofline, scattered = exposed("roofline_ms")
+        dp_roofline = dp_roofline if scattered is None else scattered
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device, links.pp) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
     shards = _zero_shards(dp, ep, expert_share)
     stepped = share / shards if zero else share           # with ZeRO each GPU steps its 1 / dp of the parameters
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
-    dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms, tp_ms)
-                   if overlap_grad_reduce else parts["dp_allreduce"])
-    roofline_ms = (sum(roofline.values()) + dp_roofline + parts["dp_gather"] + parts["embedding_allreduce"]
+    roofline_ms = (sum(roofline.values()) + dp_roofline + gather_roofline + parts["embedding_allreduce"]
                    + float(k.loc[opt, "roofline_ms"].sum()) * stepped)
     breakdown = None
     if memory:
@@ -697,8 +736,17 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
                   + (f"data-parallel replicas (the experts' over the {dp // ep} holding the same experts)"
                      if ep > 1 else "data-parallel replicas")
-                  + ("; its parameter all-gathers are" if overlap_grad_reduce else "; its collectives are")
-                  + " not overlapped with compute (an upper bound on their time)",)
+                  + ("" if overlap_grad_reduce and overlap_param_gather else
+                     "; its parameter all-gathers are not overlapped with compute (an upper bound on their time)"
+                     if overlap_grad_reduce else
+                     "; its gradients' reduce-scatter is not overlapped with compute (an upper bound on its time)"
+                     if overlap_param_gather else
+                     "; its collectives are not overlapped with compute (an upper bound on their time)"),)
+    if overlap_param_gather:
+        notes += ("the parameters' all-gathers overlap the compute (overlap_param_gather): "
+                  + ("each block's prefetched while the block before it runs, in the forward and the backward pass"
+                     if zero == 3 else "each block's during the next step's forward pass, before the block runs")
+                  + f": {gather_alone:,.1f} ms of them alone, {parts['dp_gather']:,.1f} ms left exposed",)
     return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
                               one, roofline_ms, notes, breakdown)
 
@@ -891,27 +939,70 @@ def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple
 
 def exposed_grad_reduce_ms(k: pd.DataFrame, mine: pd.Series, grads: dict[str, float], column: str,
                            reduce_ms: Any, tp_block_ms: float = 0.0) -> float:
-    """What a gradient reduction overlapped with the backward pass adds to a step (ms).
+    """What a gradient reduction overlapped with the backward pass adds to a step (ms): ``grads`` (gradient bytes
+    by unit: a transformer block's module path, anything else the rest of the model), each reduced by one
+    collective of ``reduce_ms(bytes)`` once the unit's backward kernels are done (:func:`exposed_collectives_ms`)."""
+    return exposed_collectives_ms(k, mine, ("backward",), column, reduces={u: reduce_ms(b) for u, b in grads.items()},
+                                  tp_block_ms=tp_block_ms)
 
-    ``k``: one micro-batch's kernels with ``column`` times, ``mine``: those of the stage in question; ``grads``:
-    gradient bytes by unit (a transformer block's module path, anything else: the rest of the model);
-    ``reduce_ms(bytes)``: one collective's time; ``tp_block_ms``: each block's tensor-parallel all-reduces in the
-    backward pass. A block's gradients are ready when its last backward kernel ends (its tensor-parallel
-    all-reduces counted in the time), the rest at the end of the backward pass; the collectives run one at a
-    time in the order their gradients are ready, each once the one before has ended. Returns how far the last
-    one ends after the backward pass (0: all hidden).
+
+def exposed_collectives_ms(k: pd.DataFrame, mine: pd.Series, phases: tuple[str, ...], column: str, *,
+                           gathers: dict[str, float] | None = None, reduces: dict[str, float] | None = None,
+                           prefetch: int | None = None, tp_block_ms: float = 0.0) -> float:
+    """How much longer than its kernels one pass takes when collectives overlap it (ms).
+
+    ``k``: one micro-batch's kernels with ``column`` times, ``mine``: those of the stage in question, ``phases``:
+    the pass. The pass runs its kernels in order; a transformer block's kernels end with its ``tp_block_ms`` of
+    tensor-parallel all-reduces. ``gathers`` (ms by unit: a block's module path, ``""`` the rest of the model)
+    must end before the unit's first kernel starts; ``reduces`` start once the unit's last kernel has ended (a unit
+    without kernels in the pass: at its end). Collectives run one at a time on one stream, in the order they are
+    issued: the rest's gather at the start, a block's gather when the pass reaches the block ``prefetch`` blocks
+    before it (FSDP's prefetch: 1, the next block's gather beside the running block; None: all at the start; a
+    block's kernels may come in several runs, as when its recomputed forward precedes the end of the next block's
+    backward). Returns the pass's end (its last kernel or collective) less its kernels' time.
     """
-    bk = k.loc[mine & (k["phase"] == "backward"), ["op_index", "module", column]].sort_values("op_index")
-    path = bk["module"].astype(str).str.extract(_BLOCK, expand=False)
-    clock = bk[column].astype(float).cumsum()
-    last = clock.groupby(path).max().sort_values()            # each block's last backward kernel, in that order
-    end = float(bk[column].sum()) + tp_block_ms * len(last)
-    ready = [(t + tp_block_ms * (i + 1), u) for i, (u, t) in enumerate(last.items()) if u in grads]
-    ready += [(end, u) for u in grads if u not in last.index]
-    free = 0.0
-    for t, u in sorted(ready, key=lambda r: r[0]):
-        free = max(free, t) + reduce_ms(grads[u])
-    return max(0.0, free - end)
+    gathers, reduces = gathers or {}, reduces or {}
+    sel = k.loc[mine & k["phase"].isin(phases), ["op_index", "module", column]].sort_values("op_index")
+    unit = sel["module"].astype(str).str.extract(_BLOCK, expand=False).fillna("")
+    run = (unit != unit.shift()).cumsum()                                   # consecutive kernels of one unit
+    segs = pd.DataFrame({"unit": unit.groupby(run).first(), "ms": sel[column].astype(float).groupby(run).sum()})
+    last_seg = {u: i for i, u in segs["unit"].items()}                      # each unit's last run
+    blocks = [u for u in dict.fromkeys(segs["unit"]) if u]                  # in the order the pass reaches them
+    free = clock = 0.0
+    pending: list[tuple[float, float]] = []          # reduces issued, not yet run: (issue time, ms)
+    started: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    ready: dict[str, float] = {}
+
+    def run_until(t: float) -> None:
+        nonlocal free
+        while pending and pending[0][0] <= t:
+            issue, ms = pending.pop(0)
+            free = max(free, issue) + ms
+
+    if gathers.get(""):
+        free = ready[""] = gathers[""]
+    for i, (unit_, ms) in segs.iterrows():
+        if unit_ not in ready:
+            j = blocks.index(unit_) if unit_ else -1
+            issue = 0.0 if prefetch is None or j < prefetch else started[blocks[j - prefetch]]
+            run_until(issue)
+            if gathers.get(unit_):
+                free = max(free, issue) + gathers[unit_]
+                ready[unit_] = free
+            else:
+                ready[unit_] = 0.0
+        clock = max(clock, ready[unit_])
+        started.setdefault(unit_, clock)
+        clock += ms + (tp_block_ms if unit_ and last_seg[unit_] == i else 0.0)
+        if last_seg[unit_] == i:
+            ended[unit_] = clock
+            if reduces.get(unit_):
+                pending.append((clock, reduces[unit_]))
+    pending += [(clock, ms) for u, ms in reduces.items() if ms and u not in ended]
+    run_until(math.inf)
+    kernels = float(segs["ms"].sum()) + tp_block_ms * len(blocks)
+    return max(0.0, max(clock, free) - kernels)
 
 
 def _stages(k: pd.DataFrame, block: pd.Series, pp: int) -> pd.Series:

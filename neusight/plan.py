@@ -225,9 +225,10 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         Megatron-LM's sequence parallelism on the layouts with tensor parallelism (``sp`` column). Not searched:
         the forecast has it save memory and time at no cost (the same collective volume), so it is on or off as
         given.
-    overlap_grad_reduce : bool, optional (in ``kwargs``)
-        The gradients' reduction overlapped with the backward pass on the layouts with data-parallel replicas
-        (:func:`neusight.parallel.predict_parallel`); as given, not searched (the forecast has it cost nothing).
+    overlap_grad_reduce, overlap_param_gather : bool, optional (in ``kwargs``)
+        The gradients' reduction overlapped with the backward pass on the layouts with data-parallel replicas, ZeRO's
+        parameter gathers with the compute on the candidates with a ZeRO stage
+        (:func:`neusight.parallel.predict_parallel`); as given, not searched (the forecast has them cost nothing).
     optimizer : str, optional
         The training step's optimizer (its state counts against the memory); None: no step.
     gradient_checkpointing : bool, int or "selective", optional (in ``kwargs``)
@@ -267,10 +268,11 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
         raise InputError("cache= is plan_parallel's own. Fix: leave it out")
-    overlap = kwargs.pop("overlap_grad_reduce", False)
-    if not isinstance(overlap, bool):
-        raise InputError(f"overlap_grad_reduce={overlap!r} is not true or false. Fix: overlap_grad_reduce=true (the "
-                         "gradients' reduction beside the backward pass, on the layouts with dp > 1) or leave it out")
+    overlap = {k: kwargs.pop(k, False) for k in ("overlap_grad_reduce", "overlap_param_gather")}
+    for k, v in overlap.items():
+        if not isinstance(v, bool):
+            raise InputError(f"{k}={v!r} is not true or false. Fix: {k}=true (on the layouts with dp > 1"
+                             + (", with a ZeRO stage" if k == "overlap_param_gather" else "") + ") or leave it out")
     if usd_per_gpu_hour is not None:
         from neusight.api import check_price
 
@@ -309,7 +311,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
                              ep=e, vpp=v, sp=sp and tp > 1, optimizer=optimizer if training else None, cache=cache,
-                             overlap_grad_reduce=overlap and training and dp > 1, **extra, **kwargs)
+                             overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp > 1,
+                             overlap_param_gather=overlap["overlap_param_gather"] and z > 0, **extra, **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)

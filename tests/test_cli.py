@@ -88,6 +88,8 @@ BAD = {
                                                      "find_max_batch=true"), "without sequence parallelism"),
     "predict-overlap-without-replicas": (("neusight-predict", "model=gpt2", "device=t4", "mode=training",
                                           "overlap_grad_reduce=true"), "overlap_grad_reduce=true overlaps"),
+    "predict-param-gather-without-zero": (("neusight-predict", "model=gpt2", "device=t4", "mode=training", "dp=2",
+                                           "overlap_param_gather=true"), "zero=0 gathers none"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
                                      "lora_targets"),
     "predict-tokens-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "total_tokens=1e6"),

@@ -602,3 +602,55 @@ def test_bad_overlap_of_the_gradient_reduction_says_what_to_change(kw, fragment)
     run = {"batch_size": 4, "seq_len": 32, "mode": "training", "overlap_grad_reduce": True, **kw}
     with pytest.raises(InputError, match=re.escape(fragment)):
         predict_parallel("gpt2", "a100-sxm4-40gb", **run)
+
+
+def test_gathers_before_each_block_and_prefetched_one_ahead():
+    """Blocks of 10 ms whose gathers take 5 (then 15) ms each: with the next block's gather issued when the pass
+    reaches the running block (prefetch 1), only the first gather shows (5 ms); at 15 ms a gather the pass waits
+    for every gather (3 x 15 - 2 x 10 = 25 ms), as it does with every gather issued at the start. A block whose
+    kernels come in two runs (its recomputed forward before the end of the block after it, in the backward pass)
+    is prefetched from its first run."""
+    import pandas as pd
+
+    from neusight.parallel import exposed_collectives_ms
+
+    k = pd.DataFrame({"op_index": range(3), "phase": "forward", "ms": 10.0,
+                      "module": ["m.layers.0.mlp", "m.layers.1.mlp", "m.layers.2.attn"]})
+    every = pd.Series(True, index=k.index)
+    five = {f"m.layers.{i}": 5.0 for i in range(3)}
+    assert exposed_collectives_ms(k, every, ("forward",), "ms", gathers=five, prefetch=1) == pytest.approx(5.0)
+    slow = {u: 15.0 for u in five}
+    for prefetch in (1, None):
+        assert exposed_collectives_ms(k, every, ("forward",), "ms", gathers=slow, prefetch=prefetch) == \
+            pytest.approx(25.0)
+    assert exposed_collectives_ms(k, every, ("backward",), "ms", gathers=slow, prefetch=1) == 0.0   # no such pass
+    bwd = pd.DataFrame({"op_index": range(4), "phase": "backward", "ms": [10.0, 8.0, 2.0, 4.0],
+                        "module": ["m.layers.1.mlp", "m.layers.0.mlp", "m.layers.1.mlp", "m.layers.0.attn"]})
+    # block 1 runs 5-15 after its gather (0-5); block 0's gather (5-10) is issued as block 1 starts: 5 ms exposed
+    got = exposed_collectives_ms(bwd, pd.Series(True, index=bwd.index), ("backward",), "ms", gathers=five, prefetch=1)
+    assert got == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_overlapping_the_parameter_gathers_hides_at_most_the_compute(zero):
+    run = dict(batch_size=8, seq_len=128, mode="training", optimizer="adamw", dp=4, zero=zero)
+    alone = predict_parallel("gpt2", "a100-sxm4-40gb", **run)
+    over = predict_parallel("gpt2", "a100-sxm4-40gb", overlap_param_gather=True, **run)
+    both = predict_parallel("gpt2", "a100-sxm4-40gb", overlap_param_gather=True, overlap_grad_reduce=True, **run)
+    a, o = alone.parts["dp_gather"], over.parts["dp_gather"]
+    assert max(0.0, a - alone.parts["compute"]) <= o < a
+    assert over.parts["dp_allreduce"] == alone.parts["dp_allreduce"]           # not overlapped unless asked
+    assert both.parts["dp_allreduce"] < alone.parts["dp_allreduce"]
+    assert both.latency_ms < over.latency_ms < alone.latency_ms
+    assert both.roofline_ms <= both.latency_ms and over.roofline_ms <= alone.roofline_ms
+    assert any("overlap_param_gather" in n and f"{a:,.1f} ms of them alone" in n for n in over.notes)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(dp=2), "zero=0 gathers none"),
+    (dict(dp=2, zero=1, overlap_param_gather=1), "overlap_param_gather=1 is not true or false"),
+])
+def test_bad_overlap_of_the_parameter_gathers_says_what_to_change(kw, fragment):
+    run = {"batch_size": 4, "seq_len": 32, "mode": "training", "overlap_param_gather": True, **kw}
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        predict_parallel("gpt2", "a100-sxm4-40gb", **run)

@@ -102,19 +102,22 @@ def test_fixed_zero_and_micro_batches_are_kept():
     assert set(c.loc[(c["dp"] == 1) | (c["pp"] > 1), "zero"]) == {0}
 
 
-def test_an_overlapped_gradient_reduction_applies_to_the_layouts_with_replicas():
-    """overlap_grad_reduce reaches every candidate with dp > 1 (no slower, its dp collective at most as long) and
-    leaves the others as they were (a dp=1 layout has no reduction to overlap, which predict_parallel refuses)."""
-    kw = dict(gpus=4, zero=0, microbatches=1, gradient_checkpointing=False, **RUN)
+def test_overlapped_collectives_apply_to_the_layouts_with_replicas():
+    """overlap_grad_reduce reaches every candidate with dp > 1, overlap_param_gather those with a ZeRO stage (dp > 1,
+    no pipeline): each faster, its communication shorter; the others stay as they were (a dp=1 layout has nothing
+    to overlap, and predict_parallel refuses the options there)."""
+    kw = dict(gpus=4, zero=1, microbatches=1, gradient_checkpointing=False, **RUN)
     key = ["dp", "tp", "pp", "ep"]
     alone = plan_parallel("gpt2", "h100-sxm5-80gb", **kw).candidates.set_index(key).sort_index()
-    over = plan_parallel("gpt2", "h100-sxm5-80gb", overlap_grad_reduce=True, **kw).candidates.set_index(key).sort_index()
+    over = plan_parallel("gpt2", "h100-sxm5-80gb", overlap_grad_reduce=True, overlap_param_gather=True,
+                         **kw).candidates.set_index(key).sort_index()
     assert list(over.index) == list(alone.index)
     replicas = over.index.get_level_values("dp") > 1
     assert replicas.any() and (~replicas).any()
     assert (over.loc[replicas, "ms"] < alone.loc[replicas, "ms"]).all()
     assert (over.loc[replicas, "communication ms"] < alone.loc[replicas, "communication ms"]).all()
     assert over.loc[~replicas, "ms"].tolist() == alone.loc[~replicas, "ms"].tolist()
+    assert set(over.loc[replicas, "zero"]) == {0, 1}                  # pp > 1: no ZeRO, the reduction overlapped
     with pytest.raises(InputError, match="overlap_grad_reduce='yes'"):
         plan_parallel("gpt2", "h100-sxm5-80gb", overlap_grad_reduce="yes", **kw)
 

@@ -72,6 +72,8 @@ class PredictConfig:
     sp: bool = False                     # sequence parallelism in each tensor-parallel group (Megatron-LM; tp > 1)
     overlap_grad_reduce: bool = False    # the dp gradients' all-reduce / reduce-scatter beside the backward pass,
     #                                      block by block (PyTorch DDP, FSDP, Megatron-LM --overlap-grad-reduce)
+    overlap_param_gather: bool = False   # ZeRO's parameter all-gathers beside the compute (FSDP's prefetch; zero=1|2:
+    #                                      during the next forward, Megatron-LM --overlap-param-gather)
     gpus: Any = None                     # plan: forecast every dp x tp x pp layout of this many GPUs (with the
     #                                      micro-batch counts, ep of MoE models, ZeRO stages, recompute), ranked;
     #                                      zero=1-3 / ep= / microbatches= keep one; a list ([8,16,32]): a plan
@@ -660,9 +662,10 @@ def _check_counts(cfg: PredictConfig) -> None:
         if v is not None and not v > 0:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
     _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
-    if cfg.overlap_grad_reduce and cfg.gpus is None and cfg.dp == 1:
-        raise InputError("overlap_grad_reduce=true overlaps the data-parallel replicas' gradient reduction with the "
-                         "backward pass; dp=1 has none. Fix: dp > 1 (or gpus=N to plan), or leave it out")
+    for k in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(cfg, k) and cfg.gpus is None and cfg.dp == 1:
+            raise InputError(f"{k}=true overlaps the data-parallel replicas' collectives with the compute; dp=1 has "
+                             "none. Fix: dp > 1 (or gpus=N to plan), or leave it out")
     if names_all(cfg.device) and _multi_gpu(cfg):
         raise InputError(f"device={cfg.device} ranks single-GPU forecasts, not multi-GPU runs. Fix: name the GPUs "
                          "to compare, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
@@ -681,7 +684,7 @@ def _generation(cfg: PredictConfig) -> float:
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp")
               if getattr(cfg, k) not in (1, None)]
-    other += [f"{k}=true" for k in ("sp", "overlap_grad_reduce") if getattr(cfg, k)]
+    other += [f"{k}=true" for k in ("sp", "overlap_grad_reduce", "overlap_param_gather") if getattr(cfg, k)]
     if cfg.mode != "inference" or other:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
@@ -805,6 +808,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
                              host_us=cfg.host_us, amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
                              vpp=cfg.vpp, sp=cfg.sp, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                             overlap_param_gather=cfg.overlap_param_gather,
                              gpus_per_node=cfg.gpus_per_node,
                              internode_gbps=cfg.internode_gbps,
                              **_step_options(cfg))
@@ -864,6 +868,7 @@ def _plan(cfg: PredictConfig) -> float:
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
                                  amp=cfg.amp, kv_cache=cfg.kv_cache, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 overlap_param_gather=cfg.overlap_param_gather,
                                  **_step_options(cfg))
             print(("\n" if plans else "") + plan.summary())
             plans.append(plan)
