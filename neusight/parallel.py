@@ -26,9 +26,10 @@ communication between GPUs over the device's interconnect:
    ``overlap_grad_reduce`` overlaps them as PyTorch DDP, FSDP and Megatron-LM's ``--overlap-grad-reduce`` do:
    each transformer block's gradients are reduced on a communication stream as soon as the block's backward
    kernels (and its tensor-parallel all-reduces) are done, one collective per block in the order they finish,
-   the rest of the model's (embeddings, head) when the backward pass ends; only the part of that stream that
-   outlasts the busiest stage's last backward pass is charged (:func:`exposed_grad_reduce_ms`). The slowdown of
-   kernels that share the GPU with the collectives is not modelled.
+   the rest of the model's (embeddings, final norm, head) as one more once its last backward kernel is done;
+   only the part of that stream that outlasts the busiest stage's last backward pass is charged
+   (:func:`exposed_grad_reduce_ms`). The slowdown of kernels that share the GPU with the collectives is not
+   modelled.
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
    sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
    and steps its 1 / dp of the parameters. The gradients are reduce-scattered and the updated parameters

@@ -5,7 +5,7 @@
 
 GPT-3 2.7B (seq 2048, global batch 16, AdamW, FP32) on 8 GPUs of two kinds, split by data, tensor and pipeline
 parallelism (``neusight.predict_parallel``; data parallelism also with ZeRO stages 1-3), next to one GPU running the
-same batch (each split with data parallelism also with its gradients' reduction overlapped with the backward pass),
+same batch (each split with data parallelism also with its collectives overlapped with the compute),
 and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq
 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert parallelism, and planned on 8 H100s
 (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute where needed searched);
@@ -57,15 +57,17 @@ SERVE_KW = dict(dtype="bfloat16", attn_implementation="sdpa", static_cache=True)
 
 def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, seq: int, overlap: bool = False,
            **kw) -> pd.DataFrame:
-    """One row per GPU and split; ``overlap``: two more columns, the step with the gradients' reduction overlapped
-    with the backward pass (``overlap_grad_reduce=true``, splits with dp > 1) and what of it stays exposed."""
+    """One row per GPU and split; ``overlap``: three more columns, the step with the data-parallel collectives
+    overlapped with the compute (``overlap_grad_reduce=true`` on the splits with dp > 1, ``overlap_param_gather=true``
+    on those with ZeRO) and what of the gradients' reduction and the parameters' gathers stays exposed."""
     rows = []
     for gpu in gpus:
         cache: dict = {}     # the overlapped forecast reuses the split's trace and single-GPU forecast
         for split in splits:
             p = predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", cache=cache, **split, **kw)
             over = (predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", cache=cache,
-                                     overlap_grad_reduce=True, **split, **kw)
+                                     overlap_grad_reduce=True, overlap_param_gather=bool(split.get("zero")),
+                                     **split, **kw)
                     if overlap and p.parallelism.dp > 1 else None)
             par = p.parallelism
             rows.append({"gpu": gpu, "dp x tp x pp (micro-batches)": f"{par.dp} x {par.tp} x {par.pp} ({par.microbatches})",
@@ -74,7 +76,8 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
                          **{f"{k} ms": v for k, v in p.parts.items()},
                          "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no",
                          **({"step ms, overlapped": over.latency_ms if over else p.latency_ms,
-                             "dp_allreduce ms exposed": over.parts["dp_allreduce"] if over else 0.0}
+                             "dp_allreduce ms exposed": over.parts["dp_allreduce"] if over else 0.0,
+                             "dp_gather ms exposed": over.parts["dp_gather"] if over else 0.0}
                             if overlap else {})})
     table = pd.DataFrame(rows)
     unused = [c for c in table.columns if c.endswith(" ms") and not c.startswith("step ms") and not table[c].any()]
@@ -125,10 +128,12 @@ def main() -> None:
         f"{MODEL}, sequence {SEQ}, global batch {BATCH}, one AdamW training step in FP32 (eager kernels), with the "
         "shipped predictor. How the step is composed: `neusight/parallel.py`. No multi-GPU measurement was available, "
         "so these numbers are forecasts that nothing here has checked; the single-GPU parts are the same forecasts "
-        "as everywhere else. The last two columns: the same step with the data-parallel gradients' reduction "
-        "overlapped with the backward pass block by block (`overlap_grad_reduce=true`, as PyTorch DDP, FSDP and "
-        "Megatron-LM's `--overlap-grad-reduce` run it), and the part of that reduction left exposed after the last "
-        "backward pass (the other columns: not overlapped, Megatron-LM's default).", "",
+        "as everywhere else. The last three columns: the same step with the data-parallel collectives overlapped "
+        "with the compute, block by block, as PyTorch DDP / FSDP and Megatron-LM's `--overlap-grad-reduce` / "
+        "`--overlap-param-gather` run them: the gradients' reduction with the backward pass "
+        "(`overlap_grad_reduce=true`) and, with ZeRO, the parameters' gathers with the compute "
+        "(`overlap_param_gather=true`: FSDP prefetches the next block's, ZeRO 1 / 2 gather during the next forward "
+        "pass); and what of each is left exposed (the other columns: nothing overlapped, Megatron-LM's default).", "",
         markdown_table(dense, index=False), "",
         "## Sequence parallelism and selective recompute", "",
         f"The tp=8 split of {MODEL} again, with Megatron-LM's sequence parallelism (`sp=true`: the blocks' layer "
@@ -156,8 +161,8 @@ def main() -> None:
         f"{BIG}, sequence {BIG_SEQ}, global batch {BIG_BATCH}, one AdamW training step in BF16 with gradient "
         "checkpointing, on 8 nodes of 8 GPUs: ranks ordered as Megatron-LM orders them (tensor-parallel innermost, "
         "pipeline stages outermost), groups that span nodes at 100 GB/s per GPU (`internode_gbps`), the others over "
-        "NVLink. Last two columns as in the first table: the gradients' reduction overlapped with the backward "
-        "pass.", "",
+        "NVLink. Last three columns as in the first table: the data-parallel collectives overlapped with the "
+        "compute.", "",
         markdown_table(big, index=False), "",
         f"## Planning: {PLAN} on 1-{max(PLAN_COUNTS)} GPUs", "",
         f"{PLAN}, sequence {PLAN_SEQ}, global batch {PLAN_BATCH}, one AdamW training step in FP32, planned with "
