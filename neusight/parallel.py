@@ -726,6 +726,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"sequence parallelism: {n_sp} kernels of the blocks (layer norms, dropouts, residual adds) run on "
                   f"1/{tp} of the tokens per GPU and save 1/{tp} of their activations; all-reduces as reduce-scatter "
                   "+ all-gather of the same volume",)
+    if (overlap_grad_reduce or overlap_param_gather) and not index:
+        notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
+                  "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
+                  "options hide nothing here",)
     if overlap_grad_reduce:
         what = "reduce-scatter" if zero else "all-reduce"
         notes += (f"the gradients' {what} overlaps the backward pass (overlap_grad_reduce), one collective per "

@@ -654,3 +654,11 @@ def test_bad_overlap_of_the_parameter_gathers_says_what_to_change(kw, fragment):
     run = {"batch_size": 4, "seq_len": 32, "mode": "training", "overlap_param_gather": True, **kw}
     with pytest.raises(InputError, match=re.escape(fragment)):
         predict_parallel("gpt2", "a100-sxm4-40gb", **run)
+
+
+def test_overlap_of_a_model_without_transformer_blocks_hides_nothing_and_says_so():
+    run = dict(batch_size=8, mode="training", optimizer="sgd", dp=2, image_size=64)
+    alone = predict_parallel("resnet18", "a100-sxm4-40gb", **run)
+    over = predict_parallel("resnet18", "a100-sxm4-40gb", overlap_grad_reduce=True, **run)
+    assert over.parts["dp_allreduce"] == pytest.approx(alone.parts["dp_allreduce"])
+    assert any("no transformer blocks" in n and "hide nothing" in n for n in over.notes)
