@@ -616,30 +616,28 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         return (allgather_ms(nbytes * (1 - expert_share), dp, device, links.dp)
                 + allgather_ms(nbytes * expert_share, dp // ep, device, links.dp))
 
+    def reduce_ms(nbytes: float) -> float:    # the gradients': ZeRO's reduce-scatter, else an all-reduce (the
+        if zero:                               # experts' over the dp / ep replicas that hold the same experts)
+            return sharded_ms(nbytes)
+        return (allreduce_ms(nbytes * (1 - expert_share), dp, device, links.dp)
+                + allreduce_ms(nbytes * expert_share, dp // ep, device, links.dp))
+
     if zero == 3:   # per block (and the rest): gather before forward and backward, reduce-scatter the gradients
         grad_share = grad_bytes / max(sum(units), 1.0)
-        parts["dp_allreduce"] = sum(sharded_ms(u * grad_share) for u in units)
+        parts["dp_allreduce"] = sum(reduce_ms(u * grad_share) for u in units)
         parts["dp_gather"] = sum(2 * sharded_ms(u) for u in units)
     elif zero:      # reduce-scatter the gradients, all-gather the updated parameters
-        parts["dp_allreduce"] = sharded_ms(grad_bytes)
+        parts["dp_allreduce"] = reduce_ms(grad_bytes)
         parts["dp_gather"] = sharded_ms(sum(t.numel * t.itemsize for t in g.params) * share)
-    else:   # the experts' gradients over the dp / ep replicas that hold the same experts
-        parts["dp_allreduce"] = (allreduce_ms(grad_bytes * (1 - expert_share), dp, device, links.dp)
-                                 + allreduce_ms(grad_bytes * expert_share, dp // ep, device, links.dp)
-                                 if training else 0.0)
+    else:
+        parts["dp_allreduce"] = reduce_ms(grad_bytes) if training else 0.0
         parts["dp_gather"] = 0.0
+    tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block and pass
     if overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
-        def reduce_ms(nbytes: float) -> float:
-            if zero:
-                return sharded_ms(nbytes)
-            return (allreduce_ms(nbytes * (1 - expert_share), dp, device, links.dp)
-                    + allreduce_ms(nbytes * expert_share, dp // ep, device, links.dp))
-
         busiest = max(range(pp), key=lambda i: held[i])
         units_s = _stage_units(g, index, n, pp)[busiest]
         ratio = grad_bytes / max(sum(units_s.values()), 1.0)      # gradient bytes per parameter byte
         grads = {u: b * ratio for u, b in units_s.items()}
-        tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block, backward
         alone = parts["dp_allreduce"]
         parts["dp_allreduce"] = exposed_grad_reduce_ms(k, stage == busiest, grads, "latency_ms", reduce_ms, tp_ms)
     dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms, tp_ms)
@@ -648,8 +646,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if overlap_param_gather:   # ZeRO: pp == 1, one stage; every unit's parameters gathered before it runs
         units_0 = _stage_units(g, index, n, 1)[0]
         gathers = {u: sharded_ms(b) for u, b in units_0.items()}
-        scatters = {u: sharded_ms(b * grad_bytes / max(sum(units_0.values()), 1.0)) for u, b in units_0.items()}
-        tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block, either pass
+        scatters = {u: reduce_ms(b * grad_bytes / max(sum(units_0.values()), 1.0)) for u, b in units_0.items()}
         whole = pd.Series(True, index=k.index)
 
         def exposed(column: str) -> tuple[float, float | None]:
@@ -976,7 +973,6 @@ def exposed_collectives_ms(k: pd.DataFrame, mine: pd.Series, phases: tuple[str, 
     free = clock = 0.0
     pending: list[tuple[float, float]] = []          # reduces issued, not yet run: (issue time, ms)
     started: dict[str, float] = {}
-    ended: dict[str, float] = {}
     ready: dict[str, float] = {}
 
     def run_until(t: float) -> None:
@@ -1000,11 +996,9 @@ def exposed_collectives_ms(k: pd.DataFrame, mine: pd.Series, phases: tuple[str, 
         clock = max(clock, ready[unit_])
         started.setdefault(unit_, clock)
         clock += ms + (tp_block_ms if unit_ and last_seg[unit_] == i else 0.0)
-        if last_seg[unit_] == i:
-            ended[unit_] = clock
-            if reduces.get(unit_):
-                pending.append((clock, reduces[unit_]))
-    pending += [(clock, ms) for u, ms in reduces.items() if ms and u not in ended]
+        if last_seg[unit_] == i and reduces.get(unit_):
+            pending.append((clock, reduces[unit_]))
+    pending += [(clock, ms) for u, ms in reduces.items() if ms and u not in last_seg]
     run_until(math.inf)
     kernels = float(segs["ms"].sum()) + tp_block_ms * len(blocks)
     return max(0.0, max(clock, free) - kernels)
