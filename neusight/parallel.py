@@ -8,7 +8,9 @@ communication between GPUs over the device's interconnect:
    the vocabulary of the embedding and the LM head too; layer norms, dropout and residual adds stay whole. One
    GPU's share is traced as its own model (:func:`shard_tensor_parallel`), so every kernel of the forward and
    backward pass has its per-GPU shape. Communication: two all-reduces of the block's activations (tokens x
-   hidden, FP32) per block in the forward pass, two in the backward pass, one after the embedding. With
+   hidden, FP32) per block in the forward pass, two in the backward pass, one after the embedding; in a
+   Megatron-LM step (``megatron``) the backward ones, each column-parallel projection's input gradient, run beside
+   the projection's weight-gradient GEMM, which hides up to its own time of them (:func:`async_tp_delta_ms`). With
    Megatron-LM's sequence parallelism (``sp``; Korthikanti et al. 2022, section 4.2.2) the kernels a block runs
    over the whole (tokens, hidden) activation, the layer norms, the dropouts after the attention and MLP outputs
    and the residual adds, run on tokens / tp rows each (:func:`split_sequence`), and what they save for the
@@ -272,8 +274,10 @@ _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("
 _HEADS = {"GPT2Attention": "num_heads", "BertSelfAttention": "num_attention_heads", "OPTAttention": "num_heads"}
 
 
-def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
-    """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place.
+def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None = None) -> nn.Module:
+    """Turn ``module`` (on the meta device) into one GPU's share of a ``tp``-way tensor-parallel model, in place;
+    ``columns``, if given, receives the module paths of the projections split by output features (Megatron-LM's
+    column-parallel linears, whose backward pass all-reduces their input's gradient).
 
     Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT and the Llama-style blocks of
     ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too), Phi-3's fused
@@ -284,7 +288,7 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
     if tp == 1:
         return module
     found = 0
-    for parent in list(module.modules()):
+    for path, parent in list(module.named_modules()):
         cls = type(parent).__name__
         if cls in _HEADS:
             heads = getattr(parent, _HEADS[cls], None)
@@ -312,6 +316,8 @@ def shard_tensor_parallel(module: nn.Module, tp: int) -> nn.Module:
             if cls == owner and isinstance(getattr(parent, attr, None), nn.Module):
                 setattr(parent, attr, _split(getattr(parent, attr), how, tp, f"{cls}.{attr}"))
                 found += 1
+                if how == "col" and columns is not None:
+                    columns.append(f"{path}.{attr}" if path else attr)
         if is_routed_experts(parent):
             _split_experts(parent, tp, cls)
             found += 1
@@ -457,7 +463,8 @@ class ParallelPrediction:
     parts: dict[str, float]              # compute, tp_comm, ep_alltoall, pp_p2p, pp_bubble, dp_allreduce (the
                                          # gradients' all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's
                                          # parameter all-gathers), embedding_allreduce, optimizer (ms)
-    stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms
+    stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms,
+    #                                      tp_overlap_ms (what Megatron-LM's overlap changed in tp_comm_ms)
     per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
     roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -604,8 +611,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     blocks_per_stage = [sum(1 for b in range(n) if b * pp // n == s) for s in range(pp)]
 
     ep_ms = _expert_alltoall_ms(g, index, n, par, training, device, links.ep)
-    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, links, ep_ms)
-    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device, links, ep_ms)
+    columns = g.tp_columns if megatron else ()    # Megatron-LM overlaps their backward collectives with GEMMs
+    parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, links, ep_ms,
+                             columns, tokens)
+    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device, links, ep_ms,
+                           columns, tokens)
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
@@ -712,6 +722,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
+    if columns and training and tp > 1:
+        change = par.microbatches * float(stages["tp_overlap_ms"].sum())
+        notes += (f"Megatron-LM overlaps each column-parallel projection's backward "
+                  f"{'reduce-scatter' if sp else 'all-reduce'} of its input gradient with its weight-gradient GEMM "
+                  + ("and all-gathers its saved input again beside its input-gradient GEMM " if sp else "")
+                  + f"(asynchronous, its default): tensor-parallel communication {change:+.1f} ms in all (summed over "
+                  "the stages' GPUs), the collectives' share of the SMs not modelled",)
     if ep > 1:
         n_layers = len({path for path, _, _ in g.expert_dispatch})
         notes += (f"expert parallelism: each of {ep} GPUs holds 1/{ep} of the experts of the {n_layers} experts "
@@ -819,10 +836,16 @@ def _unit_parameter_bytes(g: Any, index: dict[str, float]) -> list[float]:
 
 def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,
              training: bool, act_bytes: float, device: Device, links: Links | None = None,
-             ep_ms: list[float] | None = None) -> tuple[dict[str, float], pd.DataFrame]:
+             ep_ms: list[float] | None = None, async_columns: tuple[str, ...] = (),
+             tokens: float = 0.0) -> tuple[dict[str, float], pd.DataFrame]:
     """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule;
-    ``ep_ms``: each stage's expert-parallel all-to-alls of one micro-batch."""
+    ``ep_ms``: each stage's expert-parallel all-to-alls of one micro-batch; ``async_columns``: the column-parallel
+    projections whose backward collectives overlap their GEMMs as Megatron-LM runs them (:func:`async_tp_delta_ms`),
+    ``tokens`` the rows of a block's activation."""
     rows = []
+    ar_ms = allreduce_ms(act_bytes, par.tp, device, links and links.tp)
+    delta = (async_tp_delta_ms(k, async_columns, stage, par.pp, column, ar_ms / 2, tokens, par.sp)
+             if training and async_columns and par.tp > 1 else [0.0] * par.pp)
     for s, n_blocks in enumerate(blocks_per_stage):
         mine = k[stage == s]
         per_block = 4 if training else 2                 # all-reduces per block: 2 forward (+ 2 backward)
@@ -830,12 +853,13 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
         rows.append({"stage": s, "blocks": n_blocks,
                      "forward_ms": float(mine.loc[mine["phase"].isin(("forward", "loss")), column].sum()),
                      "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
-                     "tp_comm_ms": tp_calls * allreduce_ms(act_bytes, par.tp, device, links and links.tp),
+                     "tp_comm_ms": max(0.0, tp_calls * ar_ms + delta[s]),
                      "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
                      # chunk boundaries a micro-batch crosses leaving this GPU: vpp (the last GPU: vpp - 1)
                      "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes / (par.tp if par.sp else 1), device,
                                                                 links and links.pp)
-                     * (par.vpp - (s == par.pp - 1))})
+                     * (par.vpp - (s == par.pp - 1)),
+                     "tp_overlap_ms": delta[s]})     # what the overlap changed in tp_comm_ms (negative: hidden)
     stages = pd.DataFrame(rows)
     slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
@@ -852,6 +876,49 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
              "pp_p2p": float(stages["p2p_ms"].sum() + (m - 1) * slowest["p2p_ms"]),
              "pp_bubble": float(work.sum() - work.loc[slowest.name]) / par.vpp}   # interleaved: 1 / vpp of it
     return parts, stages
+
+
+def async_tp_delta_ms(k: pd.DataFrame, columns: tuple[str, ...], stage: pd.Series, pp: int, column: str,
+                      half_ms: float, tokens: float, sp: bool = False) -> list[float]:
+    """Per pipeline stage, what Megatron-LM's overlap of its column-parallel projections' backward collectives
+    with their GEMMs changes in one micro-batch's tensor-parallel communication (ms; negative: time hidden).
+
+    ``columns``: the module paths of the column-parallel projections (:attr:`neusight.graph.Graph.tp_columns`);
+    those with one parent (a block's query / key / value, or gate / up) are one Megatron-LM linear, one collective
+    per call. In Megatron-LM's backward pass of such a linear (``LinearWithGradAccumulationAndAsyncCommunication``,
+    with CUDA_DEVICE_MAX_CONNECTIONS=1 as it requires) the input-gradient GEMM runs first, then the input
+    gradient's collective is issued asynchronously and the weight-gradient GEMM (the one of the projection's
+    backward GEMMs that reduces over the ``tokens`` rows) and the bias's reduction (its other backward kernels)
+    run beside it, ``column`` times. Without sequence parallelism that collective is the all-reduce (2 x
+    ``half_ms``, ``half_ms`` being a reduce-scatter or all-gather of the activation): what the weight gradient's
+    kernels cover of it is hidden. With ``sp`` it is a reduce-scatter, hidden the same way, and the projection first
+    all-gathers its saved input again (it kept 1 / tp of it), asynchronously beside the input-gradient GEMM: what
+    that GEMM does not cover is added. Neither shares the GPU without cost in reality (the collectives' kernels
+    take SMs from the GEMMs), which is not modelled."""
+    out = [0.0] * pp
+    bwd = k.loc[k["phase"] == "backward", ["module", "family", "dims", column]]
+    bwd = bwd[bwd["module"].astype(str).isin(columns)]
+    groups: dict[str, list[str]] = {}
+    for path in columns:
+        groups.setdefault(path.rpartition(".")[0], []).append(path)
+    collective = half_ms if sp else 2 * half_ms
+    for paths in groups.values():
+        rows = bwd[bwd["module"].astype(str).isin(paths)]
+        gemm = rows["family"] == "linear"
+        if not gemm.any():
+            continue
+        # dims (1, M, N, K), N reduced: the input gradient is (tokens, out) x (out, in), the weight gradient
+        # reduces over the tokens (when out == tokens the two have the same dims: either is the input gradient)
+        over_tokens = rows["dims"].map(lambda d: len(d) == 4 and d[2] == tokens).astype(bool)
+        dgrad = gemm & ~over_tokens
+        if int(dgrad.sum()) * 2 < int(gemm.sum()):
+            dgrad = gemm & (gemm.astype(int).cumsum() % 2 == 1)
+        calls = max(1, int(gemm.sum()) // (2 * len(paths)))
+        wgrad_ms = float(rows.loc[~dgrad, column].sum()) / calls
+        dgrad_ms = float(rows.loc[dgrad, column].sum()) / calls
+        change = -min(collective, wgrad_ms) + (max(0.0, half_ms - dgrad_ms) if sp else 0.0)
+        out[int(stage[rows.index[0]])] += calls * change
+    return out
 
 
 def _expert_alltoall_ms(g: Any, index: dict[str, float], n: int, par: Parallelism, training: bool,

@@ -662,3 +662,66 @@ def test_overlap_of_a_model_without_transformer_blocks_hides_nothing_and_says_so
     over = predict_parallel("resnet18", "a100-sxm4-40gb", overlap_grad_reduce=True, **run)
     assert over.parts["dp_allreduce"] == pytest.approx(alone.parts["dp_allreduce"])
     assert any("no transformer blocks" in n and "hide nothing" in n for n in over.notes)
+
+
+def _column_backward(order: str):
+    """One block's backward kernels of a column-parallel QKV projection (Conv1D order: input gradient, weight
+    gradient, bias sum; Linear without bias, as Llama's: weight gradient first), 64 tokens, 96 -> 32 features."""
+    import pandas as pd
+
+    dgrad = ("linear", (1, 64, 96, 32), 2.0)           # (tokens, out) x (out, in): reduces over the 96 outputs
+    wgrad = ("linear", (1, 32, 64, 96), 3.0)           # reduces over the 64 tokens
+    rows = [dgrad, wgrad, ("reduction", (96, 64), 0.5)] if order == "conv1d" else [wgrad, dgrad]
+    rows.append(("layernorm", (64, 32), 1.0))           # not the projection's: never counted
+    return pd.DataFrame({"op_index": range(len(rows)), "phase": "backward", "family": [r[0] for r in rows],
+                         "dims": [r[1] for r in rows], "ms": [r[2] for r in rows],
+                         "module": ["h.0.attn.c_attn"] * (len(rows) - 1) + ["h.0.ln_1"]})
+
+
+@pytest.mark.parametrize("order, wgrad_ms", [("conv1d", 3.5), ("linear", 3.0)])
+def test_megatron_hides_the_input_gradient_collective_behind_the_weight_gradient(order, wgrad_ms):
+    """Megatron-LM's asynchronous tensor-parallel all-reduce: issued after the input-gradient GEMM, it runs beside
+    the weight-gradient GEMM (and the bias's sum), which hide up to their own time of it. With sequence
+    parallelism the collective is a reduce-scatter (half an all-reduce), and the saved input is all-gathered again
+    beside the input-gradient GEMM (2 ms here): what outlasts that GEMM is added."""
+    import pandas as pd
+
+    from neusight.parallel import async_tp_delta_ms
+
+    k = _column_backward(order)
+    stage = pd.Series(0, index=k.index)
+    cols = ("h.0.attn.c_attn",)
+    assert async_tp_delta_ms(k, cols, stage, 1, "ms", 1.0, 64) == [pytest.approx(-2.0)]          # all hidden
+    assert async_tp_delta_ms(k, cols, stage, 1, "ms", 5.0, 64) == [pytest.approx(-wgrad_ms)]     # 10 ms: partly
+    assert async_tp_delta_ms(k, cols, stage, 1, "ms", 1.0, 64, sp=True) == [pytest.approx(-1.0)]
+    # reduce-scatter of 5 ms: the weight gradient hides wgrad_ms of it; the 5 ms re-gather outlasts the 2 ms GEMM
+    assert async_tp_delta_ms(k, cols, stage, 1, "ms", 5.0, 64, sp=True) == [pytest.approx(-wgrad_ms + 3.0)]
+    assert async_tp_delta_ms(k, (), stage, 1, "ms", 5.0, 64) == [0.0]
+    two = pd.Series(1, index=k.index)                   # the block on the second of two stages
+    assert async_tp_delta_ms(k, cols, two, 2, "ms", 1.0, 64) == [0.0, pytest.approx(-2.0)]
+
+
+def test_tensor_parallel_trace_names_its_column_parallel_projections():
+    g = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training", optimizer=None, tensor_parallel=2)
+    assert len(g.tp_columns) == 24 and set(c.rsplit(".", 1)[1] for c in g.tp_columns) == {"c_attn", "c_fc"}
+    opt = neusight.trace("opt-125m", batch_size=2, seq_len=32, mode="inference", tensor_parallel=2)
+    assert {c.rsplit(".", 1)[1] for c in opt.tp_columns} == {"q_proj", "k_proj", "v_proj", "fc1"}
+    assert neusight.trace("gpt2", batch_size=2, seq_len=32, mode="inference").tp_columns == ()
+
+
+def test_megatron_tensor_parallel_step_overlaps_only_backward_collectives():
+    """Laws of the overlap in a Megatron-LM step: it only removes time (forward all-reduces stay whole), never more
+    than the backward all-reduces it overlaps, the roofline stays below the forecast, and it is Megatron-LM's:
+    the Hugging Face kernels' forecast and inference are untouched."""
+    kw = dict(batch_size=4, seq_len=128, device="a100-sxm4-40gb", memory=False, tp=2)
+    meg = predict_parallel("gpt2", megatron=True, **kw)
+    a100 = load_device("a100-sxm4-40gb")
+    ar = allreduce_ms(4 * 128 * 768 * 4, 2, a100)
+    forward_only = (12 * 2 + 1) * ar
+    assert forward_only * (1 - 1e-9) <= meg.parts["tp_comm"] < (12 * 4 + 1) * ar   # here: every backward one hidden
+    assert meg.stages["tp_overlap_ms"].iloc[0] == pytest.approx(meg.parts["tp_comm"] - (12 * 4 + 1) * ar)
+    assert any("asynchronous" in n for n in meg.notes) and 0 < meg.roofline_ms <= meg.latency_ms
+    hf = predict_parallel("gpt2", **kw)
+    assert (hf.stages["tp_overlap_ms"] == 0).all() and hf.parts["tp_comm"] == pytest.approx((12 * 4 + 1) * ar)
+    inf = predict_parallel("gpt2", megatron=True, mode="inference", **kw)
+    assert (inf.stages["tp_overlap_ms"] == 0).all() and not any("asynchronous" in n for n in inf.notes)

@@ -53,6 +53,8 @@ class Graph:
     # recomputation), bytes of the token rows it hands to its experts), what expert parallelism all-to-alls
     expert_dispatch: list[tuple[str, str, float]] = field(default_factory=list)
     memory_format: str = "contiguous"   # the CNN's layout: "contiguous" (NCHW) or "channels_last" (neusight.graph.layout)
+    # a tensor-parallel trace's projections split by output features (Megatron-LM's column-parallel linears)
+    tp_columns: tuple[str, ...] = ()
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:

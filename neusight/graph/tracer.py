@@ -794,10 +794,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         adapted = apply_lora(module, lora_rank, lora_targets)
     recompute_ctx = (_enable_checkpointing(built, mode, gradient_checkpointing, amp_t, device, attn_implementation)
                      if gradient_checkpointing else contextlib.nullcontext())
+    tp_columns: list[str] = []
     if tensor_parallel != 1:
         from neusight.parallel import shard_tensor_parallel
 
-        shard_tensor_parallel(module, tensor_parallel)
+        shard_tensor_parallel(module, tensor_parallel, tp_columns)
     if expert_parallel != 1:
         from neusight.parallel import shard_expert_parallel
 
@@ -923,7 +924,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
                  lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch,
-                 memory_format=memory_format)
+                 memory_format=memory_format, tp_columns=tuple(tp_columns))
 
 
 def _to_channels_last(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
