@@ -614,8 +614,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     columns = g.tp_columns if megatron else ()    # Megatron-LM overlaps their backward collectives with GEMMs
     parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, links, ep_ms,
                              columns, tokens)
-    roofline, _ = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device, links, ep_ms,
-                           columns, tokens)
+    roofline, roof_stages = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device,
+                                     links, ep_ms, columns, tokens)
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
@@ -643,14 +643,21 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         parts["dp_allreduce"] = reduce_ms(grad_bytes) if training else 0.0
         parts["dp_gather"] = 0.0
     tp_ms = 2 * allreduce_ms(act_bytes, tp, device, links.tp) if tp > 1 else 0.0   # per block and pass
+
+    def tp_bwd_ms(s: int, column: str) -> float:   # per block of stage s in the backward pass, net of Megatron-LM's
+        frame = stages if column == "latency_ms" else roof_stages      # overlap with the weight-gradient GEMMs
+        return tp_ms + float(frame.loc[s, "tp_overlap_ms"]) / max(blocks_per_stage[s], 1)
+
     if overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
         busiest = max(range(pp), key=lambda i: held[i])
         units_s = _stage_units(g, index, n, pp)[busiest]
         ratio = grad_bytes / max(sum(units_s.values()), 1.0)      # gradient bytes per parameter byte
         grads = {u: b * ratio for u, b in units_s.items()}
         alone = parts["dp_allreduce"]
-        parts["dp_allreduce"] = exposed_grad_reduce_ms(k, stage == busiest, grads, "latency_ms", reduce_ms, tp_ms)
-    dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms, tp_ms)
+        parts["dp_allreduce"] = exposed_grad_reduce_ms(k, stage == busiest, grads, "latency_ms", reduce_ms,
+                                                       tp_bwd_ms(busiest, "latency_ms"))
+    dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms,
+                                          tp_bwd_ms(busiest, "roofline_ms"))
                    if overlap_grad_reduce else parts["dp_allreduce"])
     gather_roofline, gather_alone = parts["dp_gather"], parts["dp_gather"]
     if overlap_param_gather:   # ZeRO: pp == 1, one stage; every unit's parameters gathered before it runs
@@ -661,10 +668,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
         def exposed(column: str) -> tuple[float, float | None]:
             """(exposed gathers, exposed reduce-scatters if they overlap too) under ``column``'s kernel times."""
-            kw = dict(gathers=gathers, prefetch=1 if zero == 3 else None, tp_block_ms=tp_ms)
-            fwd = exposed_collectives_ms(k, whole, ("forward", "loss"), column, **kw)
+            kw = dict(gathers=gathers, prefetch=1 if zero == 3 else None)
+            fwd = exposed_collectives_ms(k, whole, ("forward", "loss"), column, tp_block_ms=tp_ms, **kw)
             if zero < 3:     # gathered once, after the step: during the next forward pass
                 return fwd, None
+            kw["tp_block_ms"] = tp_bwd_ms(0, column)
             bwd = exposed_collectives_ms(k, whole, ("backward",), column, **kw)
             if not overlap_grad_reduce:
                 return fwd + bwd, None
