@@ -237,8 +237,8 @@ TF32_NOTE = ("{n} FP32 kernels ({what}) run on TF32 tensor cores (tf32={mode!r};
 FUSED_NOTE = ("torch.compile (TorchInductor default mode): memory-bound ops between GEMMs run as fused kernels; "
               "the memory forecast is the compiled run's (what a fused kernel keeps on chip is not allocated, "
               "pointwise results only pointwise backward kernels read are recomputed there, not saved)")
-MEGATRON_NOTE = ("Megatron-LM kernels: fused bias-GeLU, attention scaling folded into the QK^T GEMM, no KV cache "
-                 "(neusight.graph.megatron); other kernels as Hugging Face runs them")
+MEGATRON_NOTE = ("Megatron-LM kernels (neusight.graph.megatron): {fused}, {dropped} Hugging Face kernels dropped (the "
+                 "attention scaling folded into the QK^T GEMM, no KV cache); other kernels as Hugging Face runs them")
 NO_TENSOR_CORE_NOTE = ("{n} {what} convolution kernels have channels that are not multiples of 8 (FP16 / BF16) or 4 "
                        "(TF32), e.g. a first layer on 3-channel images, which cuDNN's tensor-core kernels want: they are "
                        "forecast as CUDA-core convolutions at the FP32 rates (padding the channels to such a multiple "
@@ -473,7 +473,9 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     pred = load_predictor(predictor, device)
     scale = float(getattr(pred, "e2e_scale_", 1.0)) if calibrated else 1.0
     floor = float(getattr(pred, "e2e_floor_", 1.0)) if calibrated else 1.0
-    k = (fused_kernels(g, device) if fused else megatron_kernels(g) if megatron else g.kernels).reset_index(drop=True)
+    changed: dict[str, int] = {}
+    k = (fused_kernels(g, device) if fused else megatron_kernels(g, changed) if megatron else
+         g.kernels).reset_index(drop=True)
     if sequence_parallel != 1:
         from neusight.parallel import split_sequence
 
@@ -513,7 +515,12 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         kernels["latency_ms"] = kernels["gpu_ms"] + kernels["host_wait_ms"]
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
-    notes = g.notes + ((FUSED_NOTE,) if fused else ()) + ((MEGATRON_NOTE,) if megatron else ())
+    notes = g.notes + ((FUSED_NOTE,) if fused else ())
+    if megatron:
+        notes += (MEGATRON_NOTE.format(
+            fused=f"{changed['fused']} fused bias-GeLU kernels (one per activation and pass)" if changed["fused"] else
+            "no activation that Megatron-LM fuses (its bias-GeLU; this model's run as traced)",
+            dropped=changed["dropped"]),)
     rewritten = (k["aten_op"] == REWRITTEN_ATTENTION) & (k["kernel"] == ATTENTION_KERNEL)   # chains: forward kernels
     n_rewritten = int(rewritten.sum()) if fused else 0
     if n_rewritten:

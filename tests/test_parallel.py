@@ -737,3 +737,22 @@ def test_overlapped_gradient_reduction_waits_less_behind_megatrons_hidden_tensor
     assert 0 < meg.parts["dp_allreduce"] <= alone.parts["dp_allreduce"]
     assert meg.parts["tp_comm"] == pytest.approx(alone.parts["tp_comm"])
     assert (meg.stages["tp_overlap_ms"] < 0).all() and 0 < meg.roofline_ms <= meg.latency_ms
+
+
+def test_megatron_folds_only_the_attention_scaling_and_says_what_it_changed():
+    """Megatron-LM folds the 1 / sqrt(head size) scaling of the scores into its QK^T GEMM: one multiplication by a
+    number per layer goes. A rotary embedding's products of two tensors (Llama) are not scalings and stay; a
+    model without GPT-2's activation gets no fused bias-GeLU kernel, and the note says so."""
+    from neusight.api import predict_graph
+    from neusight.graph.megatron import megatron_kernels
+
+    g = neusight.trace("llama-3.2-1b", batch_size=2, seq_len=32, mode="inference")
+    counts: dict = {}
+    k = megatron_kernels(g, counts)
+    attn = lambda t: t[t["module"].str.endswith("self_attn") & (t["family"] == "elementwise")]  # noqa: E731
+    assert len(attn(g.kernels)) - len(attn(k)) == 16            # 16 layers, one scaling each
+    assert counts["fused"] == 0 and counts["dropped"] >= 16
+    note = [n for n in predict_graph(g, "a100-sxm4-40gb", megatron=True).notes if n.startswith("Megatron-LM kernels")]
+    assert len(note) == 1 and "no activation that Megatron-LM fuses" in note[0]
+    gpt2 = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training", optimizer=None)
+    assert "24 fused bias-GeLU kernels" in " ".join(predict_graph(gpt2, "a100-sxm4-40gb", megatron=True).notes)

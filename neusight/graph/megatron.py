@@ -43,8 +43,10 @@ _CACHE_OPS = ("aten.cat.default",)
 MEGATRON_KERNEL = "megatron"
 
 
-def megatron_kernels(g: Graph) -> pd.DataFrame:
-    """The kernel table of ``g`` (same columns as ``g.kernels``) as Megatron-LM runs the model's blocks.
+def megatron_kernels(g: Graph, counts: dict[str, int] | None = None) -> pd.DataFrame:
+    """The kernel table of ``g`` (same columns as ``g.kernels``) as Megatron-LM runs the model's blocks;
+    ``counts``, if given, receives how many kernels were dropped (``"dropped"``: scalings, cache writes) and how
+    many fused activation kernels replace Hugging Face's chains (``"fused"``).
 
     Examples
     --------
@@ -57,7 +59,10 @@ def megatron_kernels(g: Graph) -> pd.DataFrame:
     k = g.kernels
     module = k["module"].astype(str)
     attn = module.str.contains(ATTENTION) & (k["phase"] == "forward")
-    drop = attn & (k["family"] == Family.ELEMENTWISE.value) & k["aten_op"].isin(_SCALE_OPS)
+    # a scaling multiplies or divides by a number (a rotary embedding's products of two tensors are not one)
+    scalings = {r.index for r in g.ops if r.call.op in _SCALE_OPS
+                and sum(t.numel > 1 for t in r.call.tensor_args()) == 1}
+    drop = attn & (k["family"] == Family.ELEMENTWISE.value) & k["op_index"].isin(scalings)
     # the cache: concatenations whose result the model output keeps (a rotary embedding's cat is not dropped)
     held = {t.storage for t in g.held}
     cache = {r.index for r in g.ops if r.call.op in _CACHE_OPS and any(t.storage in held for t in r.call.outputs)}
@@ -69,6 +74,8 @@ def megatron_kernels(g: Graph) -> pd.DataFrame:
             act.loc[members.index] = False        # already one kernel (ReLU): nothing to fuse
             continue
         rows.append(_fused_activation(members, phase))
+    if counts is not None:
+        counts.update(dropped=int(drop.sum()), fused=len(rows))
     kept = k[~(drop | act)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
     out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
