@@ -19,7 +19,8 @@ fewer memory-bound kernels around them. What changes here:
 Left as traced (small next to the above, or unknown without the run's environment): the separate bias add after
 the QKV projection and the fused bias-dropout-add of the residuals (both over tokens x hidden), apex's fused
 layer norm (one kernel forward, as traced), Megatron's vocabulary-parallel cross-entropy (a few passes over the
-logits instead of log-softmax + NLL) and the ``main_grad`` accumulation of its DDP buffer.
+logits instead of log-softmax + NLL), the ``main_grad`` accumulation of its DDP buffer and that buffer's division
+by the data-parallel size before its all-reduce (one pass over the gradients, about 1 % of a GPT-2 Large step).
 """
 
 from __future__ import annotations
