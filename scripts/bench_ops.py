@@ -18,8 +18,9 @@ other side are left out; the table says how much of the measured time was matche
 as a family: `torch.matmul` on a transposed view copies inside the timed matmul node, where our trace has a
 separate copy kernel; they count in the per-GPU totals only. The prediction compared
 is `isolated_ms`: the kernel as timed alone (launch overhead included), without the end-to-end calibration.
-Only inference runs: training CSVs split each node into forward and backward times that do not map to one
-kernel each.
+The main tables are the inference runs; the training runs' CSVs split each node's time into forward and backward
+(`fw_latency`, `bw_latency`), compared in a section of their own with the training trace's forward and backward
+kernels (the same matching, per phase): the only measurements of gradient kernels the dataset holds.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def _target_name(target: str) -> str:
     return m.group(1) if m else target.split(".")[-1]
 
 
-def measured_nodes(csv: Path) -> pd.DataFrame:
-    """The CSV's kernel-launching nodes as (module, family or 'module', measured_ms)."""
+def measured_nodes(csv: Path, column: str | None = None) -> pd.DataFrame:
+    """The CSV's kernel-launching nodes as (module, family or 'module', measured_ms): the time in ``column``
+    (None: the node's whole time, ``latency``)."""
     df = pd.read_csv(csv)
-    col = "latency" if "latency" in df else "fw_latency"
+    col = column or ("latency" if "latency" in df else "fw_latency")
     rows = []
     for _, r in df.iterrows():
         ms = float(r[col])
@@ -91,9 +93,9 @@ def _layer_scaled_sum(csv: Path) -> float:
     return float(df.loc[~first, col].sum() + int(data["num_layer"]) * df.loc[first, col].sum())
 
 
-def match(nodes: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
-    """One row per matched (module, family): measured and predicted isolated ms."""
-    k = kernels[kernels["phase"] == "forward"]
+def match(nodes: pd.DataFrame, kernels: pd.DataFrame, phase: str = "forward") -> pd.DataFrame:
+    """One row per matched (module, family): measured and predicted isolated ms of the ``phase`` kernels."""
+    k = kernels[kernels["phase"] == phase]
     k = k.assign(module=k["module"].astype(str))
     out = []
     mods = nodes[nodes["kind"] == "module"].groupby("module")["measured_ms"].sum()
@@ -108,6 +110,35 @@ def match(nodes: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
         if len(mine):
             out.append((mod, fam, ms, float(mine["isolated_ms"].sum()), float(mine["roofline_ms"].sum())))
     return pd.DataFrame(out, columns=["module", "family", "measured_ms", "predicted_ms", "roofline_ms"])
+
+
+def training_tables(cache: dict) -> tuple[str, int]:
+    """Forward and backward (module, family) pairs of the training labels' per-node CSVs, per GPU and family."""
+    parts = []
+    runs = [r for r in find_labels(DATASET, vendors=("nvidia", "amd")) if r.mode == "training"]
+    for run in runs:
+        csv = Path(run.path).with_suffix(".csv")
+        if not csv.is_file() or csv.stat().st_size == 0:
+            continue
+        kernels = label_prediction(run, graph_cache=cache, calibrated=False).kernels
+        for phase, column in (("forward", "fw_latency"), ("backward", "bw_latency")):
+            nodes = measured_nodes(csv, column)
+            if not nodes.empty:
+                parts.append(match(nodes, kernels, phase).assign(gpu=run.device, phase=phase,
+                                                                 run=Path(run.path).stem))
+    if not parts:
+        return "(no training CSVs found)", 0
+    pairs = pd.concat(parts, ignore_index=True)
+    out = []
+    for phase in ("forward", "backward"):
+        t = summarize(pairs[pairs["phase"] == phase])
+        t["family"] = pd.Categorical(t["family"], [f for f in FAMILIES if f in set(t["family"])])
+        t = t.sort_values(["gpu", "family"])
+        t["family"] = t["family"].astype(str)
+        t.insert(1, "trained on", t["gpu"].map(lambda g: "yes" if g in load_predictor(None, g).train_devices_
+                                                else "no"))
+        out.append(f"### {phase.capitalize()}\n\n{md(t.drop(columns=['measured', 'predicted']))}")
+    return "\n\n".join(out), int(pairs[["gpu", "run"]].drop_duplicates().shape[0])
 
 
 def summarize(pairs: pd.DataFrame) -> pd.DataFrame:
@@ -161,6 +192,7 @@ def main() -> None:
             e2e.append((run.device, Path(run.path).stem, run.measured_ms / layer_sum))
     pairs = pd.concat(parts, ignore_index=True)
     table = summarize(pairs)
+    train_md, n_train = training_tables(cache)
     cov = pd.DataFrame(coverage, columns=["gpu", "matched", "all", "predicted"]).groupby("gpu").sum()
     # the predictor predict() picks for each GPU (the AMD one for AMD GPUs) says whether it was trained on it
     trained = {g: g in load_predictor(None, g).train_devices_ for g in table["gpu"].unique()}
@@ -214,6 +246,17 @@ overheads overlap, small ops were dominated by timing overhead); above 1: slower
 run holds lower clocks than a single timed operator).
 
 {ratio_md}
+
+## Training runs: forward and backward kernels
+
+The per-node CSVs of the training labels ({n_train} runs: V100 and L4, MI100 and MI210; the first transformer
+layer, the embeddings and the head) time each node's forward (`fw_latency`) and backward (`bw_latency`, the
+gradients of its inputs and parameters; the accumulation into `.grad`, `acc_latency`, is left out) separately.
+Matched as above, forward nodes with the training trace's forward kernels (dropout active), backward nodes with
+its backward kernels of the same module and family: a check of the gradient kernels (input- and weight-gradient
+GEMMs, the softmax, layer-norm, dropout and activation gradients), which the kernel sweeps never timed.
+
+{train_md}
 """
     atomic_write_text(args.out, text)
     print(text)
