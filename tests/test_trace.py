@@ -1376,3 +1376,17 @@ def test_a_head_predicting_its_own_positions_is_trained_on_all_of_them():
     k = neusight.trace(cfg, batch_size=2, seq_len=64, mode="training").kernels
     ce = k[(k["phase"] == "loss") & (k["aten_op"] == "aten._log_softmax.default")]
     assert ce["dims"].tolist() == [(2 * 256, 500)]
+
+
+@pytest.mark.parametrize("model, attn", [("gpt2", r"transformer\.h\.(\d+)\.attn$"),
+                                         ("opt-125m", r"model\.decoder\.layers\.(\d+)\.self_attn$")])
+def test_backward_kernels_belong_to_the_layer_whose_gradients_they_compute(model, attn):
+    """An attention module returns its weights too, which the block drops: the backward pass enters it as soon as
+    any of its outputs has a gradient, so both gradients of each of its two matmuls (4 batched GEMMs per layer)
+    belong to that layer's attention, not to the block around it (GPT-2) or to the next layer's attention (OPT)."""
+    g = neusight.trace(model, batch_size=2, seq_len=32, mode="training", optimizer=None)
+    k = g.kernels
+    bwd = k[(k["phase"] == "backward") & (k["family"] == "bmm")]
+    layer = bwd["module"].astype(str).str.extract(attn, expand=False)
+    assert layer.notna().all()                                  # every one inside an attention module
+    assert layer.astype(int).value_counts().to_dict() == {i: 4 for i in range(12)}

@@ -25,6 +25,8 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from neusight.errors import InputError, ModelError, TraceError
@@ -89,6 +91,20 @@ _SKIP = frozenset(getattr(torch.ops.aten, n) for n in (
 # which may size what follows) stays an error.
 _PLAIN_BATCH = {torch.ops.aten.all: True, torch.ops.aten.any: False}
 _SCALAR_READ = torch.ops.aten._local_scalar_dense
+
+
+class _Tracker(ModuleTracker):
+    """torch's ModuleTracker, except that the backward pass enters a module as soon as the gradient of any of its
+    outputs is ready. torch's waits for all of them, so a module that also returns a tensor its caller drops (an
+    attention returning its weights) was entered only once that tensor's gradient had been computed: the kernels
+    computing it (the attention's last matmul's gradients) went to the parent module."""
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        name = self._get_mod_name(mod)
+        self._get_pop_fn(name, False)()
+        tensors = [a for a in tree_flatten(output)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._get_append_fn(name, True), mode="any"))
 
 
 class _EnteredModules(dict):
@@ -824,7 +840,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if kv_cache:
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0))
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
-    tracker = ModuleTracker()
+    tracker = _Tracker()
     tracker.parents = _EnteredModules(["Global"])
     rec = _Recorder(tracker, type(module).__name__)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
