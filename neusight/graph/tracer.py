@@ -21,13 +21,13 @@ from typing import Any, Iterator
 import numpy as np
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakTensorKeyDictionary
-from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from neusight.errors import InputError, ModelError, TraceError
 from neusight.graph import fastmeta
