@@ -520,7 +520,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     step as its ``train_step`` runs it: Megatron's kernels (:mod:`neusight.graph.megatron`), zeroing of the
     gradient buffer, the loss, gradient clipping to norm 1.0 (``clip_grad_norm=`` to change it) and a fused AdamW step (``optimizer="adamw-fused"`` unless given), each
     stage stepping its own parameters (with pipeline stages and tied embeddings the last stage holds a copy of
-    the word embeddings, whose gradients the first and the last stage all-reduce).
+    the word embeddings, whose gradients the first and the last stage all-reduce), the gradient buffer divided by
+    dp before its all-reduce (:func:`megatron_grad_division_ms`, in ``parts["optimizer"]``) and, with tp > 1, the
+    backward all-reduces overlapped with the weight-gradient GEMMs (:func:`async_tp_delta_ms`).
 
     ``cache``: a dict the caller keeps between calls (:func:`neusight.plan.plan_parallel` does): the trace of one
     GPU's micro-batch, its forecast and its memory report are kept in it under everything they depend on, so
@@ -688,8 +690,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     shards = _zero_shards(dp, ep, expert_share)
     stepped = share / shards if zero else share           # with ZeRO each GPU steps its 1 / dp of the parameters
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
+    opt_roofline = float(k.loc[opt, "roofline_ms"].sum()) * stepped
+    if megatron and training:    # the DDP buffer divided by dp before its all-reduce: the busiest stage's gradients
+        div_ms, div_roofline = megatron_grad_division_ms(grad_bytes / max(_grad_itemsize(g), 1), device, predictor)
+        parts["optimizer"] += div_ms
+        opt_roofline += div_roofline
     roofline_ms = (sum(roofline.values()) + dp_roofline + gather_roofline + parts["embedding_allreduce"]
-                   + float(k.loc[opt, "roofline_ms"].sum()) * stepped)
+                   + opt_roofline)
     breakdown = None
     if memory:
         from neusight.memory import estimate_memory
@@ -927,6 +934,40 @@ def async_tp_delta_ms(k: pd.DataFrame, columns: tuple[str, ...], stage: pd.Serie
         change = -min(collective, wgrad_ms) + (max(0.0, half_ms - dgrad_ms) if sp else 0.0)
         out[int(stage[rows.index[0]])] += calls * change
     return out
+
+
+MEGATRON_BUCKET = 40_000_000   # parameters per gradient bucket of Megatron-LM's DDP (its bucket_size default)
+
+
+def _grad_itemsize(g: Any) -> int:
+    """Bytes per element of the traced gradients (4 when there are none)."""
+    return int(g.grads[0].itemsize) if g.grads else 4
+
+
+def megatron_grad_division_ms(numel: float, device: Device, predictor: Any = None) -> tuple[float, float]:
+    """(forecast ms, roofline ms) of Megatron-LM's DDP dividing its gradient buffer of ``numel`` FP32 elements by the
+    data-parallel size before the all-reduce (``Bucket.start_grad_sync``; it runs with dp = 1 too): one elementwise
+    kernel per bucket of :data:`MEGATRON_BUCKET` parameters, reading and writing it, forecast by the predictor's
+    elementwise model with the end-to-end calibration, as every kernel of a step."""
+    from neusight.api import e2e_kernel_ms, load_predictor
+
+    if numel <= 0:
+        return 0.0, 0.0
+    full, rest = divmod(float(numel), MEGATRON_BUCKET)
+    sizes = [s for s, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if n and s]
+    counts = [n for s, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if n and s]
+    cols = 1024.0
+    frame = pd.DataFrame({"family": "elementwise", "kernel": "div", "flops": sizes, "algo_flops": sizes,
+                          "bytes": [2 * 4 * n for n in sizes], "dtype": "float32", "B": float("nan"),
+                          "M": float("nan"), "N": float("nan"), "K": float("nan"),
+                          "rows": [math.ceil(n / cols) for n in sizes], "cols": cols})
+    pred = load_predictor(predictor, device)
+    res = pred.predict(frame, device)
+    ms = e2e_kernel_ms(res["roofline_ms"].to_numpy(float), res["latency_ms"].to_numpy(float),
+                       res["overhead_ms"].to_numpy(float), float(getattr(pred, "e2e_scale_", 1.0)),
+                       float(getattr(pred, "e2e_floor_", 1.0)))
+    return (float(sum(c * m for c, m in zip(counts, ms))),
+            float(sum(c * r for c, r in zip(counts, res["roofline_ms"].to_numpy(float)))))
 
 
 def _expert_alltoall_ms(g: Any, index: dict[str, float], n: int, par: Parallelism, training: bool,

@@ -119,8 +119,10 @@ def render_megatron(df: pd.DataFrame) -> str:
     table = t.pivot_table(index="config", columns=["gpu", "option"], values="predicted_ms", sort=False)
     table.columns = [f"{g} {o} ms" for g, o in table.columns]
     return "\n".join(["## Megatron-LM on 4 NVLink GPUs (training step)", "",
-                      "Forecast ms of one Megatron-LM `train_step` (zeroing, forward with the loss, backward, gradient "
-                      "all-reduce, clipping, fused AdamW) on 4 GPUs, global batch as given; dp4 = 4 replicas of "
+                      "Forecast ms of one Megatron-LM `train_step` (zeroing, forward with the loss, backward with "
+                      "the tensor-parallel all-reduces of the input gradients beside the weight-gradient GEMMs, the "
+                      "gradient buffer divided by dp and all-reduced, clipping, fused AdamW; the division is in "
+                      "`optimizer_ms`) on 4 GPUs, global batch as given; dp4 = 4 replicas of "
                       "batch / 4, tp4 = each block split over 4 GPUs, pp4_1 = 4 pipeline stages, one micro-batch "
                       "(the stages run one after another). Modelled, never checked against a multi-GPU "
                       "measurement (see neusight/parallel.py for the collective model).", "",

@@ -756,3 +756,25 @@ def test_megatron_folds_only_the_attention_scaling_and_says_what_it_changed():
     assert len(note) == 1 and "no activation that Megatron-LM fuses" in note[0]
     gpt2 = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training", optimizer=None)
     assert "24 fused bias-GeLU kernels" in " ".join(predict_graph(gpt2, "a100-sxm4-40gb", megatron=True).notes)
+
+
+def test_megatron_step_divides_its_gradient_buffer_once_per_step():
+    """Megatron-LM's DDP divides its FP32 gradient buffer by dp before the all-reduce, bucket by bucket: one more
+    read and write of every gradient per step (not per micro-batch), at no less than the DRAM bound; only in a
+    Megatron-LM step."""
+    from neusight.parallel import MEGATRON_BUCKET, megatron_grad_division_ms
+
+    a100 = load_device("a100-sxm4-40gb")
+    ms, roof = megatron_grad_division_ms(2.5 * MEGATRON_BUCKET, a100)
+    assert roof == pytest.approx(2 * 4 * 2.5 * MEGATRON_BUCKET / (a100.mem_bandwidth_gbps * 1e9) * 1e3, rel=0.02)
+    assert ms >= roof > 0 and megatron_grad_division_ms(0, a100) == (0.0, 0.0)
+    kw = dict(batch_size=8, seq_len=64, device="a100-sxm4-40gb", memory=False, dp=2)
+    for m in (1, 2):
+        meg = predict_parallel("gpt2", megatron=True, microbatches=m, **kw)
+        k = meg.per_gpu.kernels
+        steps = float(k.loc[k["phase"] == "optimizer", "latency_ms"].sum())
+        numel = sum(t.numel for t in meg.per_gpu.graph.grads)
+        assert meg.parts["optimizer"] == pytest.approx(steps + megatron_grad_division_ms(numel, a100)[0])
+    plain = predict_parallel("gpt2", optimizer="adamw", **kw)
+    k = plain.per_gpu.kernels
+    assert plain.parts["optimizer"] == pytest.approx(float(k.loc[k["phase"] == "optimizer", "latency_ms"].sum()))

@@ -19,8 +19,10 @@ fewer memory-bound kernels around them. What changes here:
 Left as traced (small next to the above, or unknown without the run's environment): the separate bias add after
 the QKV projection and the fused bias-dropout-add of the residuals (both over tokens x hidden), apex's fused
 layer norm (one kernel forward, as traced), Megatron's vocabulary-parallel cross-entropy (a few passes over the
-logits instead of log-softmax + NLL), the ``main_grad`` accumulation of its DDP buffer and that buffer's division
-by the data-parallel size before its all-reduce (one pass over the gradients, about 1 % of a GPT-2 Large step).
+logits instead of log-softmax + NLL) and the ``main_grad`` accumulation of its DDP buffer. That buffer's division
+by the data-parallel size before its all-reduce is added by :func:`neusight.parallel.predict_parallel`
+(:func:`neusight.parallel.megatron_grad_division_ms`); a NaN check of the buffer's norm, which later versions run
+before it, is not.
 """
 
 from __future__ import annotations
