@@ -727,10 +727,11 @@ def test_megatron_tensor_parallel_step_overlaps_only_backward_collectives():
     assert (inf.stages["tp_overlap_ms"] == 0).all() and not any("asynchronous" in n for n in inf.notes)
 
 
-def test_overlapped_gradient_reduction_waits_less_behind_megatrons_hidden_tensor_parallel_collectives():
-    """With Megatron-LM's overlap each block's backward pass ends sooner (its input-gradient all-reduces run beside
-    its weight-gradient GEMMs), so the gradients' reduction overlapped with it starts no later: never more exposed
-    than with the Hugging Face kernels' timeline, and never below what the pass cannot cover."""
+def test_overlapped_gradient_reduction_beside_megatrons_tensor_parallel_overlap():
+    """Laws of the data-parallel overlap beside Megatron-LM's tensor-parallel one: the overlapped gradient
+    reduction is never more exposed than the un-overlapped one and stays positive (the rest of the model's
+    gradients are reduced once the pass has ended), the tensor-parallel communication is the same with or without
+    it, and every stage hides some of its backward all-reduces."""
     run = dict(batch_size=8, seq_len=256, mode="training", memory=False, dp=2, tp=2, overlap_grad_reduce=True)
     meg = predict_parallel("gpt2", "a100-sxm4-40gb", megatron=True, **run)
     alone = predict_parallel("gpt2", "a100-sxm4-40gb", megatron=True, **{**run, "overlap_grad_reduce": False})
