@@ -692,7 +692,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
     opt_roofline = float(k.loc[opt, "roofline_ms"].sum()) * stepped
     if megatron and training:    # the DDP buffer divided by dp before its all-reduce: the busiest stage's gradients
-        div_ms, div_roofline = megatron_grad_division_ms(grad_bytes / max(_grad_itemsize(g), 1), device, predictor)
+        div_ms, div_roofline = megatron_grad_division_ms(sum(t.numel for t in g.grads) * share, device, predictor)
         parts["optimizer"] += div_ms
         opt_roofline += div_roofline
     roofline_ms = (sum(roofline.values()) + dp_roofline + gather_roofline + parts["embedding_allreduce"]
@@ -912,13 +912,13 @@ def async_tp_delta_ms(k: pd.DataFrame, columns: tuple[str, ...], stage: pd.Serie
     take SMs from the GEMMs), which is not modelled."""
     out = [0.0] * pp
     bwd = k.loc[k["phase"] == "backward", ["module", "family", "dims", column]]
-    bwd = bwd[bwd["module"].astype(str).isin(columns)]
+    module = bwd["module"].astype(str)
     groups: dict[str, list[str]] = {}
     for path in columns:
         groups.setdefault(path.rpartition(".")[0], []).append(path)
     collective = half_ms if sp else 2 * half_ms
     for paths in groups.values():
-        rows = bwd[bwd["module"].astype(str).isin(paths)]
+        rows = bwd[module.isin(paths)]
         gemm = rows["family"] == "linear"
         if not gemm.any():
             continue
@@ -939,11 +939,6 @@ def async_tp_delta_ms(k: pd.DataFrame, columns: tuple[str, ...], stage: pd.Serie
 MEGATRON_BUCKET = 40_000_000   # parameters per gradient bucket of Megatron-LM's DDP (its bucket_size default)
 
 
-def _grad_itemsize(g: Any) -> int:
-    """Bytes per element of the traced gradients (4 when there are none)."""
-    return int(g.grads[0].itemsize) if g.grads else 4
-
-
 def megatron_grad_division_ms(numel: float, device: Device, predictor: Any = None) -> tuple[float, float]:
     """(forecast ms, roofline ms) of Megatron-LM's DDP dividing its gradient buffer of ``numel`` FP32 elements by the
     data-parallel size before the all-reduce (``Bucket.start_grad_sync``; it runs with dp = 1 too): one elementwise
@@ -954,8 +949,7 @@ def megatron_grad_division_ms(numel: float, device: Device, predictor: Any = Non
     if numel <= 0:
         return 0.0, 0.0
     full, rest = divmod(float(numel), MEGATRON_BUCKET)
-    sizes = [s for s, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if n and s]
-    counts = [n for s, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if n and s]
+    sizes, counts = zip(*[(size, n) for size, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if size and n])
     cols = 1024.0
     frame = pd.DataFrame({"family": "elementwise", "kernel": "div", "flops": sizes, "algo_flops": sizes,
                           "bytes": [2 * 4 * n for n in sizes], "dtype": "float32", "B": float("nan"),
