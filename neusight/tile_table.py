@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from sklearn.neighbors import NearestNeighbors
 
 from neusight.devices import Device
 from neusight.kernels.base import Family
@@ -28,6 +27,9 @@ from neusight.tiles import GEMM_FAMILIES, device_rates
 # picks (a 32x32 tile for a handful of tiny GEMMs) would otherwise set the bound of every shape, since the
 # smallest tile always pads least.
 MIN_TILE_SHARE = 0.10
+
+# queries per brute-force block of the nearest-neighbour search (a block's distances: chunk x keys floats)
+_QUERY_CHUNK = 1024
 
 ROW_FAMILIES = (Family.ELEMENTWISE.value, Family.SOFTMAX.value, Family.LAYERNORM.value)
 
@@ -46,13 +48,16 @@ class _Index:
     mean: np.ndarray
     std: np.ndarray
 
-    def __post_init__(self) -> None:
-        self._nn = NearestNeighbors(n_neighbors=1).fit(self.keys)
-
     def query(self, raw: np.ndarray) -> np.ndarray:
-        z = (raw - self.mean) / self.std
-        _, idx = self._nn.kneighbors(z.astype(np.float32))
-        return self.values[idx[:, 0]]
+        """The values of the nearest key (Euclidean, exact; the first key on a tie) of each row of ``raw``."""
+        z = ((raw - self.mean) / self.std).astype(np.float32).astype(float)
+        keys = self.keys.astype(float)
+        nearest = np.empty(len(z), dtype=np.intp)
+        for start in range(0, len(z), _QUERY_CHUNK):     # brute force in chunks: the indexes hold ~2k keys
+            part = z[start:start + _QUERY_CHUNK]
+            dist = sum((part[:, j, None] - keys[None, :, j]) ** 2 for j in range(keys.shape[1]))
+            nearest[start:start + len(part)] = np.argmin(dist, axis=1)
+        return self.values[nearest]
 
     def state(self) -> dict[str, np.ndarray]:
         return {"keys": self.keys, "values": self.values, "mean": self.mean, "std": self.std}
