@@ -130,6 +130,22 @@ def cli_wall() -> float:
         return time.perf_counter() - t
 
 
+def startup_walls(repeats: int) -> tuple[list[float], list[float]]:
+    """Fresh processes: ``import neusight`` alone, and the README's demo command (``make demo``) start to end."""
+    exe = Path(sys.executable).with_name("neusight-predict")
+    demo = [str(exe), f"model={MODEL}", f"device={DEVICE}", f"batch_size={BATCH}", f"seq_len={SEQ}", "mode=training"]
+    imports, cli = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import neusight"], cwd=REPO, check=True, capture_output=True)
+        imports.append(time.perf_counter() - t)
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            subprocess.run(demo + [f"hydra.run.dir={tmp}"], cwd=REPO, check=True, capture_output=True)
+            cli.append(time.perf_counter() - t)
+    return imports, cli
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -146,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = stages(args.repeats)
     lab = labels_wall()
     cli = cli_wall()
+    imports, demo = startup_walls(args.repeats)
     load_after = os.getloadavg()
 
     cold_ratio, warm_ratio = min(cold_pred) / min(cold_fc), warm_pred / warm_fc
@@ -174,6 +191,11 @@ Where the warm time goes (best of {args.repeats} each):
 All {lab['runs']} plain NVIDIA label runs (`find_labels` + `evaluate_labels`, fresh process, predictor load
 included): **{lab['s']:.1f} s** ({lab['with_imports_s']:.1f} s with imports); the whole
 `neusight-evaluate cnn.enabled=false plot=false` command: **{cli:.1f} s** (target: < 180 s on 2 cores).
+
+From the shell (fresh processes, best of {args.repeats}): `python -c "import neusight"` **{min(imports):.2f} s**
+({fmt(imports)}); the README's demo, `neusight-predict model={MODEL} device={DEVICE} batch_size={BATCH}
+seq_len={SEQ} mode=training` (imports, Hydra, the model's transformers modules, trace, forecast, printing):
+**{min(demo):.2f} s** ({fmt(demo)}).
 
 Machine: {machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes
 share these cores, so the times are upper bounds). Regenerate: `python scripts/bench_predict.py`.
