@@ -30,8 +30,9 @@ communication between GPUs over the device's interconnect:
    kernels (and its tensor-parallel all-reduces) are done, one collective per block in the order they finish,
    the rest of the model's (embeddings, final norm, head) as one more once its last backward kernel is done;
    only the part of that stream that outlasts the busiest stage's last backward pass is charged
-   (:func:`exposed_grad_reduce_ms`). The slowdown of kernels that share the GPU with the collectives is not
-   modelled.
+   (:func:`exposed_grad_reduce_ms`). A model without transformer blocks (a CNN) is reduced as PyTorch DDP reduces
+   it: by buckets of gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`).
+   The slowdown of kernels that share the GPU with the collectives is not modelled.
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
    sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
    and steps its 1 / dp of the parameters. The gradients are reduce-scattered and the updated parameters
@@ -533,8 +534,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
-    backward pass, block by block as their gradients are done (module docstring, item 3); only what outlasts the
-    backward pass counts. Needs dp > 1 and training.
+    backward pass, block by block as their gradients are done (module docstring, item 3); a model without
+    transformer blocks and without ZeRO by PyTorch DDP's buckets; only what outlasts the backward pass counts.
+    Needs dp > 1 and training.
     ``overlap_param_gather`` (ZeRO stages 1-3): the parameters' all-gathers overlap the compute (module docstring,
     item 3): with ZeRO 1 / 2 the updated parameters are gathered during the next step's forward pass, each block's
     before it runs (Megatron-LM's ``--overlap-param-gather``); with ZeRO 3 (FSDP) each block's gather is prefetched
@@ -650,7 +652,22 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         frame = stages if column == "latency_ms" else roof_stages      # overlap with the weight-gradient GEMMs
         return tp_ms + float(frame.loc[s, "tp_overlap_ms"]) / max(blocks_per_stage[s], 1)
 
-    if overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
+    # a model without transformer blocks (a CNN) overlaps its gradients' all-reduce as PyTorch DDP does: by buckets
+    ddp = overlap_grad_reduce and not index and not zero and bool(g.param_names)
+    if ddp:
+        trainable = [(name, t.numel * t.itemsize) for name, t in zip(g.param_names, g.params) if t.requires_grad]
+        ratio = grad_bytes / max(sum(b for _, b in trainable), 1.0)      # gradient bytes per parameter byte
+        names, sizes = [name for name, _ in trainable], [b * ratio for _, b in trainable]
+        backward = k["phase"] == "backward"
+
+        def ddp_exposed(column: str) -> tuple[float, int]:
+            buckets = ddp_buckets(k, backward, names, sizes, column)
+            return exposed_bucket_reduce_ms(buckets, float(k.loc[backward, column].sum()), reduce_ms), len(buckets)
+
+        alone = parts["dp_allreduce"]
+        parts["dp_allreduce"], n_buckets = ddp_exposed("latency_ms")
+        dp_roofline = ddp_exposed("roofline_ms")[0]
+    elif overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
         busiest = max(range(pp), key=lambda i: held[i])
         units_s = _stage_units(g, index, n, pp)[busiest]
         ratio = grad_bytes / max(sum(units_s.values()), 1.0)      # gradient bytes per parameter byte
@@ -658,9 +675,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         alone = parts["dp_allreduce"]
         parts["dp_allreduce"] = exposed_grad_reduce_ms(k, stage == busiest, grads, "latency_ms", reduce_ms,
                                                        tp_bwd_ms(busiest, "latency_ms"))
-    dp_roofline = (exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms,
-                                          tp_bwd_ms(busiest, "roofline_ms"))
-                   if overlap_grad_reduce else parts["dp_allreduce"])
+        dp_roofline = exposed_grad_reduce_ms(k, stage == busiest, grads, "roofline_ms", reduce_ms,
+                                             tp_bwd_ms(busiest, "roofline_ms"))
+    else:
+        dp_roofline = parts["dp_allreduce"]
     gather_roofline, gather_alone = parts["dp_gather"], parts["dp_gather"]
     if overlap_param_gather:   # ZeRO: pp == 1, one stage; every unit's parameters gathered before it runs
         units_0 = _stage_units(g, index, n, 1)[0]
@@ -755,11 +773,22 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"sequence parallelism: {n_sp} kernels of the blocks (layer norms, dropouts, residual adds) run on "
                   f"1/{tp} of the tokens per GPU and save 1/{tp} of their activations; all-reduces as reduce-scatter "
                   "+ all-gather of the same volume",)
-    if (overlap_grad_reduce or overlap_param_gather) and not index:
+    if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
-                  "options hide nothing here",)
-    if overlap_grad_reduce:
+                  "options hide nothing here" + (" (without ZeRO its gradients' all-reduce overlaps the backward "
+                                                 "pass by buckets, as PyTorch DDP runs it)" if zero else ""),)
+    if training and dp > 1 and not index and not zero and not megatron and not overlap_grad_reduce:
+        notes += (f"the gradients' all-reduce runs after the backward pass here; PyTorch DDP, how {g.model} would "
+                  "usually be trained on several GPUs, runs it beside the backward pass by buckets: "
+                  "overlap_grad_reduce=true forecasts that",)
+    if ddp:
+        notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
+                  f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "
+                  f"the order their gradients are ready, one collective at a time: {alone:,.1f} ms of it alone, "
+                  f"{parts['dp_allreduce']:,.1f} ms left exposed after the last backward kernel (kernels sharing the "
+                  "GPU with it are not slowed in the forecast; DDP's copies into its buckets are not modelled)",)
+    elif overlap_grad_reduce:
         what = "reduce-scatter" if zero else "all-reduce"
         notes += (f"the gradients' {what} overlaps the backward pass (overlap_grad_reduce), one collective per "
                   f"transformer block as its gradients are done: {alone:,.1f} ms of it alone, "
@@ -1047,6 +1076,62 @@ def _stage_parameters(g: Any, index: dict[str, float], n: int, pp: int) -> tuple
     if total == 0:
         return [1.0 / pp] * pp, 0.0
     return [sum(u.values()) / total for u in units], units[-1].get("tied", 0.0)
+
+
+DDP_BUCKET_BYTES = 25 * 2**20     # PyTorch DDP's gradient bucket (bucket_cap_mb's default, 25 MiB)
+DDP_FIRST_BUCKET_BYTES = 2**20    # and its first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB)
+
+
+def ddp_buckets(k: pd.DataFrame, mine: pd.Series, names: list[str], sizes: list[float],
+                column: str) -> list[tuple[float, float]]:
+    """PyTorch DDP's gradient buckets in one backward pass: (when the bucket's last gradient is ready, ms from the
+    pass's start; its gradient bytes), in the order DDP reduces them.
+
+    ``k`` / ``mine``: the kernels and those of the GPU in question, with ``column`` times; ``names`` / ``sizes``:
+    the trainable parameters (``module.path.weight``) and their gradient bytes, in registration order. The pass
+    runs its kernels in order, and a parameter's gradient is ready when the last backward kernel of its module ends
+    (one whose module runs none: at the pass's end). After its first iteration DDP rebuilds its buckets in the order
+    the gradients became ready (``Reducer::rebuild_buckets``): a first bucket of :data:`DDP_FIRST_BUCKET_BYTES`, then
+    :data:`DDP_BUCKET_BYTES` each, a bucket closing once it holds at least its cap.
+
+    >>> k = pd.DataFrame({"op_index": [0, 1, 2], "phase": "backward", "module": ["fc", "conv2", "conv1"],
+    ...                   "latency_ms": [1.0, 2.0, 3.0]})
+    >>> mib = 2.0**20
+    >>> ddp_buckets(k, k["phase"] == "backward", ["conv1.weight", "conv2.weight", "fc.weight", "fc.bias"],
+    ...             [30 * mib, 20 * mib, 0.5 * mib, 0.5 * mib], "latency_ms")
+    [(1.0, 1048576.0), (6.0, 52428800.0)]
+    """
+    sel = k.loc[mine & (k["phase"] == "backward"), ["op_index", "module", column]].sort_values("op_index",
+                                                                                              kind="stable")
+    end = sel[column].astype(float).cumsum()
+    done = float(end.iloc[-1]) if len(end) else 0.0
+    last = end.groupby(sel["module"].astype(str)).max().to_dict()      # module -> end of its last backward kernel
+    ready = [float(last.get(name.rpartition(".")[0], done)) for name in names]
+    order = sorted(range(len(names)), key=lambda i: (ready[i], -i))   # ties: DDP's initial, reversed order
+    buckets: list[tuple[float, float]] = []
+    cap, held, at = float(DDP_FIRST_BUCKET_BYTES), 0.0, 0.0
+    for i in order:
+        held, at = held + sizes[i], max(at, ready[i])
+        if held >= cap:
+            buckets.append((at, held))
+            cap, held, at = float(DDP_BUCKET_BYTES), 0.0, 0.0
+    if held:
+        buckets.append((at, held))
+    return buckets
+
+
+def exposed_bucket_reduce_ms(buckets: list[tuple[float, float]], pass_ms: float, reduce_ms: Any) -> float:
+    """What reducing ``buckets`` (:func:`ddp_buckets`) beside a backward pass of ``pass_ms`` adds to it (ms): each
+    bucket's collective, ``reduce_ms(bytes)``, starts once the bucket is ready and the one before it is done (one
+    communication stream); only what outlasts the pass counts.
+
+    >>> exposed_bucket_reduce_ms([(1.0, 10.0), (6.0, 40.0)], 6.0, lambda b: b / 10)   # 1-2, then 6-10
+    4.0
+    """
+    free = 0.0
+    for at, nbytes in buckets:
+        free = max(free, at) + reduce_ms(nbytes)
+    return max(0.0, free - pass_ms)
 
 
 def exposed_grad_reduce_ms(k: pd.DataFrame, mine: pd.Series, grads: dict[str, float], column: str,
