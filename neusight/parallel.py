@@ -31,7 +31,8 @@ communication between GPUs over the device's interconnect:
    the rest of the model's (embeddings, final norm, head) as one more once its last backward kernel is done;
    only the part of that stream that outlasts the busiest stage's last backward pass is charged
    (:func:`exposed_grad_reduce_ms`). A model without transformer blocks (a CNN) is reduced as PyTorch DDP reduces
-   it: by buckets of gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`).
+   it: by buckets of gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`),
+   with DDP's copies of each gradient into its bucket and back (:func:`ddp_bucket_copies_ms`).
    The slowdown of kernels that share the GPU with the collectives is not modelled.
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
    sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
@@ -462,7 +463,8 @@ class ParallelPrediction:
     parallelism: Parallelism
     latency_ms: float
     parts: dict[str, float]              # compute, tp_comm, ep_alltoall, pp_p2p, pp_bubble, dp_allreduce (the
-                                         # gradients' all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's
+                                         # gradients' all-reduce, or reduce-scatter with ZeRO; with PyTorch
+                                         # DDP's buckets also its copies into them), dp_gather (ZeRO's
                                          # parameter all-gathers), embedding_allreduce, optimizer (ms)
     stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms,
     #                                      tp_overlap_ms (what Megatron-LM's overlap changed in tp_comm_ms)
@@ -667,6 +669,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         alone = parts["dp_allreduce"]
         parts["dp_allreduce"], n_buckets = ddp_exposed("latency_ms")
         dp_roofline = ddp_exposed("roofline_ms")[0]
+        # DDP's own kernels on each gradient (into its bucket, and back): with its reduction, in dp_allreduce
+        copies_ms, copies_roofline = ddp_bucket_copies_ms(
+            [t.numel for t in g.params if t.requires_grad], g.grads[0].dtype if g.grads else "float32", device,
+            predictor)
+        parts["dp_allreduce"] += copies_ms
+        dp_roofline += copies_roofline
     elif overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
         busiest = max(range(pp), key=lambda i: held[i])
         units_s = _stage_units(g, index, n, pp)[busiest]
@@ -786,8 +794,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
                   f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "
                   f"the order their gradients are ready, one collective at a time: {alone:,.1f} ms of it alone, "
-                  f"{parts['dp_allreduce']:,.1f} ms left exposed after the last backward kernel (kernels sharing the "
-                  "GPU with it are not slowed in the forecast; DDP's copies into its buckets are not modelled)",)
+                  f"{parts['dp_allreduce'] - copies_ms:,.1f} ms left exposed after the last backward kernel (kernels "
+                  "sharing the GPU with it are not slowed in the forecast); dp_allreduce also holds DDP's two "
+                  f"elementwise kernels per parameter, each gradient divided into its bucket and copied back: "
+                  f"{copies_ms:,.2f} ms",)
     elif overlap_grad_reduce:
         what = "reduce-scatter" if zero else "all-reduce"
         notes += (f"the gradients' {what} overlaps the backward pass (overlap_grad_reduce), one collective per "
@@ -973,16 +983,42 @@ def megatron_grad_division_ms(numel: float, device: Device, predictor: Any = Non
     data-parallel size before the all-reduce (``Bucket.start_grad_sync``; it runs with dp = 1 too): one elementwise
     kernel per bucket of :data:`MEGATRON_BUCKET` parameters, reading and writing it, forecast by the predictor's
     elementwise model with the end-to-end calibration, as every kernel of a step."""
-    from neusight.api import e2e_kernel_ms, load_predictor
-
     if numel <= 0:
         return 0.0, 0.0
     full, rest = divmod(float(numel), MEGATRON_BUCKET)
-    sizes, counts = zip(*[(size, n) for size, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if size and n])
+    return elementwise_passes_ms([(size, n) for size, n in ((float(MEGATRON_BUCKET), full), (rest, 1.0)) if size and n],
+                                 "div", "float32", device, predictor)
+
+
+def ddp_bucket_copies_ms(numels: list[float], dtype: str, device: Device,
+                         predictor: Any = None) -> tuple[float, float]:
+    """(forecast ms, roofline ms) of what PyTorch DDP (``gradient_as_bucket_view=False``, its default) runs on each
+    parameter's gradient of ``numels`` elements besides the collectives: a kernel multiplying it by 1 / world size
+    into its bucket (``Reducer::copy_grad_to_bucket``, as the gradient is ready) and, once its bucket is reduced, a
+    copy back into the gradient (``copy_bucket_to_grad``): two elementwise passes per parameter."""
+    counts: dict[float, float] = {}
+    for n in numels:
+        if n > 0:
+            counts[float(n)] = counts.get(float(n), 0.0) + 2.0
+    return elementwise_passes_ms(sorted(counts.items()), "copy_", dtype, device, predictor)
+
+
+def elementwise_passes_ms(passes: list[tuple[float, float]], kernel: str, dtype: str, device: Device,
+                          predictor: Any = None) -> tuple[float, float]:
+    """(forecast ms, roofline ms) of ``count`` elementwise kernels of ``numel`` elements each, for every
+    ``(numel, count)`` of ``passes``, each reading and writing its elements of ``dtype``: synthetic kernels
+    (no trace has them) forecast by the predictor's elementwise model with the end-to-end calibration, as every
+    kernel of a step."""
+    from neusight.api import e2e_kernel_ms, load_predictor
+    from neusight.kernels.formulas import itemsize
+
+    if not passes:
+        return 0.0, 0.0
+    sizes, counts = zip(*passes)
     cols = 1024.0
-    frame = pd.DataFrame({"family": "elementwise", "kernel": "div", "flops": sizes, "algo_flops": sizes,
-                          "bytes": [2 * 4 * n for n in sizes], "dtype": "float32", "B": float("nan"),
-                          "M": float("nan"), "N": float("nan"), "K": float("nan"),
+    frame = pd.DataFrame({"family": "elementwise", "kernel": kernel, "flops": sizes, "algo_flops": sizes,
+                          "bytes": [2 * itemsize(dtype) * n for n in sizes], "dtype": dtype,
+                          "B": float("nan"), "M": float("nan"), "N": float("nan"), "K": float("nan"),
                           "rows": [math.ceil(n / cols) for n in sizes], "cols": cols})
     pred = load_predictor(predictor, device)
     res = pred.predict(frame, device)
