@@ -30,9 +30,10 @@ communication between GPUs over the device's interconnect:
    kernels (and its tensor-parallel all-reduces) are done, one collective per block in the order they finish,
    the rest of the model's (embeddings, final norm, head) as one more once its last backward kernel is done;
    only the part of that stream that outlasts the busiest stage's last backward pass is charged
-   (:func:`exposed_grad_reduce_ms`). A model without transformer blocks (a CNN) is reduced as PyTorch DDP reduces
-   it: by buckets of gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`),
-   with DDP's copies of each gradient into its bucket and back (:func:`ddp_bucket_copies_ms`).
+   (:func:`exposed_grad_reduce_ms`). Plain data parallelism (no ZeRO, no tensor, pipeline or expert parallelism, not
+   ``megatron``) is reduced as PyTorch DDP reduces it, for any model (a CNN has no blocks): by buckets of
+   gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`), with DDP's
+   copies of each gradient into its bucket and back (:func:`ddp_bucket_copies_ms`).
    The slowdown of kernels that share the GPU with the collectives is not modelled.
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
    sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
@@ -536,9 +537,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
-    backward pass, block by block as their gradients are done (module docstring, item 3); a model without
-    transformer blocks and without ZeRO by PyTorch DDP's buckets; only what outlasts the backward pass counts.
-    Needs dp > 1 and training.
+    backward pass, block by block as their gradients are done (module docstring, item 3); plain data parallelism
+    (no ZeRO, tp, pp, ep, not ``megatron``) by PyTorch DDP's buckets, with its copy kernels; only what outlasts the
+    backward pass counts. Needs dp > 1 and training.
     ``overlap_param_gather`` (ZeRO stages 1-3): the parameters' all-gathers overlap the compute (module docstring,
     item 3): with ZeRO 1 / 2 the updated parameters are gathered during the next step's forward pass, each block's
     before it runs (Megatron-LM's ``--overlap-param-gather``); with ZeRO 3 (FSDP) each block's gather is prefetched
@@ -654,8 +655,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         frame = stages if column == "latency_ms" else roof_stages      # overlap with the weight-gradient GEMMs
         return tp_ms + float(frame.loc[s, "tp_overlap_ms"]) / max(blocks_per_stage[s], 1)
 
-    # a model without transformer blocks (a CNN) overlaps its gradients' all-reduce as PyTorch DDP does: by buckets
-    ddp = overlap_grad_reduce and not index and not zero and bool(g.param_names)
+    # plain data parallelism (no ZeRO, tp, pp, ep, not Megatron-LM) overlaps as PyTorch DDP does: by its buckets
+    ddp = (overlap_grad_reduce and not zero and not megatron and tp == 1 and pp == 1 and ep == 1
+           and bool(g.param_names))
     if ddp:
         trainable = [(name, t.numel * t.itemsize) for name, t in zip(g.param_names, g.params) if t.requires_grad]
         ratio = grad_bytes / max(sum(b for _, b in trainable), 1.0)      # gradient bytes per parameter byte
@@ -786,10 +788,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
                   "options hide nothing here" + (" (without ZeRO its gradients' all-reduce overlaps the backward "
                                                  "pass by buckets, as PyTorch DDP runs it)" if zero else ""),)
-    if training and dp > 1 and not index and not zero and not megatron and not overlap_grad_reduce:
-        notes += (f"the gradients' all-reduce runs after the backward pass here; PyTorch DDP, how {g.model} would "
-                  "usually be trained on several GPUs, runs it beside the backward pass by buckets: "
-                  "overlap_grad_reduce=true forecasts that",)
+    if (training and dp > 1 and not zero and not megatron and not overlap_grad_reduce and tp == 1 and pp == 1
+            and ep == 1):
+        notes += ("the gradients' all-reduce runs after the backward pass here (Megatron-LM's default); PyTorch DDP "
+                  "runs it beside the backward pass by buckets: overlap_grad_reduce=true forecasts that",)
     if ddp:
         notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
                   f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "

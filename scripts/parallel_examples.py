@@ -12,7 +12,8 @@ and its tp=8 split with sequence parallelism and selective or full recompute; th
 Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
 (``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB PCIe
 boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table; and a serving plan
-(``neusight.plan_generation``) of Llama-3-70B generating for 16 concurrent sequences on 8 of either GPU. These are
+(``neusight.plan_generation``) of Llama-3-70B generating for 16 concurrent sequences on 8 of either GPU; and ResNet-50
+(global batch 256, SGD) on 8 GPUs as PyTorch DDP trains it (its gradient buckets overlapped). These are
 forecasts no measurement could check (no multi-GPU labels were available): they show what the composition does, not
 how accurate it is.
 """
@@ -53,10 +54,12 @@ PLAN_GPUS = ("a100-80gb-pcie", "h100-sxm5-80gb")
 # serving: every dp x tp layout of 8 GPUs generating for SERVE_BATCH concurrent sequences
 SERVE, SERVE_BATCH, SERVE_PROMPT, SERVE_NEW = "llama-3-70b", 16, 512, 128
 SERVE_KW = dict(dtype="bfloat16", attn_implementation="sdpa", static_cache=True)
+# a CNN as PyTorch DDP trains it: data parallelism, its gradient buckets' all-reduce beside the backward pass
+CNN, CNN_BATCH, CNN_GPUS = "resnet50", 256, ("a100-80gb-pcie", "h100-sxm5-80gb")
 
 
-def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, seq: int, overlap: bool = False,
-           **kw) -> pd.DataFrame:
+def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, seq: int | None, overlap: bool = False,
+           optimizer: str = "adamw", **kw) -> pd.DataFrame:
     """One row per GPU and split; ``overlap``: three more columns, the step with the data-parallel collectives
     overlapped with the compute (``overlap_grad_reduce=true`` on the splits with dp > 1, ``overlap_param_gather=true``
     on those with ZeRO) and what of the gradients' reduction and the parameters' gathers stays exposed."""
@@ -64,8 +67,8 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
     for gpu in gpus:
         cache: dict = {}     # the overlapped forecast reuses the split's trace and single-GPU forecast
         for split in splits:
-            p = predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", cache=cache, **split, **kw)
-            over = (predict_parallel(model, gpu, batch, seq, "training", optimizer="adamw", cache=cache,
+            p = predict_parallel(model, gpu, batch, seq, "training", optimizer=optimizer, cache=cache, **split, **kw)
+            over = (predict_parallel(model, gpu, batch, seq, "training", optimizer=optimizer, cache=cache,
                                      overlap_grad_reduce=True, overlap_param_gather=bool(split.get("zero")),
                                      **split, **kw)
                     if overlap and p.parallelism.dp > 1 else None)
@@ -114,6 +117,7 @@ def main() -> None:
                                       if (moe_best[c] == off).all()])                      # as the summary
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, overlap=True, dtype="bfloat16",
                  gradient_checkpointing=True)
+    cnn = _table(CNN, CNN_GPUS, [dict(), dict(dp=8)], CNN_BATCH, None, overlap=True, optimizer="sgd")
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
     scaling = scaling[["gpu", *[c for c in scaling.columns if c != "gpu"]]]
@@ -129,11 +133,13 @@ def main() -> None:
         "shipped predictor. How the step is composed: `neusight/parallel.py`. No multi-GPU measurement was available, "
         "so these numbers are forecasts that nothing here has checked; the single-GPU parts are the same forecasts "
         "as everywhere else. The last three columns: the same step with the data-parallel collectives overlapped "
-        "with the compute, block by block, as PyTorch DDP / FSDP and Megatron-LM's `--overlap-grad-reduce` / "
+        "with the compute as PyTorch DDP / FSDP and Megatron-LM's `--overlap-grad-reduce` / "
         "`--overlap-param-gather` run them: the gradients' reduction with the backward pass "
-        "(`overlap_grad_reduce=true`) and, with ZeRO, the parameters' gathers with the compute "
-        "(`overlap_param_gather=true`: FSDP prefetches the next block's, ZeRO 1 / 2 gather during the next forward "
-        "pass); and what of each is left exposed (the other columns: nothing overlapped, Megatron-LM's default).", "",
+        "(`overlap_grad_reduce=true`; plain data parallelism by PyTorch DDP's buckets, whose exposed part also holds "
+        "DDP's two copy kernels per parameter, the other splits block by block) and, with ZeRO, the parameters' "
+        "gathers with the compute (`overlap_param_gather=true`: FSDP prefetches the next block's, ZeRO 1 / 2 gather "
+        "during the next forward pass); and what of each is left exposed (the other columns: nothing overlapped, "
+        "Megatron-LM's default).", "",
         markdown_table(dense, index=False), "",
         "## Sequence parallelism and selective recompute", "",
         f"The tp=8 split of {MODEL} again, with Megatron-LM's sequence parallelism (`sp=true`: the blocks' layer "
@@ -164,6 +170,18 @@ def main() -> None:
         "NVLink. Last three columns as in the first table: the data-parallel collectives overlapped with the "
         "compute.", "",
         markdown_table(big, index=False), "",
+        f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
+        f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "
+        "TF32 tensor cores as PyTorch runs them by default on these GPUs), on one GPU and as dp=8. Last three "
+        "columns: the gradients' all-reduce beside the backward pass as PyTorch DDP runs it "
+        "(`overlap_grad_reduce=true`): buckets of 25 MiB (the first 1 MiB) in the order the gradients are ready; "
+        "its exposed part also holds DDP's two elementwise kernels per parameter (each gradient divided into its "
+        "bucket, and copied back), as in the first table. The A100 80GB PCIe boards' NVLink bridges join pairs, so "
+        "the 8-GPU all-reduce runs over PCIe there and the overlap hides most of it; over H100's NVLink the "
+        "all-reduce is short, DDP's copy kernels cost more than the overlap hides, and the DDP step comes out slower "
+        "than the un-overlapped columns, which charge no per-parameter kernels (a gradient buffer reduced in "
+        "place).", "",
+        markdown_table(cnn, index=False), "",
         f"## Planning: {PLAN} on 1-{max(PLAN_COUNTS)} GPUs", "",
         f"{PLAN}, sequence {PLAN_SEQ}, global batch {PLAN_BATCH}, one AdamW training step in FP32, planned with "
         "`neusight.plan_parallel` (`neusight-predict ... gpus=[1,2,4,8]`): for each GPU count every dp x tp x pp "

@@ -578,17 +578,24 @@ def test_an_overlapped_gradient_reduction_leaves_what_outlasts_the_backward_pass
 @pytest.mark.parametrize("kw", [dict(dp=4), dict(dp=4, zero=2), dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2)])
 def test_overlapping_the_gradient_reduction_hides_at_most_the_backward_pass(kw):
     """The law: overlapped, the exposed reduction is no more than the reduction alone and no less than what the
-    busiest stage's backward pass cannot cover; nothing else changes."""
+    busiest stage's backward pass cannot cover; nothing else changes. Plain data parallelism runs as PyTorch DDP,
+    whose two copy kernels per parameter come on top (in dp_allreduce); the other layouts have none."""
+    from neusight.parallel import ddp_bucket_copies_ms
+
     run = dict(batch_size=8, seq_len=128, mode="training", optimizer="adamw", **kw)
     alone = predict_parallel("gpt2", "a100-sxm4-40gb", **run)
     over = predict_parallel("gpt2", "a100-sxm4-40gb", overlap_grad_reduce=True, **run)
-    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"]
+    ddp = kw == dict(dp=4)
+    numels = [t.numel for t in over.per_gpu.graph.params]
+    copies = ddp_bucket_copies_ms(numels, "float32", load_device("a100-sxm4-40gb")) if ddp else (0.0, 0.0)
+    assert any("copied back" in n for n in over.notes) == ddp
+    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"] - copies[0]
     backward = float(alone.stages["backward_ms"].max() + alone.stages["tp_comm_ms"].max() / 2)
     assert max(0.0, a - backward) <= o < a
-    assert over.latency_ms == pytest.approx(alone.latency_ms - (a - o))
+    assert over.latency_ms == pytest.approx(alone.latency_ms - (a - o) + copies[0])
     assert {k: v for k, v in over.parts.items() if k != "dp_allreduce"} == \
         {k: v for k, v in alone.parts.items() if k != "dp_allreduce"}
-    assert over.roofline_ms <= alone.roofline_ms
+    assert over.roofline_ms - copies[1] <= alone.roofline_ms + 1e-9
     assert over.memory_peak_bytes == alone.memory_peak_bytes
     assert any("overlap_grad_reduce" in n and f"{a:,.1f} ms of it alone" in n for n in over.notes)
 
