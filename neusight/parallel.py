@@ -32,8 +32,9 @@ communication between GPUs over the device's interconnect:
    only the part of that stream that outlasts the busiest stage's last backward pass is charged
    (:func:`exposed_grad_reduce_ms`). Plain data parallelism (no ZeRO, no tensor, pipeline or expert parallelism, not
    ``megatron``) is reduced as PyTorch DDP reduces it, for any model (a CNN has no blocks): by buckets of
-   gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`), with DDP's
-   copies of each gradient into its bucket and back (:func:`ddp_bucket_copies_ms`).
+   gradients in the order they are ready (:func:`ddp_buckets`, :func:`exposed_bucket_reduce_ms`); DDP's copies of
+   each gradient into its bucket and back (:func:`ddp_bucket_copies_ms`) are told in a note, not charged, since
+   the per-parameter kernels of ZeRO, FSDP and Megatron-LM's buffers are not modelled either.
    The slowdown of kernels that share the GPU with the collectives is not modelled.
    ``zero`` = 1 / 2 / 3 shards the replicas' state as ZeRO (DeepSpeed) does, 3 also as PyTorch FSDP's full
    sharding: each GPU keeps 1 / dp of the optimizer state (1), of the gradients too (2), of the weights too (3)
@@ -464,8 +465,7 @@ class ParallelPrediction:
     parallelism: Parallelism
     latency_ms: float
     parts: dict[str, float]              # compute, tp_comm, ep_alltoall, pp_p2p, pp_bubble, dp_allreduce (the
-                                         # gradients' all-reduce, or reduce-scatter with ZeRO; with PyTorch
-                                         # DDP's buckets also its copies into them), dp_gather (ZeRO's
+                                         # gradients' all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's
                                          # parameter all-gathers), embedding_allreduce, optimizer (ms)
     stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms,
     #                                      tp_overlap_ms (what Megatron-LM's overlap changed in tp_comm_ms)
@@ -538,8 +538,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
     backward pass, block by block as their gradients are done (module docstring, item 3); plain data parallelism
-    (no ZeRO, tp, pp, ep, not ``megatron``) by PyTorch DDP's buckets, with its copy kernels; only what outlasts the
-    backward pass counts. Needs dp > 1 and training.
+    (no ZeRO, tp, pp, ep, not ``megatron``) by PyTorch DDP's buckets; only what outlasts the backward pass counts.
+    Needs dp > 1 and training.
     ``overlap_param_gather`` (ZeRO stages 1-3): the parameters' all-gathers overlap the compute (module docstring,
     item 3): with ZeRO 1 / 2 the updated parameters are gathered during the next step's forward pass, each block's
     before it runs (Megatron-LM's ``--overlap-param-gather``); with ZeRO 3 (FSDP) each block's gather is prefetched
@@ -671,12 +671,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         alone = parts["dp_allreduce"]
         parts["dp_allreduce"], n_buckets = ddp_exposed("latency_ms")
         dp_roofline = ddp_exposed("roofline_ms")[0]
-        # DDP's own kernels on each gradient (into its bucket, and back): with its reduction, in dp_allreduce
-        copies_ms, copies_roofline = ddp_bucket_copies_ms(
-            [t.numel for t in g.params if t.requires_grad], g.grads[0].dtype if g.grads else "float32", device,
-            predictor)
-        parts["dp_allreduce"] += copies_ms
-        dp_roofline += copies_roofline
+        # DDP's own kernels on each gradient (into its bucket, and back): told, not charged, since ZeRO's, FSDP's and
+        # Megatron-LM's per-parameter kernels are not modelled either and layouts are to compare on the same footing
+        copies_ms = ddp_bucket_copies_ms([t.numel for t in g.params if t.requires_grad],
+                                         g.grads[0].dtype if g.grads else "float32", device, predictor)[0]
     elif overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
         busiest = max(range(pp), key=lambda i: held[i])
         units_s = _stage_units(g, index, n, pp)[busiest]
@@ -796,10 +794,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
                   f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "
                   f"the order their gradients are ready, one collective at a time: {alone:,.1f} ms of it alone, "
-                  f"{parts['dp_allreduce'] - copies_ms:,.1f} ms left exposed after the last backward kernel (kernels "
-                  "sharing the GPU with it are not slowed in the forecast); dp_allreduce also holds DDP's two "
-                  f"elementwise kernels per parameter, each gradient divided into its bucket and copied back: "
-                  f"{copies_ms:,.2f} ms",)
+                  f"{parts['dp_allreduce']:,.1f} ms left exposed after the last backward kernel (kernels sharing the "
+                  "GPU with it are not slowed in the forecast). Not included: DDP's two elementwise kernels per "
+                  f"parameter (each gradient divided into its bucket and copied back), {copies_ms:,.2f} ms by this "
+                  "forecast's kernel model (ZeRO's, FSDP's and Megatron-LM's per-parameter kernels are not modelled "
+                  "either, so layouts compare alike; with gradient_as_bucket_view=True one division per parameter "
+                  "remains)",)
     elif overlap_grad_reduce:
         what = "reduce-scatter" if zero else "all-reduce"
         notes += (f"the gradients' {what} overlaps the backward pass (overlap_grad_reduce), one collective per "

@@ -578,24 +578,21 @@ def test_an_overlapped_gradient_reduction_leaves_what_outlasts_the_backward_pass
 @pytest.mark.parametrize("kw", [dict(dp=4), dict(dp=4, zero=2), dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2)])
 def test_overlapping_the_gradient_reduction_hides_at_most_the_backward_pass(kw):
     """The law: overlapped, the exposed reduction is no more than the reduction alone and no less than what the
-    busiest stage's backward pass cannot cover; nothing else changes. Plain data parallelism runs as PyTorch DDP,
-    whose two copy kernels per parameter come on top (in dp_allreduce); the other layouts have none."""
-    from neusight.parallel import ddp_bucket_copies_ms
-
+    busiest stage's backward pass cannot cover; nothing else changes. Plain data parallelism runs as PyTorch DDP
+    (by its buckets; its copy kernels told in a note, not charged), the other layouts block by block."""
     run = dict(batch_size=8, seq_len=128, mode="training", optimizer="adamw", **kw)
     alone = predict_parallel("gpt2", "a100-sxm4-40gb", **run)
     over = predict_parallel("gpt2", "a100-sxm4-40gb", overlap_grad_reduce=True, **run)
     ddp = kw == dict(dp=4)
-    numels = [t.numel for t in over.per_gpu.graph.params]
-    copies = ddp_bucket_copies_ms(numels, "float32", load_device("a100-sxm4-40gb")) if ddp else (0.0, 0.0)
-    assert any("copied back" in n for n in over.notes) == ddp
-    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"] - copies[0]
+    assert any("as PyTorch DDP runs it" in n and "Not included" in n for n in over.notes) == ddp
+    assert any("one collective per transformer block" in n for n in over.notes) == (not ddp)
+    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"]
     backward = float(alone.stages["backward_ms"].max() + alone.stages["tp_comm_ms"].max() / 2)
     assert max(0.0, a - backward) <= o < a
-    assert over.latency_ms == pytest.approx(alone.latency_ms - (a - o) + copies[0])
+    assert over.latency_ms == pytest.approx(alone.latency_ms - (a - o))
     assert {k: v for k, v in over.parts.items() if k != "dp_allreduce"} == \
         {k: v for k, v in alone.parts.items() if k != "dp_allreduce"}
-    assert over.roofline_ms - copies[1] <= alone.roofline_ms + 1e-9
+    assert over.roofline_ms <= alone.roofline_ms
     assert over.memory_peak_bytes == alone.memory_peak_bytes
     assert any("overlap_grad_reduce" in n and f"{a:,.1f} ms of it alone" in n for n in over.notes)
 
@@ -674,15 +671,15 @@ def test_a_model_without_transformer_blocks_overlaps_its_gradients_by_ddp_bucket
     g = over.per_gpu.graph
     copies = ddp_bucket_copies_ms([t.numel for t in g.params], "float32", load_device("a100-sxm4-40gb"))
     assert copies[0] >= copies[1] > 0
-    # dp_allreduce: what of the collectives outlasts the backward pass, and DDP's copies into its buckets and back
-    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"] - copies[0]
+    a, o = alone.parts["dp_allreduce"], over.parts["dp_allreduce"]
     backward = float(alone.stages["backward_ms"].max())
     assert max(0.0, a - backward) <= o < a
     assert {k: v for k, v in over.parts.items() if k != "dp_allreduce"} == \
         {k: v for k, v in alone.parts.items() if k != "dp_allreduce"}
-    assert over.roofline_ms <= over.latency_ms
+    assert over.roofline_ms <= alone.roofline_ms
     assert any("overlap_grad_reduce=true forecasts that" in n for n in alone.notes)
-    assert any(f"copied back: {copies[0]:,.2f} ms" in n for n in over.notes)
+    # DDP's copy kernels: told with their forecast time, not charged
+    assert any(f"copied back), {copies[0]:,.2f} ms" in n for n in over.notes)
     assert any("as PyTorch DDP runs it" in n and f"{a:,.1f} ms of it alone" in n for n in over.notes)
     assert not any("hide nothing" in n for n in over.notes)
     # with ZeRO there are no DDP buckets: a block-less model's reduction stays after the pass, and says so
