@@ -390,6 +390,30 @@ def list_devices() -> list[str]:
     return sorted(_library(str(device_dir()))[0])
 
 
+def also_named(name: str) -> list[str]:
+    """Other GPUs of the library that ``name`` could mean besides the one :func:`load_device` returns for it: those
+    with a key, name or alias holding every word of ``name`` (maker words aside). A short name such as "A100" is
+    one GPU's alias, and the forecast says which others it leaves out. Paths and unknown names give [].
+
+    >>> also_named("A100")
+    ['a100-80gb-pcie', 'a100-pcie-40gb', 'a100-sxm4-80gb']
+    >>> also_named("a100-sxm4-40gb"), also_named("t4")
+    ([], [])
+    """
+    if Path(name).suffix.lower() in SPEC_SUFFIXES:
+        return []
+    try:
+        chosen = load_device(name).key
+    except DeviceError:
+        return []
+    words = _tokens(name)
+    if not words:
+        return []
+    devices = _library(str(device_dir()))[0]
+    return sorted(key for key, d in devices.items() if key != chosen
+                  and any(words <= _tokens(label) for label in (key, d.name, *d.aliases)))
+
+
 def device_rows() -> list[dict[str, Any]]:
     """One row per GPU of the library (sorted by key): the spec-sheet numbers a user picks a GPU by. What
     ``neusight-predict device=list`` prints.

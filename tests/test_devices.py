@@ -480,3 +480,35 @@ def test_modify_device_refuses_bad_changes_by_name(changes, fragment):
 
     with pytest.raises(DeviceError, match=re.escape(fragment)):
         modify_device("t4", **changes)
+
+
+@pytest.mark.parametrize("name, taken, others", [
+    ("A100", "a100-sxm4-40gb", ["a100-80gb-pcie", "a100-pcie-40gb", "a100-sxm4-80gb"]),
+    ("h100", "h100-sxm5-80gb", ["h100-nvl", "h100-pcie"]),
+    ("a100-pcie-40gb", "a100-pcie-40gb", []),          # a full key leaves nothing open
+    ("NVIDIA H100 80GB HBM3", "h100-sxm5-80gb", []),   # nor does a torch.cuda.get_device_name() string
+    ("t4", "t4", []),
+])
+def test_a_short_name_says_which_other_gpus_it_fits(name, taken, others):
+    from neusight.devices import _tokens, also_named
+
+    assert load_device(name).key == taken
+    got = also_named(name)
+    assert got == others
+    for key in got:          # every one holds the name's words in its key, name or an alias
+        d = load_device(key)
+        assert any(_tokens(name) <= _tokens(label) for label in (key, d.name, *d.aliases))
+    assert also_named("h999") == [] and also_named("/some/gpu.yaml") == []
+
+
+def test_the_command_line_notes_what_a_short_device_name_leaves_out(capsys):
+    from omegaconf import OmegaConf
+
+    from neusight.cli.predict import _say_what_short_names_leave_out
+
+    _say_what_short_names_leave_out(OmegaConf.create({"device": ["a100", "t4", "a100"]}))
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["note: device=a100 is taken as a100-sxm4-40gb; the name also fits a100-80gb-pcie, a100-pcie-40gb, "
+                   "a100-sxm4-80gb (pass one of those keys to forecast it instead)"]
+    _say_what_short_names_leave_out(OmegaConf.create({"device": "all"}))
+    assert capsys.readouterr().out == ""

@@ -351,6 +351,21 @@ def _devices(cfg_device: Any) -> list[str]:
     return [str(d) for d in devices]
 
 
+def _say_what_short_names_leave_out(cfg: Any) -> None:
+    """A device given by a short name that one GPU answers to ("A100") could mean other GPUs of the library too:
+    say which GPU the forecast takes and what else the name covers."""
+    from neusight.api import names_all
+    from neusight.devices import also_named, load_device
+
+    if names_all(cfg.device):
+        return
+    for name in dict.fromkeys(_devices(cfg.device)):
+        others = also_named(name)
+        if others:
+            print(f"note: device={name} is taken as {load_device(name).key}; the name also fits "
+                  f"{', '.join(others)} (pass one of those keys to forecast it instead)")
+
+
 def _step_options(cfg: Any) -> dict[str, Any]:
     """The training-step options of a predict or trace config, as ``neusight.trace`` takes them."""
     targets = list(cfg.lora_targets) if cfg.lora_targets is not None else None
@@ -574,6 +589,7 @@ def _app(cfg: PredictConfig) -> float:
         print_library(models=_asks_for_list(cfg.model), devices=_asks_for_list(cfg.device))
         return 0.0
     _check_counts(cfg)
+    _say_what_short_names_leave_out(cfg)
     if cfg.new_tokens is not None:
         return _generation(cfg)
     if cfg.gpus is not None:
