@@ -580,10 +580,6 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if ep > 1 and megatron:
         raise InputError(f"ep={ep} with megatron=True is not modelled (the Megatron-LM kernels are GPT-2's, without "
                          "experts). Fix: leave one of them out")
-    if megatron and trace_kwargs.get("gradient_checkpointing"):
-        raise InputError(f"gradient_checkpointing={trace_kwargs['gradient_checkpointing']!r} with megatron=True is not "
-                         "modelled (the Megatron-LM kernel set is that of its runs without recompute). Fix: leave one "
-                         "of them out")
     if megatron and trace_kwargs.get("lora_rank") is not None:
         raise InputError(f"lora_rank={trace_kwargs['lora_rank']} with megatron=True is not modelled (Megatron-LM's "
                          "kernels are those of full training). Fix: leave one of them out")

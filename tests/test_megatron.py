@@ -50,3 +50,58 @@ def test_megatron_forecast_is_faster_and_exclusive_with_fusion(graph):
     assert meg.latency_ms < eager.latency_ms and any("Megatron" in n for n in meg.notes)
     with pytest.raises(InputError, match="exclude each other"):
         predict_graph(graph, "a100-sxm4-40gb", fused=True, megatron=True)
+
+
+@pytest.fixture(scope="module")
+def selective():
+    return neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None,
+                          gradient_checkpointing="selective")
+
+
+def test_recomputed_kernels_are_marked_in_the_trace(graph, selective):
+    """The kernels activation checkpointing runs again in the backward pass carry recompute=True: with the
+    selective recompute a second copy of each attention core's forward kernels (its two batched GEMMs, scaling,
+    softmax, dropout), in the backward pass and in the attention module."""
+    from collections import Counter
+
+    assert not graph.kernels["recompute"].any()
+    k = selective.kernels
+    again = k[k["recompute"]]
+    assert (again["phase"] == "backward").all() and again["module"].str.endswith(".attn").all()
+    forward = Counter(k.loc[k["module"].str.endswith(".attn") & (k["phase"] == "forward"), "aten_op"])
+    redone = Counter(again["aten_op"])
+    assert not redone - forward                                 # nothing the forward pass did not run
+    assert redone["aten.bmm.default"] == 2 * 12 and redone["aten._softmax.default"] == 12
+    assert set(again["op_index"]) <= selective.recompute_ops     # (views and other ops without a kernel too)
+
+
+def test_megatron_with_selective_recompute_folds_the_recomputed_scaling_too(graph, selective):
+    plain, again = {}, {}
+    megatron_kernels(graph, plain)
+    k = megatron_kernels(selective, again)
+    # each layer's recomputed scaling is folded into the QK^T GEMM as its forward one is: 12 more dropped
+    assert again["dropped"] == plain["dropped"] + 12
+    assert again["fused"] == plain["fused"] == 24
+    assert not k.loc[k["recompute"], "aten_op"].isin(["aten.mul.Tensor", "aten.div.Tensor"]).any()
+    assert k["recompute"].sum() == selective.kernels["recompute"].sum() - 12
+
+
+def test_megatron_with_full_recompute_runs_each_activation_forward_again():
+    g = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None, gradient_checkpointing=True)
+    k = megatron_kernels(g)
+    fused = k[k["aten_op"].str.startswith("megatron:bias_gelu")]
+    forward_kind = fused[fused["aten_op"] == "megatron:bias_gelu"]
+    assert len(forward_kind) == 24 and int(forward_kind["recompute"].sum()) == 12
+    assert (fused["aten_op"] == "megatron:bias_gelu_back").sum() == 12
+    again = forward_kind[forward_kind["recompute"]]
+    assert (again["phase"] == "backward").all() and (again["bytes"] == 8.0 * 2 * 64 * 3072).all()
+
+
+def test_a_megatron_step_with_recompute_is_forecast_and_costs_more():
+    from neusight.parallel import predict_parallel
+
+    run = dict(batch_size=8, seq_len=128, mode="training", dp=2, tp=2, megatron=True, memory=False)
+    plain = predict_parallel("gpt2", "a100-sxm4-40gb", **run)
+    times = {ck: predict_parallel("gpt2", "a100-sxm4-40gb", gradient_checkpointing=ck, **run).parts["compute"]
+             for ck in ("selective", True)}
+    assert plain.parts["compute"] < times["selective"] < times[True]

@@ -217,7 +217,7 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
     rows += [row for chain in attention for row in chain.rows]
     kept = k[~k["op_index"].isin(replaced | rewritten)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
-    out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
+    out = g.mark_recompute(out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"}))
     return out.sort_values("op_index", kind="stable").reset_index(drop=True), units
 
 

@@ -12,7 +12,7 @@ from neusight.graph.records import OpRecord, TensorMeta
 from neusight.kernels.base import Family
 
 KERNEL_COLUMNS = ["op_index", "phase", "module", "aten_op", "family", "kernel", "dims", "dtype", "flops", "algo_flops",
-                  "bytes", "modeled", "channel_align", "nchw_operands"]
+                  "bytes", "modeled", "channel_align", "nchw_operands", "recompute"]
 
 
 # gradient_checkpointing's value for Megatron-LM's selective recomputation (the attention core only)
@@ -75,12 +75,24 @@ class Graph:
                 rows["modeled"].append(r.modeled)
                 rows["channel_align"].append(k.channel_align)
                 rows["nchw_operands"].append(k.nchw_operands)
+                rows["recompute"].append(r.recompute)
         df = pd.DataFrame(rows)
         df["flops"] = df["flops"].astype("float64")
         df["algo_flops"] = df["algo_flops"].astype("float64")
         df["bytes"] = df["bytes"].astype("float64")
         df["channel_align"] = df["channel_align"].astype("float64")   # NaN: not a convolution
+        df["recompute"] = df["recompute"].astype(bool)
         return df
+
+    @functools.cached_property
+    def recompute_ops(self) -> frozenset[int]:
+        """Indices of the ops activation checkpointing ran again in the backward pass (forward ops there)."""
+        return frozenset(r.index for r in self.ops if r.recompute)
+
+    def mark_recompute(self, kernels: pd.DataFrame) -> pd.DataFrame:
+        """``kernels`` (a rewrite of this trace's kernel table: fused or Megatron-LM rows) with its ``recompute``
+        column set from each row's op (a new row takes its op_index's)."""
+        return kernels.assign(recompute=kernels["op_index"].isin(self.recompute_ops))
 
     @property
     def unmodeled(self) -> list[str]:

@@ -16,6 +16,10 @@ fewer memory-bound kernels around them. What changes here:
 3. No KV cache: the forward concatenations that fill Hugging Face's cache (those whose result the model's
    output keeps) go.
 
+With activation recompute (``gradient_checkpointing``: Megatron-LM's ``--recompute-activations`` is ``"selective"``,
+its full recompute ``True``) the forward kernels run again in the backward pass (``recompute`` in the kernel
+table) get the forward's rules: the recomputed scaling goes, a recomputed activation is one forward bias-GeLU.
+
 Left as traced (small next to the above, or unknown without the run's environment): the separate bias add after
 the QKV projection and the fused bias-dropout-add of the residuals (both over tokens x hidden), apex's fused
 layer norm (one kernel forward, as traced), Megatron's vocabulary-parallel cross-entropy (a few passes over the
@@ -61,7 +65,8 @@ def megatron_kernels(g: Graph, counts: dict[str, int] | None = None) -> pd.DataF
     """
     k = g.kernels
     module = k["module"].astype(str)
-    attn = module.str.contains(ATTENTION) & (k["phase"] == "forward")
+    forward = (k["phase"] == "forward") | k["recompute"]      # a recomputed forward kernel is one too
+    attn = module.str.contains(ATTENTION) & forward
     # a scaling multiplies or divides by a number (a rotary embedding's products of two tensors are not one)
     scalings = {r.index for r in g.ops if r.call.op in _SCALE_OPS
                 and sum(t.numel > 1 for t in r.call.tensor_args()) == 1}
@@ -72,26 +77,28 @@ def megatron_kernels(g: Graph, counts: dict[str, int] | None = None) -> pd.DataF
     drop |= attn & k["op_index"].isin(cache)
     act = module.str.contains(ACTIVATION) & ~k["family"].isin([f.value for f in Family if f.is_gemm])
     rows = []
-    for (_, phase), members in k[act].groupby([module[act], k.loc[act, "phase"]], sort=False):
+    for (_, phase, again), members in k[act].groupby([module[act], k.loc[act, "phase"], k.loc[act, "recompute"]],
+                                                     sort=False):
         if len(members) < 2:
             act.loc[members.index] = False        # already one kernel (ReLU): nothing to fuse
             continue
-        rows.append(_fused_activation(members, phase))
+        rows.append(_fused_activation(members, phase, gradient=phase == "backward" and not again))
     if counts is not None:
         counts.update(dropped=int(drop.sum()), fused=len(rows))
     kept = k[~(drop | act)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
-    out = out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"})
+    out = g.mark_recompute(out.astype({"flops": "float64", "algo_flops": "float64", "bytes": "float64"}))
     return out.sort_values("op_index", kind="stable").reset_index(drop=True)
 
 
-def _fused_activation(members: pd.DataFrame, phase: str) -> dict:
-    """One bias-GeLU kernel (or its backward) for the activation's kernels of one phase."""
+def _fused_activation(members: pd.DataFrame, phase: str, gradient: bool) -> dict:
+    """One bias-GeLU kernel (or its backward, ``gradient``) for the activation's kernels of one phase (a
+    recomputed forward in the backward pass: the forward kernel)."""
     lead = members.loc[members["dims"].map(lambda d: int(np.prod(d))).idxmax()]
     elems = int(np.prod(lead["dims"]))
-    tensors = 3 if phase == "backward" else 2             # backward: gradient in, saved input, gradient out
+    tensors = 3 if gradient else 2             # backward: gradient in, saved input, gradient out
     return {"op_index": int(members["op_index"].min()), "phase": phase, "module": lead["module"],
-            "aten_op": "megatron:bias_gelu" + ("_back" if phase == "backward" else ""),
+            "aten_op": "megatron:bias_gelu" + ("_back" if gradient else ""),
             "family": Family.ELEMENTWISE.value, "kernel": MEGATRON_KERNEL, "dims": tuple(int(x) for x in lead["dims"]),
             "dtype": lead["dtype"], "flops": float(members["flops"].sum()), "algo_flops": float(members["flops"].sum()),
             "bytes": float(tensors * elems * itemsize(lead["dtype"])), "modeled": bool(members["modeled"].all())}

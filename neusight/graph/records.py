@@ -98,3 +98,4 @@ class OpRecord:
     call: OpCall
     kernels: list = field(default_factory=list)   # list[Kernel] built by the registry
     modeled: bool = True
+    recompute: bool = False   # run again in the backward pass by activation checkpointing (a forward op there)

@@ -165,7 +165,7 @@ class _Recorder(TorchDispatchMode):
         kernel = info.get("make", fused_kernel)(name, [k for r in inner for k in r.kernels], ins, outs)
         info["kernel"] = kernel
         call = OpCall(FUSED_OP_PREFIX + name, None, tuple(ins), {}, tuple(outs))
-        self.ops.append(OpRecord(start, phase, module, call, [kernel], True))
+        self.ops.append(OpRecord(start, phase, module, call, [kernel], True, _RECOMPUTING[0] > 0))
 
     def _module(self) -> str:
         parents = self.tracker.parents
@@ -205,7 +205,8 @@ class _Recorder(TorchDispatchMode):
         outs = tuple(TensorMeta.of(t, self._held) for t in flat_out)
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
-        self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled))
+        self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled,
+                                 _RECOMPUTING[0] > 0))
         if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
             self._verdicts[out] = _PLAIN_BATCH[packet]
         return out
@@ -280,15 +281,29 @@ class _CudaPaths(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# how many recomputations are running (torch.utils.checkpoint enters a _Recompute per checkpointed call): the
+# recorder marks the ops it records meanwhile as recomputed forward ops
+_RECOMPUTING = [0]
+
+
 class _Recompute(_CudaPaths):
     """What a checkpointed layer's recomputation in the backward pass runs under: the forward's CUDA code paths
     (:class:`_CudaPaths`) and, under mixed precision, its autocast, as torch.utils.checkpoint restores a real
     autocast state itself (not the emulated one). One mode for both: the recomputation runs inside the outer
-    modes' handling of ``backward()``, where a second stacked mode cannot be popped again."""
+    modes' handling of ``backward()``, where a second stacked mode cannot be popped again. While it is entered
+    the recorder marks its ops as recomputed (``OpRecord.recompute``)."""
 
     def __init__(self, amp: torch.dtype | None = None, device: Any = None, attn_implementation: str = "eager") -> None:
         super().__init__(device, attn_implementation)
         self.autocast = Autocast(amp) if amp is not None else None
+
+    def __enter__(self) -> "_Recompute":
+        _RECOMPUTING[0] += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        _RECOMPUTING[0] -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
