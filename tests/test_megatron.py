@@ -87,8 +87,21 @@ def test_megatron_with_selective_recompute_folds_the_recomputed_scaling_too(grap
 
 
 def test_megatron_with_full_recompute_runs_each_activation_forward_again():
+    from collections import Counter
+
     g = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None, gradient_checkpointing=True)
-    k = megatron_kernels(g)
+    # the recomputation of a block runs its modules' kernels again, attributed to the same modules as in the forward
+    # pass (a forward pass inside the backward one, whose own modules are still entered then)
+    t = g.kernels
+    for layer in (0, 11):
+        inside = t["module"].astype(str).str.startswith(f"transformer.h.{layer}.")
+        key = lambda rows: Counter(zip(rows["module"], rows["aten_op"]))     # noqa: E731
+        redone = key(t[inside & t["recompute"]])
+        assert key(t[inside & (t["phase"] == "forward")]) - redone == Counter()
+        assert sum((redone - key(t[inside & (t["phase"] == "forward")])).values()) <= 1   # a residual add's module
+    counts: dict = {}
+    k = megatron_kernels(g, counts)
+    assert counts["dropped"] == 2 * 12          # each layer's scaling, forward and recomputed
     fused = k[k["aten_op"].str.startswith("megatron:bias_gelu")]
     forward_kind = fused[fused["aten_op"] == "megatron:bias_gelu"]
     assert len(forward_kind) == 24 and int(forward_kind["recompute"].sum()) == 12

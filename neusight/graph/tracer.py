@@ -108,14 +108,16 @@ class _Tracker(ModuleTracker):
 
 
 class _EnteredModules(dict):
-    """The set of modules a ModuleTracker is inside, kept in the order they were entered (a dict's key order)."""
+    """The set of modules a ModuleTracker is inside, kept in the order they were entered (a dict's key order), each
+    with when it was entered (a count over the trace: :data:`_ENTERED`)."""
 
     def __init__(self, names: Any = ()) -> None:
-        super().__init__(dict.fromkeys(names))
+        super().__init__(dict.fromkeys(names, 0))
 
     def add(self, name: str) -> None:
         self.pop(name, None)
-        self[name] = None
+        _ENTERED[0] += 1
+        self[name] = _ENTERED[0]
 
     def remove(self, name: str) -> None:
         del self[name]
@@ -172,9 +174,12 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(parents, _EnteredModules):   # the tracker resets it to a plain set after a backward pass
             parents = self.tracker.parents = _EnteredModules(sorted(parents))
         # the deepest module; of equally deep ones (a checkpointed layer's recomputation can leave the previous
-        # layer's entry behind) the one entered last, never the order of a set of strings, which varies by process
+        # layer's entry behind) the one entered last, never the order of a set of strings, which varies by process.
+        # A recomputation is a forward pass inside the backward one, whose modules are still entered (deeper ones
+        # too): there only the modules entered since the recomputation began count
         order = {p: i for i, p in enumerate(parents)}
-        deepest = max(parents, key=lambda p: (p.count("."), order[p]), default="Global")
+        candidates = [p for p, when in parents.items() if when > _RECOMPUTING[1]] if _RECOMPUTING[0] else []
+        deepest = max(candidates or parents, key=lambda p: (p.count("."), order[p]), default="Global")
         if deepest == "Global":
             return ""
         return deepest[len(self.root):] if deepest.startswith(self.root) else ("" if "." not in deepest else deepest)
@@ -281,9 +286,11 @@ class _CudaPaths(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# how many recomputations are running (torch.utils.checkpoint enters a _Recompute per checkpointed call): the
-# recorder marks the ops it records meanwhile as recomputed forward ops
-_RECOMPUTING = [0]
+# how many recomputations are running (torch.utils.checkpoint enters a _Recompute per checkpointed call), and the
+# module-entry count when the outermost began: the recorder marks the ops it records meanwhile as recomputed forward
+# ops and attributes them among the modules entered since
+_RECOMPUTING = [0, 0]
+_ENTERED = [0]      # modules entered so far (_EnteredModules.add)
 
 
 class _Recompute(_CudaPaths):
@@ -298,6 +305,8 @@ class _Recompute(_CudaPaths):
         self.autocast = Autocast(amp) if amp is not None else None
 
     def __enter__(self) -> "_Recompute":
+        if _RECOMPUTING[0] == 0:
+            _RECOMPUTING[1] = _ENTERED[0]
         _RECOMPUTING[0] += 1
         return super().__enter__()
 
