@@ -305,10 +305,11 @@ class _Recompute(_CudaPaths):
         self.autocast = Autocast(amp) if amp is not None else None
 
     def __enter__(self) -> "_Recompute":
+        entered = super().__enter__()
         if _RECOMPUTING[0] == 0:
             _RECOMPUTING[1] = _ENTERED[0]
         _RECOMPUTING[0] += 1
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc: Any) -> Any:
         _RECOMPUTING[0] -= 1
@@ -866,6 +867,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
     tracker = _Tracker()
     tracker.parents = _EnteredModules(["Global"])
+    _RECOMPUTING[0] = 0     # no recomputation is running as a trace starts (whatever an interrupted one left)
     rec = _Recorder(tracker, type(module).__name__)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
         from neusight.graph.quant import apply_weight_quant
