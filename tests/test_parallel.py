@@ -707,8 +707,12 @@ def test_ddp_buckets_follow_the_ready_order_and_the_caps():
     # (DDP's initial order is the registration order reversed): 25 MiB close the second bucket, b0 is the third
     assert buckets == [(2.0, 30.25 * mib), (5.0, 25 * mib), (5.0, 10 * mib)]
     assert sum(b for _, b in buckets) == pytest.approx(sum(sizes))
-    assert DDP_FIRST_BUCKET_BYTES < DDP_BUCKET_BYTES
-    # the stream: bucket 1 runs 2 -> 2 + 30.25, bucket 2 after it; a pass of 5 ms leaves the rest exposed
+    # the caps are PyTorch's own defaults
+    from torch.distributed import _DEFAULT_FIRST_BUCKET_BYTES
+    from torch.nn.parallel.distributed import _DEFAULT_BUCKET_CAP_MB
+
+    assert (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES) == (_DEFAULT_FIRST_BUCKET_BYTES, _DEFAULT_BUCKET_CAP_MB * 2**20)
+    # the stream: bucket 1 runs 2 -> 2 + 30.25, buckets 2 and 3 after it; a pass of 5 ms leaves the rest exposed
     assert exposed_bucket_reduce_ms(buckets, 5.0, lambda b: b / mib) == pytest.approx(2 + 30.25 + 35 - 5)
     # collectives that take no time expose nothing; a pass longer than the stream hides everything
     assert exposed_bucket_reduce_ms(buckets, 5.0, lambda b: 0.0) == 0.0
