@@ -655,9 +655,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ddp = (overlap_grad_reduce and not zero and not megatron and tp == 1 and pp == 1 and ep == 1
            and bool(g.param_names))
     if ddp:
-        trainable = [(name, t.numel * t.itemsize) for name, t in zip(g.param_names, g.params) if t.requires_grad]
-        ratio = grad_bytes / max(sum(b for _, b in trainable), 1.0)      # gradient bytes per parameter byte
-        names, sizes = [name for name, _ in trainable], [b * ratio for _, b in trainable]
+        trainable = [(name, t) for name, t in zip(g.param_names, g.params) if t.requires_grad]
+        names = [name for name, _ in trainable]
+        nbytes = [t.numel * t.itemsize for _, t in trainable]
+        ratio = grad_bytes / max(sum(nbytes), 1.0)      # gradient bytes per parameter byte
+        sizes = [b * ratio for b in nbytes]
         backward = k["phase"] == "backward"
 
         def ddp_exposed(column: str) -> tuple[float, int]:
@@ -669,8 +671,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         dp_roofline = ddp_exposed("roofline_ms")[0]
         # DDP's own kernels on each gradient (into its bucket, and back): told, not charged, since ZeRO's, FSDP's and
         # Megatron-LM's per-parameter kernels are not modelled either and layouts are to compare on the same footing
-        copies_ms = ddp_bucket_copies_ms([t.numel for t in g.params if t.requires_grad],
-                                         g.grads[0].dtype if g.grads else "float32", device, predictor)[0]
+        copies_ms = ddp_bucket_copies_ms([t.numel for _, t in trainable], g.grads[0].dtype if g.grads else "float32",
+                                         device, predictor)[0]
     elif overlap_grad_reduce:   # the busiest stage's units, each reduced as soon as its backward pass is done
         busiest = max(range(pp), key=lambda i: held[i])
         units_s = _stage_units(g, index, n, pp)[busiest]

@@ -1015,6 +1015,10 @@ def test_deterministic_trace():
     a = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     b = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training").kernels
     assert a.equals(b)
+    # with recomputation too: its module attribution counts module entries, which go on rising in the process
+    run = dict(batch_size=2, seq_len=32, mode="training", gradient_checkpointing=True)
+    c, d = (neusight.trace("gpt2", **run).kernels for _ in range(2))
+    assert c["recompute"].any() and c.equals(d)
 
 
 _M2M = dict(model_type="m2m_100", d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
