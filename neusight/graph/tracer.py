@@ -24,7 +24,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -170,19 +170,29 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(OpRecord(start, phase, module, call, [kernel], True, _RECOMPUTING[0] > 0))
 
     def _module(self) -> str:
-        parents = self.tracker.parents
-        if not isinstance(parents, _EnteredModules):   # the tracker resets it to a plain set after a backward pass
-            parents = self.tracker.parents = _EnteredModules(sorted(parents))
-        # the deepest module; of equally deep ones (a checkpointed layer's recomputation can leave the previous
-        # layer's entry behind) the one entered last, never the order of a set of strings, which varies by process.
-        # A recomputation is a forward pass inside the backward one, whose modules are still entered (deeper ones
-        # too): there only the modules entered since the recomputation began count
-        order = {p: i for i, p in enumerate(parents)}
-        candidates = [p for p, when in parents.items() if when > _RECOMPUTING[1]] if _RECOMPUTING[0] else []
-        deepest = max(candidates or parents, key=lambda p: (p.count("."), order[p]), default="Global")
+        deepest = self.entered_module()
         if deepest == "Global":
             return ""
         return deepest[len(self.root):] if deepest.startswith(self.root) else ("" if "." not in deepest else deepest)
+
+    def entered_module(self) -> str:
+        """The tracker's name of the module the next op belongs to: the deepest entered one; of equally deep ones
+        (a checkpointed layer's recomputation can leave the previous layer's entry behind) the one entered last,
+        never the order of a set of strings, which varies by process. A recomputation is a forward pass inside the
+        backward one, whose modules are still entered (deeper ones too): there only the modules entered since the
+        recomputation began count, and with none (an op of the recomputed function itself: transformers checkpoints
+        a layer's ``forward``, whose module hooks do not run again) the module it was called in."""
+        parents = self.tracker.parents
+        if not isinstance(parents, _EnteredModules):   # the tracker resets it to a plain set after a backward pass
+            parents = self.tracker.parents = _EnteredModules(sorted(parents))
+        order = {p: i for i, p in enumerate(parents)}
+        if _RECOMPUTING[0]:
+            candidates = [p for p, when in parents.items() if when > _RECOMPUTING[1]]
+            if not candidates and _RECOMPUTED[-1] is not None:
+                return _RECOMPUTED[-1]
+        else:
+            candidates = []
+        return max(candidates or parents, key=lambda p: (p.count("."), order[p]), default="Global")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -291,6 +301,9 @@ class _CudaPaths(TorchFunctionMode):
 # ops and attributes them among the modules entered since
 _RECOMPUTING = [0, 0]
 _ENTERED = [0]      # modules entered so far (_EnteredModules.add)
+# the tracker's name of the module each running recomputation's function was called in (innermost last; None when
+# no trace was recording as it was called)
+_RECOMPUTED: list[str | None] = []
 
 
 class _Recompute(_CudaPaths):
@@ -303,16 +316,21 @@ class _Recompute(_CudaPaths):
     def __init__(self, amp: torch.dtype | None = None, device: Any = None, attn_implementation: str = "eager") -> None:
         super().__init__(device, attn_implementation)
         self.autocast = Autocast(amp) if amp is not None else None
+        # made by torch.utils.checkpoint's context_fn as the checkpointed function first runs: the module it runs in
+        recorder = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Recorder)), None)
+        self.module = recorder.entered_module() if recorder is not None else None
 
     def __enter__(self) -> "_Recompute":
         entered = super().__enter__()
         if _RECOMPUTING[0] == 0:
             _RECOMPUTING[1] = _ENTERED[0]
         _RECOMPUTING[0] += 1
+        _RECOMPUTED.append(self.module)
         return entered
 
     def __exit__(self, *exc: Any) -> Any:
         _RECOMPUTING[0] -= 1
+        _RECOMPUTED.pop()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -868,6 +886,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tracker = _Tracker()
     tracker.parents = _EnteredModules(["Global"])
     _RECOMPUTING[0] = 0     # no recomputation is running as a trace starts (whatever an interrupted one left)
+    _RECOMPUTED.clear()
     rec = _Recorder(tracker, type(module).__name__)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
         from neusight.graph.quant import apply_weight_quant
