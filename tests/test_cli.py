@@ -92,6 +92,8 @@ BAD = {
                                            "overlap_param_gather=true"), "zero=0 gathers none"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
                                      "lora_targets"),
+    "predict-sequence-length-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "seq_len=128"),
+                                         "seq_len=128 is for sequence models; resnet18 takes 224x224 images"),
     "predict-tokens-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "total_tokens=1e6"),
                                 "total_samples="),
     "predict-anchor-without-its-gpu": (("neusight-predict", "model=gpt2", "device=t4", "anchor_ms=12"),

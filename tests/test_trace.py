@@ -266,6 +266,19 @@ def test_hf_image_model_is_built_for_the_image_size_asked():
         neusight.trace("gpt2", batch_size=1, seq_len=8, image_size=224)
 
 
+@pytest.mark.parametrize("model, kw, takes", [
+    ("resnet18", {}, "224x224 images (image_size= sets their side)"),
+    ("vit-base", dict(image_size=384), "384x384 images"),
+    (nn.Linear(16, 4), dict(input_shapes=[(16,)]), "inputs of fixed shapes (input_shapes="),
+])
+def test_a_sequence_length_for_a_model_without_one_is_an_error(model, kw, takes):
+    """seq_len given to a model whose inputs have no sequence dimension names what the model takes, instead of
+    forecasting a run the user did not ask for with a "seq" in its summary that changed nothing."""
+    with pytest.raises(InputError, match=re.escape(f"seq_len=128 is for sequence models; ") + ".*" + re.escape(takes)
+                       + ".*Fix: leave seq_len out"):
+        neusight.trace(model, batch_size=2, seq_len=128, **kw)
+
+
 class _RNNTagger(nn.Module):
     def __init__(self, cell: type, bidirectional: bool):
         super().__init__()

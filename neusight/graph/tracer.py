@@ -682,8 +682,12 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
         if built.max_seq_len and seq_len > built.max_seq_len:
             raise InputError(f"seq_len={seq_len} exceeds {built.name}'s maximum of {built.max_seq_len} positions; "
                              f"use seq_len <= {built.max_seq_len}")
-    elif seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
-        raise InputError(f"seq_len={seq_len!r} is not a positive integer; leave it out for {built.name}")
+    elif seq_len is not None:
+        # the input has no sequence dimension: a CNN's or ViT's images, an nn.Module's fixed input_shapes
+        takes = (f"{built.image_size}x{built.image_size} images (image_size= sets their side)" if built.image_size
+                 else "inputs of fixed shapes (input_shapes=; a dimension named 'seq' takes seq_len)")
+        raise InputError(f"seq_len={seq_len!r} is for sequence models; {built.name} takes {takes}. Fix: leave "
+                         "seq_len out")
     return seq_len
 
 
