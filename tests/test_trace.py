@@ -274,7 +274,7 @@ def test_hf_image_model_is_built_for_the_image_size_asked():
 def test_a_sequence_length_for_a_model_without_one_is_an_error(model, kw, takes):
     """seq_len given to a model whose inputs have no sequence dimension names what the model takes, instead of
     forecasting a run the user did not ask for with a "seq" in its summary that changed nothing."""
-    with pytest.raises(InputError, match=re.escape(f"seq_len=128 is for sequence models; ") + ".*" + re.escape(takes)
+    with pytest.raises(InputError, match=re.escape("seq_len=128 is for sequence models; ") + ".*" + re.escape(takes)
                        + ".*Fix: leave seq_len out"):
         neusight.trace(model, batch_size=2, seq_len=128, **kw)
 
