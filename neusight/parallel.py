@@ -54,10 +54,14 @@ communication between GPUs over the device's interconnect:
    own tokens make. The experts' gradients are all-reduced over the dp / ep replicas holding the same experts.
 
 Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
-in each direction, an all-to-all (n - 1) / n x b, a point-to-point transfer ``b``; each at LINK_EFFICIENCY of one
-direction of the device's ``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe) plus HOP_LATENCY_S per step.
-Beyond one node (``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs at the slower network link of
-each GPU (``internode_gbps``, :class:`Links`).
+in each direction in 2 (n - 1) steps, an all-gather or reduce-scatter half of that, an all-to-all (n - 1) / n x b,
+a point-to-point transfer ``b``; at LINK_EFFICIENCY of one direction of the device's ``interconnect_gbps``
+(NVLink / Infinity Fabric, else PCIe). All-reduces, all-gathers and reduce-scatters run with the protocol NCCL's
+own cost model picks (:data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction
+of a microsecond over NVLink, LL128 or Simple for large ones); all-to-alls and point-to-point transfers cost
+HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs
+at the slower network link of each GPU (``internode_gbps``), its ring steps between nodes at the network's
+latency (:class:`Links`, :class:`Path`). NCCL's tree and NVLink SHARP algorithms are not modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -81,14 +85,39 @@ from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
-__all__ = ["Parallelism", "Links", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
+__all__ = ["Parallelism", "Links", "Path", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
            "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "allreduce_ms", "allgather_ms",
-           "alltoall_ms", "p2p_ms"]
+           "alltoall_ms", "p2p_ms", "ring_collective", "NCCL_PROTOCOLS"]
 
-# NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); a ring step
-# costs a few microseconds of launch and synchronisation. Public characteristics, not fitted here.
+# NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); an all-to-all
+# exchange or a point-to-point transfer costs a few microseconds of launch and synchronisation. Public
+# characteristics, not fitted here.
 LINK_EFFICIENCY = 0.8
 HOP_LATENCY_S = 5e-6
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One of NCCL's protocols in its cost model of ring collectives: a base latency, a latency per ring step over
+    each kind of link (``nvlink``: NVLink or Infinity Fabric, ``pcie``, ``network``: between nodes), both in
+    microseconds, and the share of the Simple protocol's bandwidth it reaches."""
+
+    name: str
+    base_us: float
+    step_us: dict[str, float]
+    share: float
+
+
+# NCCL's cost model of its rings (src/graph/tuning.cc, NCCL 2.18 to 2.28; public constants, not fitted here): LL
+# sends 8-byte words each carrying a flag, so a step is a fraction of a microsecond but a quarter of the bandwidth
+# is used in an all-reduce or across nodes (a third in a one-node all-gather or reduce-scatter); LL128 flags 128-byte
+# lines (0.92 of the bandwidth), and NCCL enables it by default only over NVLink; Simple has the full bandwidth and
+# the slowest steps. NCCL runs each call with the protocol its model finds fastest, as ring_collective does.
+NCCL_PROTOCOLS = (
+    Protocol("LL", 6.6, {"nvlink": 0.6, "pcie": 1.0, "network": 2.7}, 1 / 4),
+    Protocol("LL128", 14.0, {"nvlink": 1.9, "pcie": 2.5, "network": 4.0}, 0.92),
+    Protocol("Simple", 8.4, {"nvlink": 3.4, "pcie": 5.7, "network": 14.0}, 1.0),
+)
 
 _OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
 # the inside of a split MLP: GPT-2 / BERT / OPT activations, a Llama-style MLP's gate x up product (on its module)
@@ -147,21 +176,70 @@ class Parallelism:
         return cls(dp=int(m["dp"] or 1), tp=int(m["tp"] or 1))
 
 
-def allreduce_ms(nbytes: float, n: int, device: Device, gbps: float | None = None) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps; over links
-    of ``gbps`` (bidirectional GB/s per GPU; None: the device's ``interconnect_gbps``)."""
+@dataclass(frozen=True)
+class Path:
+    """The links one group's collectives cross: ``gbps`` (bidirectional GB/s per GPU) of the slowest, the kind of
+    link between its GPUs inside a node (``"nvlink"``: NVLink or Infinity Fabric; ``"pcie"``) and how many nodes
+    its GPUs sit on (a ring step from one node to the next crosses the network)."""
+
+    gbps: float
+    kind: str = "nvlink"
+    nodes: int = 1
+
+    @classmethod
+    def of(cls, device: Device, gbps: "float | Path | None" = None) -> "Path":
+        """``gbps`` as a path: a Path as it is; a number (None: the device's ``interconnect_gbps``) as links of
+        that speed inside one node, NVLink-class when the device has such links (faster than its PCIe)."""
+        if isinstance(gbps, Path):
+            return gbps
+        kind = "nvlink" if device.interconnect_gbps > device.pcie_gbps else "pcie"
+        return cls(float(device.interconnect_gbps if gbps is None else gbps), kind, 1)
+
+
+def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None,
+                    passes: int = 2) -> tuple[float, str]:
+    """(ms, protocol) of a ring collective over ``n`` GPUs: ``passes`` = 2 an all-reduce of ``nbytes`` (2 (n - 1)
+    steps, each moving 1 / n of them each way), 1 an all-gather or reduce-scatter of ``nbytes`` in all (n - 1
+    steps); over ``gbps`` (a :class:`Path`, or bidirectional GB/s per GPU inside one node; None: the device's
+    ``interconnect_gbps``), with the fastest of :data:`NCCL_PROTOCOLS` as NCCL's cost model has it: per protocol
+    its base latency, each step's over the step's link (the steps between nodes over the network) and the bytes
+    at its share of the achieved bandwidth.
+
+    >>> h100 = load_device("h100-sxm5-80gb")
+    >>> [(round(ms * 1e3, 1), p) for ms, p in (ring_collective(b, 8, h100) for b in (2**17, 2**22, 2**30))]
+    [(17.5, 'LL'), (62.8, 'LL128'), (5275.6, 'Simple')]
+    """
     if n <= 1 or nbytes <= 0:
-        return 0.0
-    return (2 * (n - 1) / n * nbytes / _link_bytes_per_s(device, gbps) + 2 * (n - 1) * HOP_LATENCY_S) * 1e3
+        return 0.0, "none"
+    path = Path.of(device, gbps)
+    nodes = max(1, min(path.nodes, n))
+    steps, crossing = passes * (n - 1), passes * (nodes - 1)
+    moved = passes * (n - 1) / n * nbytes
+    full = _link_bytes_per_s(device, path.gbps)
+    best = (math.inf, "none")
+    for p in NCCL_PROTOCOLS:
+        if p.name == "LL128" and path.kind != "nvlink":
+            continue
+        share = 1 / 3 if p.name == "LL" and passes == 1 and nodes == 1 else p.share
+        latency_us = p.base_us + (steps - crossing) * p.step_us[path.kind] + crossing * p.step_us["network"]
+        best = min(best, (latency_us * 1e-3 + moved / (full * share) * 1e3, p.name))
+    return best
 
 
-def allgather_ms(nbytes: float, n: int, device: Device, gbps: float | None = None) -> float:
+def allreduce_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps, with the
+    protocol NCCL would pick (:func:`ring_collective`); over ``gbps`` (a :class:`Path`, or bidirectional GB/s per
+    GPU inside one node; None: the device's ``interconnect_gbps``)."""
+    return ring_collective(nbytes, n, device, gbps, 2)[0]
+
+
+def allgather_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None) -> float:
     """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` GPUs: (n - 1) / n x bytes, n - 1 steps
-    (half an all-reduce, which is a reduce-scatter followed by an all-gather)."""
-    return allreduce_ms(nbytes, n, device, gbps) / 2
+    (an all-reduce is a reduce-scatter followed by an all-gather), with the protocol NCCL would pick."""
+    return ring_collective(nbytes, n, device, gbps, 1)[0]
 
 
-def alltoall_ms(nbytes: float, n: int, device: Device, gbps: float | None = None) -> float:
+def alltoall_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None) -> float:
     """All-to-all over ``n`` GPUs, each sending ``nbytes`` in all: (n - 1) / n of them leave the GPU (to the n - 1
     others, at once), n - 1 exchanges' latency."""
     if n <= 1 or nbytes <= 0:
@@ -169,13 +247,13 @@ def alltoall_ms(nbytes: float, n: int, device: Device, gbps: float | None = None
     return ((n - 1) / n * nbytes / _link_bytes_per_s(device, gbps) + (n - 1) * HOP_LATENCY_S) * 1e3
 
 
-def p2p_ms(nbytes: float, device: Device, gbps: float | None = None) -> float:
+def p2p_ms(nbytes: float, device: Device, gbps: "float | Path | None" = None) -> float:
     """One point-to-point transfer of ``nbytes`` to a neighbour GPU."""
     return (nbytes / _link_bytes_per_s(device, gbps) + HOP_LATENCY_S) * 1e3 if nbytes > 0 else 0.0
 
 
-def _link_bytes_per_s(device: Device, gbps: float | None = None) -> float:
-    link = device.interconnect_gbps if gbps is None else gbps
+def _link_bytes_per_s(device: Device, gbps: "float | Path | None" = None) -> float:
+    link = Path.of(device, gbps).gbps
     return link / 2 * 1e9 * LINK_EFFICIENCY     # bidirectional GB/s -> one way, achieved
 
 
@@ -189,14 +267,15 @@ INTERNODE_GBPS = 100.0
 
 @dataclass(frozen=True)
 class Links:
-    """Bidirectional GB/s per GPU that each kind of group's collectives run at, from where its GPUs sit: ranks
-    ordered as Megatron-LM orders them (tensor-parallel innermost, then data-parallel, pipeline stages outermost;
-    expert-parallel groups are runs of ``ep`` data-parallel ranks), ``gpus_per_node`` consecutive ranks per node."""
+    """The :class:`Path` (bidirectional GB/s per GPU, kind of link inside a node, nodes spanned) that each kind of
+    group's collectives run over, from where its GPUs sit: ranks ordered as Megatron-LM orders them
+    (tensor-parallel innermost, then data-parallel, pipeline stages outermost; expert-parallel groups are runs of
+    ``ep`` data-parallel ranks), ``gpus_per_node`` consecutive ranks per node."""
 
-    tp: float
-    dp: float
-    ep: float
-    pp: float
+    tp: Path
+    dp: Path
+    ep: Path
+    pp: Path
     nodes: int
 
     @classmethod
@@ -209,15 +288,18 @@ class Links:
                                  f". Fix: e.g. {name}={GPUS_PER_NODE if name == 'gpus_per_node' else INTERNODE_GBPS:g}")
         intra = device.interconnect_gbps
         group = device.interconnect_group or gpus_per_node
+        bridged = device.interconnect_gbps > device.pcie_gbps      # NVLink / Infinity Fabric, not PCIe alone
 
-        def over(span: int) -> float:
+        def over(span: int, members: int) -> Path:
             # beyond the GPUs the links join (a bridged pair) the host's PCIe; beyond a node the network
             link = intra if span <= group else min(intra, device.pcie_gbps)
-            return link if span <= gpus_per_node else min(link, float(internode_gbps))
+            kind = "nvlink" if bridged and min(span, gpus_per_node) <= group else "pcie"   # inside each node
+            nodes = min(members, math.ceil(span / gpus_per_node))      # the nodes its GPUs sit on
+            return Path(link if span <= gpus_per_node else min(link, float(internode_gbps)), kind, nodes)
 
         spans = cls.spans(par)
-        return cls(tp=over(spans["tensor-parallel"]), dp=over(spans["data-parallel"]),
-                   ep=over(spans["expert-parallel"]), pp=over(spans["pipeline"]),
+        return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.dp),
+                   ep=over(spans["expert-parallel"], par.ep), pp=over(spans["pipeline"], par.pp),
                    nodes=math.ceil(par.gpus / gpus_per_node))
 
     @staticmethod
@@ -748,14 +830,14 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     field_of = {name: f for name, f, n in (("tensor-parallel", "tp", tp), ("data-parallel", "dp", dp),
                                            ("expert-parallel", "ep", ep), ("pipeline", "pp", pp)) if n > 1}
     one_node = Links.of(par, device, par.gpus, internode_gbps)
-    beyond = [name for name, f in field_of.items() if getattr(one_node, f) < device.interconnect_gbps]
+    beyond = [name for name, f in field_of.items() if getattr(one_node, f).gbps < device.interconnect_gbps]
     if beyond:
         notes += (f"{device.key}'s {device.interconnect_gbps:g} GB/s links join groups of {device.interconnect_group} "
                   f"GPUs (interconnect_group: {'NVLink bridges' if device.vendor == 'nvidia' else 'a hive'}); the "
                   f"{_joined(beyond)} collectives span more and run over PCIe at {device.pcie_gbps:g} GB/s "
                   "(pcie_gbps)",)
     if links.nodes > 1:
-        crossing = [name for name, f in field_of.items() if getattr(links, f) < getattr(one_node, f)]
+        crossing = [name for name, f in field_of.items() if getattr(links, f).gbps < getattr(one_node, f).gbps]
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
                   + (f"the {_joined(crossing)} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
                      "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "

@@ -12,7 +12,8 @@ import neusight
 from neusight.devices import load_device
 from neusight.errors import InputError, ModelError
 from neusight.evaluate import find_labels, predict_label
-from neusight.parallel import Parallelism, allreduce_ms, alltoall_ms, p2p_ms, predict_parallel
+from neusight.parallel import (NCCL_PROTOCOLS, Parallelism, Path, allgather_ms, allreduce_ms, alltoall_ms, p2p_ms,
+                               predict_parallel, ring_collective)
 from tests.conftest import DATASET, need_shared
 
 
@@ -34,14 +35,45 @@ def test_option_names_parse_and_bad_ones_are_refused():
 
 def test_collectives_follow_the_ring_formulas():
     h100 = load_device("h100-sxm5-80gb")          # 900 GB/s bidirectional NVLink -> 450 GB/s one way
-    # all-reduce of 1 GB over 4 GPUs: 2 x 3/4 x 1e9 B / (450e9 x 0.8 B/s) = 4.1667 ms, + 2 x 3 steps x 5 us
-    assert allreduce_ms(1e9, 4, h100) == pytest.approx(4.16667 + 0.03, rel=1e-4)
+    # all-reduce of 1 GB over 4 GPUs: 2 x 3/4 x 1e9 B / (450e9 x 0.8 B/s) = 4.1667 ms, + NCCL's Simple protocol's
+    # latency: 8.4 us + 2 x 3 steps x 3.4 us over NVLink
+    assert allreduce_ms(1e9, 4, h100) == pytest.approx(4.16667 + 0.0288, rel=1e-4)
     assert allreduce_ms(1e9, 1, h100) == 0.0
+    # 64 KiB: NCCL's LL protocol, 6.6 us + 6 steps x 0.6 us, at a quarter of the bandwidth
+    assert allreduce_ms(2**16, 4, h100) == pytest.approx((6.6 + 6 * 0.6) * 1e-3 + 1.5 * 2**16 / 90e9 * 1e3)
+    # an all-gather: half the steps and half the bytes of an all-reduce; LL at a third of the bandwidth in one node
+    assert allgather_ms(2**16, 4, h100) == pytest.approx((6.6 + 3 * 0.6) * 1e-3 + 0.75 * 2**16 / 120e9 * 1e3)
+    assert allgather_ms(1e9, 4, h100) == pytest.approx(4.16667 / 2 + (8.4 + 3 * 3.4) * 1e-3, rel=1e-4)
     # point to point: 1e9 / 360e9 s = 2.7778 ms + 5 us
     assert p2p_ms(1e9, h100) == pytest.approx(2.7778 + 0.005, rel=1e-4)
     # all-to-all of 1 GB per GPU over 4 GPUs: 3/4 of it leaves, 2.0833 ms, + 3 exchanges x 5 us
     assert alltoall_ms(1e9, 4, h100) == pytest.approx(2.08333 + 0.015, rel=1e-4)
     assert alltoall_ms(1e9, 1, h100) == 0.0
+
+
+def test_collectives_take_the_protocol_nccls_cost_model_finds_fastest():
+    """NCCL's LL protocol for small messages (a decode step's all-reduce: tens of microseconds, where a ring of
+    Simple steps would take 70 us on 8 GPUs), LL128 in between over NVLink, Simple for large ones; never LL128 over
+    PCIe; the time grows with the bytes and with the GPUs, and is the least of the protocols' times."""
+    h100, l4 = load_device("h100-sxm5-80gb"), load_device("l4")
+    sizes = [2.0**e for e in range(3, 33)]
+    for dev in (h100, l4):
+        for n in (2, 4, 8):
+            for passes in (1, 2):
+                times = [ring_collective(b, n, dev, passes=passes) for b in sizes]
+                assert all(a[0] < b[0] for a, b in zip(times, times[1:]))              # monotone in bytes
+                assert times[0][1] == "LL" and times[-1][1] == "Simple"
+                assert dev is h100 or all(p != "LL128" for _, p in times)              # PCIe: no LL128
+        assert all(ring_collective(b, 4, dev)[0] < ring_collective(b, 8, dev)[0] for b in sizes)
+    assert {p for _, p in (ring_collective(b, 8, h100) for b in sizes)} == {"LL", "LL128", "Simple"}
+    decode = allreduce_ms(8 * 8192 * 2, 8, h100)     # Llama-3-70B's hidden state, batch 8, BF16: 128 KiB
+    assert 0.010 < decode < 0.020
+    simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
+    for b in sizes:
+        as_simple = (simple.base_us + 14 * simple.step_us["nvlink"]) * 1e-3 + 1.75 * b / 360e9 * 1e3
+        assert allreduce_ms(b, 8, h100) <= as_simple + 1e-12
+    with pytest.raises(ValueError):
+        Path(900).__class__.of(h100, "fast")
 
 
 def test_tensor_parallel_shard_halves_the_gemm_work():
@@ -259,8 +291,8 @@ def test_blocks_that_are_not_llama_style_are_refused(model_type):
 def test_zero_stages_shard_the_state_and_trade_collectives():
     """ZeRO over 4 replicas: stage 1 holds 1/4 of the optimizer state and steps 1/4 of the parameters, 2 also 1/4 of
     the gradients, 3 also 1/4 of the weights (plus two gathered blocks); the reduce-scatter and all-gather of stages
-    1-2 move what the all-reduce moves, stage 3 gathers the parameters twice more (1.5x in all); compute is the
-    same. Memory per GPU falls with every stage."""
+    1-2 move what the all-reduce moves (two calls, so one more of NCCL's base latencies), stage 3 gathers the
+    parameters twice more (1.5x in all); compute is the same. Memory per GPU falls with every stage."""
     kw = dict(batch_size=8, seq_len=128, mode="training", dp=4, optimizer="adamw")
     runs = {z: predict_parallel("gpt2", "a100-sxm4-40gb", zero=z, **kw) for z in (0, 1, 2, 3)}
     base = runs[0]
@@ -274,8 +306,10 @@ def test_zero_stages_shard_the_state_and_trade_collectives():
         assert p.parts["optimizer"] == pytest.approx(base.parts["optimizer"] / 4)
         assert p.memory_breakdown["optimizer"] == pytest.approx(state / 4)
         assert any(f"ZeRO stage {z}" in n for n in p.notes)
+    simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
     for z in (1, 2):
-        assert runs[z].parts["dp_allreduce"] + runs[z].parts["dp_gather"] == pytest.approx(base.parts["dp_allreduce"])
+        assert runs[z].parts["dp_allreduce"] + runs[z].parts["dp_gather"] == pytest.approx(
+            base.parts["dp_allreduce"] + simple.base_us * 1e-3)
     assert runs[3].parts["dp_allreduce"] + runs[3].parts["dp_gather"] > 1.5 * base.parts["dp_allreduce"]
     assert runs[3].parts["dp_gather"] == pytest.approx(2 * runs[3].parts["dp_allreduce"], rel=1e-9)
     weights = sum(t.numel * t.itemsize for t in g.params)
@@ -306,17 +340,24 @@ def test_groups_that_span_nodes_run_at_the_network_links():
 
     h100 = load_device("h100-sxm5-80gb")
     links = Links.of(Parallelism(dp=4, tp=4), h100)
-    assert (links.tp, links.dp, links.pp, links.nodes) == (900, 100, 100, 2)
-    assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(900, 900, 900, 900, 1)
-    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == 100
-    assert Links.of(Parallelism(dp=4, tp=4), load_device("l4")).dp == load_device("l4").interconnect_gbps  # PCIe
+    # the data-parallel group (ranks 0, 4, 8, 12) sits on both nodes, two GPUs on each
+    assert (links.tp, links.dp, links.nodes) == (Path(900), Path(100, "nvlink", 2), 2)
+    nvlink = Path(900, "nvlink", 1)
+    assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1)
+    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == Path(100, "nvlink", 2)
+    l4 = load_device("l4")
+    assert Links.of(Parallelism(dp=4, tp=4), l4).dp == Path(l4.interconnect_gbps, "pcie", 2)    # PCIe inside a node
     kw = dict(batch_size=16, seq_len=128, mode="training", dp=4, tp=4, memory=False)
     two = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
     one = predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=16, **kw)
     assert two.parts["tp_comm"] == one.parts["tp_comm"] and two.parts["compute"] == one.parts["compute"]
     grads = sum(t.numel * t.itemsize for t in two.per_gpu.graph.grads)
-    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, gbps=100))
+    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, Path(100, "nvlink", 2)))
     assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100))
+    # of the ring's 6 steps, 2 cross the network (its latency per step), 4 stay on NVLink inside a node
+    simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
+    assert two.parts["dp_allreduce"] - grads * 1.5 / (50e9 * 0.8) * 1e3 == pytest.approx(
+        (simple.base_us + 4 * simple.step_us["nvlink"] + 2 * simple.step_us["network"]) * 1e-3)
     assert any("2 nodes of 8 GPUs" in n and "data-parallel" in n for n in two.notes)
     with pytest.raises(InputError, match="gpus_per_node=0"):
         predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=0, **kw)
@@ -333,10 +374,11 @@ def test_groups_beyond_a_bridged_pair_run_over_pcie():
     a100 = load_device("a100-80gb-pcie")
     assert a100.interconnect_group == 2 and a100.pcie_gbps < a100.interconnect_gbps
     links = Links.of(Parallelism(dp=2, tp=2), a100)
-    assert (links.tp, links.dp) == (a100.interconnect_gbps, a100.pcie_gbps)
-    assert Links.of(Parallelism(dp=2), a100).dp == a100.interconnect_gbps
-    assert Links.of(Parallelism(tp=4), a100).tp == a100.pcie_gbps
-    assert Links.of(Parallelism(dp=4), load_device("mi210")).dp == load_device("mi210").interconnect_gbps   # a hive
+    assert (links.tp, links.dp) == (Path(a100.interconnect_gbps, "nvlink"), Path(a100.pcie_gbps, "pcie"))
+    assert Links.of(Parallelism(dp=2), a100).dp == Path(a100.interconnect_gbps, "nvlink")
+    assert Links.of(Parallelism(tp=4), a100).tp == Path(a100.pcie_gbps, "pcie")
+    mi210 = load_device("mi210")
+    assert Links.of(Parallelism(dp=4), mi210).dp == Path(mi210.interconnect_gbps, "nvlink")   # a hive
     kw = dict(batch_size=16, seq_len=128, mode="training", dp=2, tp=2, memory=False)
     pairs = predict_parallel("gpt2", a100, **kw)
     switched = predict_parallel("gpt2", modify_device(a100, interconnect_group=8), **kw)   # as if all 4 were linked
