@@ -72,8 +72,7 @@ def test_collectives_take_the_protocol_nccls_cost_model_finds_fastest():
     for b in sizes:
         as_simple = (simple.base_us + 14 * simple.step_us["nvlink"]) * 1e-3 + 1.75 * b / 360e9 * 1e3
         assert allreduce_ms(b, 8, h100) <= as_simple + 1e-12
-    with pytest.raises(ValueError):
-        Path(900).__class__.of(h100, "fast")
+    assert Path.of(h100) == Path(900.0, "nvlink", 1) and Path.of(l4, 32) == Path(32.0, "pcie", 1)
 
 
 def test_tensor_parallel_shard_halves_the_gemm_work():
