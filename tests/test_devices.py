@@ -17,7 +17,7 @@ SPEC_FILES = sorted(device_dir().glob("*.yaml"))
 KEYS = [p.stem for p in SPEC_FILES]
 
 REQUIRED_KEYS = [
-    "p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "v100-sxm2-16gb", "a10", "a40", "a100-pcie-40gb",
+    "p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "v100-sxm2-16gb", "a10", "a10g", "a40", "a100-pcie-40gb",
     "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb", "l4", "l40s", "h100-pcie", "h100-sxm5-80gb",
     "h200", "b200", "rtx-3090", "rtx-4090", "rtx-2080-ti", "gtx-1080-ti", "titan-v", "titan-rtx",
     "titan-xp", "quadro-rtx-5000", "quadro-rtx-6000", "quadro-rtx-8000", "mi100", "mi210", "mi250", "mi300x",
@@ -32,6 +32,7 @@ REQUIRED_ALIASES = {
     "Tesla V100-SXM2-16GB": "v100-sxm2-16gb",
     "v100-sxm2": "v100-sxm2-16gb",
     "NVIDIA A10": "a10",
+    "NVIDIA A10G": "a10g",
     "NVIDIA A40": "a40",
     "NVIDIA A100-PCIE-40GB": "a100-pcie-40gb",
     "NVIDIA A100-SXM4-40GB": "a100-sxm4-40gb",
