@@ -18,7 +18,8 @@ KEYS = [p.stem for p in SPEC_FILES]
 
 REQUIRED_KEYS = [
     "p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "v100-sxm2-16gb", "a10", "a10g", "a40", "a100-pcie-40gb",
-    "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb", "l4", "l40s", "h100-pcie", "h100-sxm5-80gb",
+    "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb", "a800-sxm4-80gb", "l4", "l40", "l40s", "h100-pcie",
+    "h100-sxm5-80gb", "h800-sxm5-80gb",
     "h200", "b200", "rtx-3090", "rtx-4090", "rtx-2080-ti", "gtx-1080-ti", "titan-v", "titan-rtx",
     "titan-xp", "quadro-rtx-5000", "quadro-rtx-6000", "quadro-rtx-8000", "mi100", "mi210", "mi250", "mi300x",
 ]
@@ -40,6 +41,9 @@ REQUIRED_ALIASES = {
     "NVIDIA A100-SXM4-80GB": "a100-sxm4-80gb",
     "NVIDIA L4": "l4",
     "NVIDIA L40S": "l40s",
+    "NVIDIA L40": "l40",
+    "NVIDIA H800": "h800-sxm5-80gb",
+    "NVIDIA A800-SXM4-80GB": "a800-sxm4-80gb",
     "NVIDIA H100 80GB HBM3": "h100-sxm5-80gb",
     "NVIDIA H100 PCIe": "h100-pcie",
     "NVIDIA H200": "h200",
