@@ -61,7 +61,7 @@ own cost model picks (:data:`NCCL_PROTOCOLS`: LL for small messages, whose laten
 of a microsecond over NVLink, LL128 or Simple for large ones); all-to-alls and point-to-point transfers cost
 HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs
 at the slower network link of each GPU (``internode_gbps``), its ring steps between nodes at the network's
-latency (:class:`Links`, :class:`Path`). NCCL's tree and NVLink SHARP algorithms are not modelled.
+latency (:class:`Links`, :class:`LinkPath`). NCCL's tree and NVLink SHARP algorithms are not modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -85,7 +85,7 @@ from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 
-__all__ = ["Parallelism", "Links", "Path", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
+__all__ = ["Parallelism", "Links", "LinkPath", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
            "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "allreduce_ms", "allgather_ms",
            "alltoall_ms", "p2p_ms", "ring_collective", "NCCL_PROTOCOLS"]
 
@@ -177,7 +177,7 @@ class Parallelism:
 
 
 @dataclass(frozen=True)
-class Path:
+class LinkPath:
     """The links one group's collectives cross: ``gbps`` (bidirectional GB/s per GPU) of the slowest, the kind of
     link between its GPUs inside a node (``"nvlink"``: NVLink or Infinity Fabric; ``"pcie"``) and how many nodes
     its GPUs sit on (a ring step from one node to the next crosses the network)."""
@@ -187,20 +187,20 @@ class Path:
     nodes: int = 1
 
     @classmethod
-    def of(cls, device: Device, gbps: "float | Path | None" = None) -> "Path":
-        """``gbps`` as a path: a Path as it is; a number (None: the device's ``interconnect_gbps``) as links of
+    def of(cls, device: Device, gbps: "float | LinkPath | None" = None) -> "LinkPath":
+        """``gbps`` as a path: a LinkPath as it is; a number (None: the device's ``interconnect_gbps``) as links of
         that speed inside one node, NVLink-class when the device has such links (faster than its PCIe)."""
-        if isinstance(gbps, Path):
+        if isinstance(gbps, LinkPath):
             return gbps
         kind = "nvlink" if device.interconnect_gbps > device.pcie_gbps else "pcie"
         return cls(float(device.interconnect_gbps if gbps is None else gbps), kind, 1)
 
 
-def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None,
+def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None,
                     passes: int = 2) -> tuple[float, str]:
     """(ms, protocol) of a ring collective over ``n`` GPUs: ``passes`` = 2 an all-reduce of ``nbytes`` (2 (n - 1)
     steps, each moving 1 / n of them each way), 1 an all-gather or reduce-scatter of ``nbytes`` in all (n - 1
-    steps); over ``gbps`` (a :class:`Path`, or bidirectional GB/s per GPU inside one node; None: the device's
+    steps); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per GPU inside one node; None: the device's
     ``interconnect_gbps``), with the fastest of :data:`NCCL_PROTOCOLS` as NCCL's cost model has it: per protocol
     its base latency, each step's over the step's link (the steps between nodes over the network) and the bytes
     at its share of the achieved bandwidth.
@@ -211,7 +211,7 @@ def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | Path |
     """
     if n <= 1 or nbytes <= 0:
         return 0.0, "none"
-    path = Path.of(device, gbps)
+    path = LinkPath.of(device, gbps)
     nodes = max(1, min(path.nodes, n))
     steps, crossing = passes * (n - 1), passes * (nodes - 1)
     moved = passes * (n - 1) / n * nbytes
@@ -226,20 +226,20 @@ def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | Path |
     return best
 
 
-def allreduce_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None) -> float:
+def allreduce_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:
     """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps, with the
-    protocol NCCL would pick (:func:`ring_collective`); over ``gbps`` (a :class:`Path`, or bidirectional GB/s per
+    protocol NCCL would pick (:func:`ring_collective`); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per
     GPU inside one node; None: the device's ``interconnect_gbps``)."""
     return ring_collective(nbytes, n, device, gbps, 2)[0]
 
 
-def allgather_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None) -> float:
+def allgather_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:
     """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` GPUs: (n - 1) / n x bytes, n - 1 steps
     (an all-reduce is a reduce-scatter followed by an all-gather), with the protocol NCCL would pick."""
     return ring_collective(nbytes, n, device, gbps, 1)[0]
 
 
-def alltoall_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | None" = None) -> float:
+def alltoall_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:
     """All-to-all over ``n`` GPUs, each sending ``nbytes`` in all: (n - 1) / n of them leave the GPU (to the n - 1
     others, at once), n - 1 exchanges' latency."""
     if n <= 1 or nbytes <= 0:
@@ -247,13 +247,13 @@ def alltoall_ms(nbytes: float, n: int, device: Device, gbps: "float | Path | Non
     return ((n - 1) / n * nbytes / _link_bytes_per_s(device, gbps) + (n - 1) * HOP_LATENCY_S) * 1e3
 
 
-def p2p_ms(nbytes: float, device: Device, gbps: "float | Path | None" = None) -> float:
+def p2p_ms(nbytes: float, device: Device, gbps: "float | LinkPath | None" = None) -> float:
     """One point-to-point transfer of ``nbytes`` to a neighbour GPU."""
     return (nbytes / _link_bytes_per_s(device, gbps) + HOP_LATENCY_S) * 1e3 if nbytes > 0 else 0.0
 
 
-def _link_bytes_per_s(device: Device, gbps: "float | Path | None" = None) -> float:
-    link = Path.of(device, gbps).gbps
+def _link_bytes_per_s(device: Device, gbps: "float | LinkPath | None" = None) -> float:
+    link = LinkPath.of(device, gbps).gbps
     return link / 2 * 1e9 * LINK_EFFICIENCY     # bidirectional GB/s -> one way, achieved
 
 
@@ -267,15 +267,15 @@ INTERNODE_GBPS = 100.0
 
 @dataclass(frozen=True)
 class Links:
-    """The :class:`Path` (bidirectional GB/s per GPU, kind of link inside a node, nodes spanned) that each kind of
+    """The :class:`LinkPath` (bidirectional GB/s per GPU, kind of link inside a node, nodes spanned) that each kind of
     group's collectives run over, from where its GPUs sit: ranks ordered as Megatron-LM orders them
     (tensor-parallel innermost, then data-parallel, pipeline stages outermost; expert-parallel groups are runs of
     ``ep`` data-parallel ranks), ``gpus_per_node`` consecutive ranks per node."""
 
-    tp: Path
-    dp: Path
-    ep: Path
-    pp: Path
+    tp: LinkPath
+    dp: LinkPath
+    ep: LinkPath
+    pp: LinkPath
     nodes: int
 
     @classmethod
@@ -290,12 +290,12 @@ class Links:
         group = device.interconnect_group or gpus_per_node
         bridged = device.interconnect_gbps > device.pcie_gbps      # NVLink / Infinity Fabric, not PCIe alone
 
-        def over(span: int, members: int) -> Path:
+        def over(span: int, members: int) -> LinkPath:
             # beyond the GPUs the links join (a bridged pair) the host's PCIe; beyond a node the network
             link = intra if span <= group else min(intra, device.pcie_gbps)
             kind = "nvlink" if bridged and min(span, gpus_per_node) <= group else "pcie"   # inside each node
             nodes = min(members, math.ceil(span / gpus_per_node))      # the nodes its GPUs sit on
-            return Path(link if span <= gpus_per_node else min(link, float(internode_gbps)), kind, nodes)
+            return LinkPath(link if span <= gpus_per_node else min(link, float(internode_gbps)), kind, nodes)
 
         spans = cls.spans(par)
         return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.dp),

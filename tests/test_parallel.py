@@ -12,7 +12,7 @@ import neusight
 from neusight.devices import load_device
 from neusight.errors import InputError, ModelError
 from neusight.evaluate import find_labels, predict_label
-from neusight.parallel import (NCCL_PROTOCOLS, Parallelism, Path, allgather_ms, allreduce_ms, alltoall_ms, p2p_ms,
+from neusight.parallel import (NCCL_PROTOCOLS, LinkPath, Parallelism, allgather_ms, allreduce_ms, alltoall_ms, p2p_ms,
                                predict_parallel, ring_collective)
 from tests.conftest import DATASET, need_shared
 
@@ -72,7 +72,7 @@ def test_collectives_take_the_protocol_nccls_cost_model_finds_fastest():
     for b in sizes:
         as_simple = (simple.base_us + 14 * simple.step_us["nvlink"]) * 1e-3 + 1.75 * b / 360e9 * 1e3
         assert allreduce_ms(b, 8, h100) <= as_simple + 1e-12
-    assert Path.of(h100) == Path(900.0, "nvlink", 1) and Path.of(l4, 32) == Path(32.0, "pcie", 1)
+    assert LinkPath.of(h100) == LinkPath(900.0, "nvlink", 1) and LinkPath.of(l4, 32) == LinkPath(32.0, "pcie", 1)
 
 
 def test_tensor_parallel_shard_halves_the_gemm_work():
@@ -340,18 +340,18 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     h100 = load_device("h100-sxm5-80gb")
     links = Links.of(Parallelism(dp=4, tp=4), h100)
     # the data-parallel group (ranks 0, 4, 8, 12) sits on both nodes, two GPUs on each
-    assert (links.tp, links.dp, links.nodes) == (Path(900), Path(100, "nvlink", 2), 2)
-    nvlink = Path(900, "nvlink", 1)
+    assert (links.tp, links.dp, links.nodes) == (LinkPath(900), LinkPath(100, "nvlink", 2), 2)
+    nvlink = LinkPath(900, "nvlink", 1)
     assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1)
-    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == Path(100, "nvlink", 2)
+    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2)
     l4 = load_device("l4")
-    assert Links.of(Parallelism(dp=4, tp=4), l4).dp == Path(l4.interconnect_gbps, "pcie", 2)    # PCIe inside a node
+    assert Links.of(Parallelism(dp=4, tp=4), l4).dp == LinkPath(l4.interconnect_gbps, "pcie", 2)    # PCIe inside a node
     kw = dict(batch_size=16, seq_len=128, mode="training", dp=4, tp=4, memory=False)
     two = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
     one = predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=16, **kw)
     assert two.parts["tp_comm"] == one.parts["tp_comm"] and two.parts["compute"] == one.parts["compute"]
     grads = sum(t.numel * t.itemsize for t in two.per_gpu.graph.grads)
-    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, Path(100, "nvlink", 2)))
+    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, LinkPath(100, "nvlink", 2)))
     assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100))
     # of the ring's 6 steps, 2 cross the network (its latency per step), 4 stay on NVLink inside a node
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
@@ -373,11 +373,11 @@ def test_groups_beyond_a_bridged_pair_run_over_pcie():
     a100 = load_device("a100-80gb-pcie")
     assert a100.interconnect_group == 2 and a100.pcie_gbps < a100.interconnect_gbps
     links = Links.of(Parallelism(dp=2, tp=2), a100)
-    assert (links.tp, links.dp) == (Path(a100.interconnect_gbps, "nvlink"), Path(a100.pcie_gbps, "pcie"))
-    assert Links.of(Parallelism(dp=2), a100).dp == Path(a100.interconnect_gbps, "nvlink")
-    assert Links.of(Parallelism(tp=4), a100).tp == Path(a100.pcie_gbps, "pcie")
+    assert (links.tp, links.dp) == (LinkPath(a100.interconnect_gbps, "nvlink"), LinkPath(a100.pcie_gbps, "pcie"))
+    assert Links.of(Parallelism(dp=2), a100).dp == LinkPath(a100.interconnect_gbps, "nvlink")
+    assert Links.of(Parallelism(tp=4), a100).tp == LinkPath(a100.pcie_gbps, "pcie")
     mi210 = load_device("mi210")
-    assert Links.of(Parallelism(dp=4), mi210).dp == Path(mi210.interconnect_gbps, "nvlink")   # a hive
+    assert Links.of(Parallelism(dp=4), mi210).dp == LinkPath(mi210.interconnect_gbps, "nvlink")   # a hive
     kw = dict(batch_size=16, seq_len=128, mode="training", dp=2, tp=2, memory=False)
     pairs = predict_parallel("gpt2", a100, **kw)
     switched = predict_parallel("gpt2", modify_device(a100, interconnect_group=8), **kw)   # as if all 4 were linked
