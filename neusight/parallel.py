@@ -192,8 +192,13 @@ class LinkPath:
         that speed inside one node, NVLink-class when the device has such links (faster than its PCIe)."""
         if isinstance(gbps, LinkPath):
             return gbps
-        kind = "nvlink" if device.interconnect_gbps > device.pcie_gbps else "pcie"
-        return cls(float(device.interconnect_gbps if gbps is None else gbps), kind, 1)
+        return cls(float(device.interconnect_gbps if gbps is None else gbps), _link_kind(device), 1)
+
+
+def _link_kind(device: Device) -> str:
+    """``"nvlink"`` when ``device`` has NVLink-class links (NVLink, Infinity Fabric: faster than its PCIe), else
+    ``"pcie"``."""
+    return "nvlink" if device.interconnect_gbps > device.pcie_gbps else "pcie"
 
 
 def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None,
@@ -215,7 +220,7 @@ def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     nodes = max(1, min(path.nodes, n))
     steps, crossing = passes * (n - 1), passes * (nodes - 1)
     moved = passes * (n - 1) / n * nbytes
-    full = _link_bytes_per_s(device, path.gbps)
+    full = _link_bytes_per_s(device, path)
     best = (math.inf, "none")
     for p in NCCL_PROTOCOLS:
         if p.name == "LL128" and path.kind != "nvlink":
@@ -288,12 +293,11 @@ class Links:
                                  f". Fix: e.g. {name}={GPUS_PER_NODE if name == 'gpus_per_node' else INTERNODE_GBPS:g}")
         intra = device.interconnect_gbps
         group = device.interconnect_group or gpus_per_node
-        bridged = device.interconnect_gbps > device.pcie_gbps      # NVLink / Infinity Fabric, not PCIe alone
 
         def over(span: int, members: int) -> LinkPath:
             # beyond the GPUs the links join (a bridged pair) the host's PCIe; beyond a node the network
             link = intra if span <= group else min(intra, device.pcie_gbps)
-            kind = "nvlink" if bridged and min(span, gpus_per_node) <= group else "pcie"   # inside each node
+            kind = _link_kind(device) if min(span, gpus_per_node) <= group else "pcie"   # inside each node
             nodes = min(members, math.ceil(span / gpus_per_node))      # the nodes its GPUs sit on
             return LinkPath(link if span <= gpus_per_node else min(link, float(internode_gbps)), kind, nodes)
 

@@ -167,7 +167,7 @@ class _Recorder(TorchDispatchMode):
         kernel = info.get("make", fused_kernel)(name, [k for r in inner for k in r.kernels], ins, outs)
         info["kernel"] = kernel
         call = OpCall(FUSED_OP_PREFIX + name, None, tuple(ins), {}, tuple(outs))
-        self.ops.append(OpRecord(start, phase, module, call, [kernel], True, _RECOMPUTING[0] > 0))
+        self.ops.append(OpRecord(start, phase, module, call, [kernel], True, bool(_RECOMPUTING)))
 
     def _module(self) -> str:
         deepest = self.entered_module()
@@ -186,10 +186,10 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(parents, _EnteredModules):   # the tracker resets it to a plain set after a backward pass
             parents = self.tracker.parents = _EnteredModules(sorted(parents))
         order = {p: i for i, p in enumerate(parents)}
-        if _RECOMPUTING[0]:
-            candidates = [p for p, when in parents.items() if when > _RECOMPUTING[1]]
-            if not candidates and _RECOMPUTED[-1] is not None:
-                return _RECOMPUTED[-1]
+        if _RECOMPUTING:
+            candidates = [p for p, when in parents.items() if when > _RECOMPUTE_START[0]]
+            if not candidates and _RECOMPUTING[-1] is not None:
+                return _RECOMPUTING[-1]
         else:
             candidates = []
         return max(candidates or parents, key=lambda p: (p.count("."), order[p]), default="Global")
@@ -221,7 +221,7 @@ class _Recorder(TorchDispatchMode):
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled,
-                                 _RECOMPUTING[0] > 0))
+                                 bool(_RECOMPUTING)))
         if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
             self._verdicts[out] = _PLAIN_BATCH[packet]
         return out
@@ -296,14 +296,13 @@ class _CudaPaths(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# how many recomputations are running (torch.utils.checkpoint enters a _Recompute per checkpointed call), and the
-# module-entry count when the outermost began: the recorder marks the ops it records meanwhile as recomputed forward
+# the recomputations running (torch.utils.checkpoint enters a _Recompute per checkpointed call), innermost last:
+# each one's function's module (the tracker's name; None when no trace was recording as it was called); and the
+# module-entry count when the outermost began. The recorder marks the ops it records meanwhile as recomputed forward
 # ops and attributes them among the modules entered since
-_RECOMPUTING = [0, 0]
+_RECOMPUTING: list[str | None] = []
+_RECOMPUTE_START = [0]
 _ENTERED = [0]      # modules entered so far (_EnteredModules.add)
-# the tracker's name of the module each running recomputation's function was called in (innermost last; None when
-# no trace was recording as it was called)
-_RECOMPUTED: list[str | None] = []
 
 
 class _Recompute(_CudaPaths):
@@ -322,15 +321,13 @@ class _Recompute(_CudaPaths):
 
     def __enter__(self) -> "_Recompute":
         entered = super().__enter__()
-        if _RECOMPUTING[0] == 0:
-            _RECOMPUTING[1] = _ENTERED[0]
-        _RECOMPUTING[0] += 1
-        _RECOMPUTED.append(self.module)
+        if not _RECOMPUTING:
+            _RECOMPUTE_START[0] = _ENTERED[0]
+        _RECOMPUTING.append(self.module)
         return entered
 
     def __exit__(self, *exc: Any) -> Any:
-        _RECOMPUTING[0] -= 1
-        _RECOMPUTED.pop()
+        _RECOMPUTING.pop()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -889,8 +886,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
     tracker = _Tracker()
     tracker.parents = _EnteredModules(["Global"])
-    _RECOMPUTING[0] = 0     # no recomputation is running as a trace starts (whatever an interrupted one left)
-    _RECOMPUTED.clear()
+    _RECOMPUTING.clear()    # no recomputation is running as a trace starts (whatever an interrupted one left)
     rec = _Recorder(tracker, type(module).__name__)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
         from neusight.graph.quant import apply_weight_quant
