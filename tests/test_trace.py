@@ -880,6 +880,35 @@ def test_a_config_in_memory_traces_like_its_json(tmp_path):
         neusight.trace({"n_layer": 2})
 
 
+def test_xlnet_whose_attention_weights_are_made_on_the_cpu_traces_in_the_run_dtype():
+    # XLNet makes its attention weights with torch.FloatTensor, which ignores torch.device("meta") and is FP32: they
+    # are moved to the meta device in the run's dtype, so the projections run as the model's other GEMMs do
+    import transformers
+
+    cfg = transformers.XLNetConfig(vocab_size=256, d_model=64, n_layer=2, n_head=4, d_inner=128)
+    k = neusight.trace(cfg, batch_size=2, seq_len=16, mode="training", dtype="bfloat16").kernels
+    gemms = k[k.family.isin(["linear", "bmm"])]
+    assert len(gemms) and set(gemms.dtype) == {"bfloat16"}
+    # q, k, v and o of every layer's rel_attn, each 2 x (batch x seq) x d_model x d_model FLOPs in the forward
+    proj = gemms[(gemms.phase == "forward") & gemms.module.str.endswith("rel_attn")
+                 & (gemms.flops == 2 * 32 * 64 * 64)]
+    assert len(proj) == 2 * 4
+
+
+def test_a_parameter_made_off_the_meta_device_moves_there_and_stays_tied():
+    from neusight.graph.models import _strays_to_meta
+
+    shared = torch.nn.Parameter(torch.FloatTensor(3, 4))   # a legacy constructor: CPU, FP32
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.w, b.w = shared, shared
+    with torch.device("meta"):
+        lin = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
+    model = torch.nn.ModuleDict({"a": a, "b": b, "lin": lin})
+    _strays_to_meta(model, torch.bfloat16)
+    assert a.w is b.w and a.w.device.type == "meta" and a.w.dtype == torch.bfloat16 and a.w.shape == (3, 4)
+    assert model.lin.weight.device.type == "meta" and len(list(model.parameters())) == 3
+
+
 @pytest.mark.parametrize("cfg,fragment", [
     ({"model_type": "musicgen"}, "no token vocabulary; .* a multimodal model through the language model of its "
                                  "text_config, which this config lacks"),

@@ -434,6 +434,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
             module = cls._from_config(config, attn_implementation=_hf_attention(attn), dtype=dtype)
     except Exception as e:  # transformers raises many types for an unusable config
         raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
+    _strays_to_meta(module, dtype)
     is_seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     if model_type == "switch_transformers":
         from neusight.graph.moe import fix_switch_capacity
@@ -480,6 +481,21 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
                         "of its output stands in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+
+
+def _strays_to_meta(module: nn.Module, dtype: torch.dtype) -> None:
+    """Put on the meta device, in place, the parameters a model's constructor made on the CPU although it was built
+    under ``torch.device("meta")``: legacy constructors (``nn.Parameter(torch.FloatTensor(d, h, k))``, XLNet's
+    attention weights) ignore the default device and always make FP32. Loaded onto a GPU they would sit beside the
+    others in the model's dtype, so floating-point ones take the run's ``dtype``."""
+    swapped: dict[int, nn.Parameter] = {}   # by the stray's id, so a parameter tied between modules stays tied
+    for sub in module.modules():
+        for key, p in list(sub._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                if id(p) not in swapped:
+                    like = torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype)
+                    swapped[id(p)] = nn.Parameter(like, requires_grad=p.requires_grad)
+                sub._parameters[key] = swapped[id(p)]
 
 
 def _hf_class(config: Any, model_type: str, head: str | None, architectures: list[str] | None, transformers: Any) -> Any:
