@@ -66,6 +66,7 @@ REQUIRED_ALIASES = {
     "NVIDIA TITAN Xp": "titan-xp",
     "TITAN X (Pascal)": "titan-x-pascal",
     "Tesla M40": "m40",
+    "Tesla M60": "m60",
     "Quadro RTX 5000": "quadro-rtx-5000",
     "Quadro RTX 6000": "quadro-rtx-6000",
     "Quadro RTX 8000": "quadro-rtx-8000",
