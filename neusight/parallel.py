@@ -56,12 +56,14 @@ communication between GPUs over the device's interconnect:
 Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
 in each direction in 2 (n - 1) steps, an all-gather or reduce-scatter half of that, an all-to-all (n - 1) / n x b,
 a point-to-point transfer ``b``; at LINK_EFFICIENCY of one direction of the device's ``interconnect_gbps``
-(NVLink / Infinity Fabric, else PCIe). All-reduces, all-gathers and reduce-scatters run with the protocol NCCL's
-own cost model picks (:data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction
-of a microsecond over NVLink, LL128 or Simple for large ones); all-to-alls and point-to-point transfers cost
+(NVLink / Infinity Fabric, else PCIe). All-reduces, all-gathers and reduce-scatters run with the algorithm and
+protocol NCCL's own cost model picks (:func:`nccl_collective`; :data:`NCCL_PROTOCOLS`: LL for small messages, whose
+latency per ring step is a fraction of a microsecond over NVLink, LL128 or Simple for large ones; all-reduces over
+several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`); all-to-alls and point-to-point transfers cost
 HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs
-at the slower network link of each GPU (``internode_gbps``), its ring steps between nodes at the network's
-latency (:class:`Links`, :class:`LinkPath`). NCCL's tree and NVLink SHARP algorithms are not modelled.
+at the slower network link of each GPU (``internode_gbps``), its ring steps and tree hops between nodes at the
+network's latency (:class:`Links`, :class:`LinkPath`). NCCL's NVLink SHARP (NVLS) and CollNet algorithms are not
+modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -87,7 +89,8 @@ from neusight.graph.moe import is_routed_experts
 
 __all__ = ["Parallelism", "Links", "LinkPath", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
            "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "allreduce_ms", "allgather_ms",
-           "alltoall_ms", "p2p_ms", "ring_collective", "NCCL_PROTOCOLS"]
+           "alltoall_ms", "p2p_ms", "nccl_collective", "NCCL_PROTOCOLS",
+           "NCCL_TREE_PROTOCOLS"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); an all-to-all
 # exchange or a point-to-point transfer costs a few microseconds of launch and synchronisation. Public
@@ -108,16 +111,39 @@ class Protocol:
     share: float
 
 
-# NCCL's cost model of its rings (src/graph/tuning.cc, NCCL 2.18 to 2.28; public constants, not fitted here): LL
-# sends 8-byte words each carrying a flag, so a step is a fraction of a microsecond but a quarter of the bandwidth
-# is used in an all-reduce or across nodes (a third in a one-node all-gather or reduce-scatter); LL128 flags 128-byte
-# lines (0.92 of the bandwidth), and NCCL enables it by default only over NVLink; Simple has the full bandwidth and
-# the slowest steps. NCCL runs each call with the protocol its model finds fastest, as ring_collective does.
+# NCCL's cost model of its collectives (src/graph/tuning.cc, NCCL 2.18 to 2.28; public constants, not fitted here).
+# Rings: LL sends 8-byte words each carrying a flag, so a step is a fraction of a microsecond but a quarter of the
+# bandwidth is used in an all-reduce or across nodes (a third in a one-node all-gather or reduce-scatter); LL128
+# flags 128-byte lines (0.92 of the bandwidth), and NCCL enables it by default only over NVLink; Simple has the full
+# bandwidth and the slowest steps.
 NCCL_PROTOCOLS = (
     Protocol("LL", 6.6, {"nvlink": 0.6, "pcie": 1.0, "network": 2.7}, 1 / 4),
     Protocol("LL128", 14.0, {"nvlink": 1.9, "pcie": 2.5, "network": 4.0}, 0.92),
     Protocol("Simple", 8.4, {"nvlink": 3.4, "pcie": 5.7, "network": 14.0}, 1.0),
 )
+# Trees (all-reduces only): a chain through each node's GPUs and a binary tree between nodes, data going up and
+# down it once, so a call costs 2 x (GPUs per node - 1) hops inside a node and 2 x log2(nodes) between nodes
+# instead of a ring's 2 (n - 1) steps, at half the bus bandwidth (a ring: n / (2 (n - 1)) of it) times
+# NCCL_TREE_BANDWIDTH, LL at 1 / 3.8 of that, LL128 at 120 / 128 (7 / 9 inside one node), each further scaled by
+# NCCL's correction for medium sizes (NCCL_TREE_CORRECTION). Few hops between nodes make trees the faster choice
+# for small and medium all-reduces over many nodes; NCCL times every call both ways and runs the faster.
+NCCL_TREE_PROTOCOLS = (
+    Protocol("LL", 6.8, {"nvlink": 0.6, "pcie": 1.0, "network": 5.0}, 1 / 3.8),
+    Protocol("LL128", 14.0, {"nvlink": 1.25, "pcie": 1.9, "network": 8.5}, 120 / 128),
+    Protocol("Simple", 0.0, {"nvlink": 28.0, "pcie": 28.0, "network": 28.0}, 1.0),
+)
+NCCL_TREE_BANDWIDTH = 0.92
+# per protocol, the factor on a tree's bandwidth for messages of 64 B x 2^i (i = 0 .. 22; larger: 1)
+NCCL_TREE_CORRECTION = {
+    "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0),
+    "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0),
+    "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9),
+}
+# A ring's all-reduce over several nodes under Simple: the latency x 1.4 (x 1.9 before compute capability 8.0),
+# NCCL's "plateau effect"; and each ring step inside a node costs at least the network's post overhead (1 us on
+# Intel hosts, 3 us under Simple), since every step of such a ring waits on a network transfer somewhere.
+NCCL_RING_PLATEAU = (1.9, 1.4)
+NCCL_NET_OVERHEAD_US = 1.0
 
 _OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
 # the inside of a split MLP: GPT-2 / BERT / OPT activations, a Llama-style MLP's gate x up product (on its module)
@@ -201,47 +227,80 @@ def _link_kind(device: Device) -> str:
     return "nvlink" if device.interconnect_gbps > device.pcie_gbps else "pcie"
 
 
-def ring_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None,
+def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None,
                     passes: int = 2) -> tuple[float, str]:
-    """(ms, protocol) of a ring collective over ``n`` GPUs: ``passes`` = 2 an all-reduce of ``nbytes`` (2 (n - 1)
-    steps, each moving 1 / n of them each way), 1 an all-gather or reduce-scatter of ``nbytes`` in all (n - 1
-    steps); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per GPU inside one node; None: the device's
-    ``interconnect_gbps``), with the fastest of :data:`NCCL_PROTOCOLS` as NCCL's cost model has it: per protocol
-    its base latency, each step's over the step's link (the steps between nodes over the network) and the bytes
-    at its share of the achieved bandwidth.
+    """(ms, "algorithm protocol") of a collective over ``n`` GPUs as NCCL's cost model times it: ``passes`` = 2 an
+    all-reduce of ``nbytes`` (a ring's 2 (n - 1) steps, each moving 1 / n of them each way, or a tree:
+    :data:`NCCL_TREE_PROTOCOLS`), 1 an all-gather or reduce-scatter of ``nbytes`` in all (rings only, n - 1 steps);
+    over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per GPU inside one node; None: the device's
+    ``interconnect_gbps``). Per algorithm and protocol: its base latency, each step's or hop's over its link (those
+    between nodes over the network) and the bytes at its share of the achieved bandwidth; the fastest is taken, as
+    NCCL takes it.
 
     >>> h100 = load_device("h100-sxm5-80gb")
-    >>> [(round(ms * 1e3, 1), p) for ms, p in (ring_collective(b, 8, h100) for b in (2**17, 2**22, 2**30))]
-    [(17.5, 'LL'), (62.8, 'LL128'), (5275.6, 'Simple')]
+    >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 8, h100) for b in (2**17, 2**22, 2**30))]
+    [(17.5, 'ring LL'), (62.8, 'ring LL128'), (5275.6, 'ring Simple')]
+    >>> over_8_nodes = LinkPath(100, "nvlink", 8)      # 64 GPUs, 8 per node, 400 Gb/s InfiniBand per GPU
+    >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 64, h100, over_8_nodes) for b in (2**17, 2**30))]
+    [(95.2, 'tree LL128'), (53697.2, 'ring Simple')]
     """
     if n <= 1 or nbytes <= 0:
         return 0.0, "none"
     path = LinkPath.of(device, gbps)
     nodes = max(1, min(path.nodes, n))
-    steps, crossing = passes * (n - 1), passes * (nodes - 1)
-    moved = passes * (n - 1) / n * nbytes
     full = _link_bytes_per_s(device, path)
     best = (math.inf, "none")
+    # rings
+    steps = passes * (n - 1)
+    crossing = (2 * nodes if passes == 2 else nodes - 1) if nodes > 1 else 0   # steps between nodes
+    moved = passes * (n - 1) / n * nbytes
     for p in NCCL_PROTOCOLS:
         if p.name == "LL128" and path.kind != "nvlink":
             continue
         share = 1 / 3 if p.name == "LL" and passes == 1 and nodes == 1 else p.share
-        latency_us = p.base_us + (steps - crossing) * p.step_us[path.kind] + crossing * p.step_us["network"]
-        best = min(best, (latency_us * 1e-3 + moved / (full * share) * 1e3, p.name))
+        intra = p.step_us[path.kind]
+        if nodes > 1:
+            intra = max(intra, NCCL_NET_OVERHEAD_US * (3 if p.name == "Simple" else 1))
+        latency_us = p.base_us + (steps - crossing) * intra + crossing * p.step_us["network"]
+        if nodes > 1 and passes == 2 and p.name == "Simple":
+            latency_us *= NCCL_RING_PLATEAU[0] if 0 < device.cc < 8.0 else NCCL_RING_PLATEAU[1]
+        best = min(best, (latency_us * 1e-3 + moved / (full * share) * 1e3, f"ring {p.name}"))
+    if passes != 2:
+        return best
+    # trees (all-reduce)
+    per_node = max(1, n // nodes)
+    size = math.log2(max(nbytes, 64) / 64)
+    for p in NCCL_TREE_PROTOCOLS:
+        if p.name == "LL128" and path.kind != "nvlink":
+            continue
+        share = 7 / 9 if p.name == "LL128" and nodes == 1 else p.share
+        share *= NCCL_TREE_BANDWIDTH * _tree_correction(p.name, size)
+        hops_up = (per_node - 1) * p.step_us[path.kind] + int(math.log2(nodes)) * p.step_us["network"]
+        latency_us = p.base_us + 2 * hops_up
+        best = min(best, (latency_us * 1e-3 + 2 * nbytes / (full * share) * 1e3, f"tree {p.name}"))
     return best
+
+
+def _tree_correction(protocol: str, size: float) -> float:
+    """NCCL's tree correction for a message of 64 B x 2^``size``, interpolated between its powers of two (NCCL
+    steps it at each), so that a tree's time grows with the bytes (a step up in the factor would make a larger
+    message faster); 1 beyond the table."""
+    fix = (*NCCL_TREE_CORRECTION[protocol], 1.0)
+    i = min(int(size), len(fix) - 1)
+    return fix[i] if i == len(fix) - 1 else fix[i] + (fix[i + 1] - fix[i]) * (size - i)
 
 
 def allreduce_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:
     """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps, with the
-    protocol NCCL would pick (:func:`ring_collective`); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per
+    algorithm and protocol NCCL would pick (:func:`nccl_collective`); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per
     GPU inside one node; None: the device's ``interconnect_gbps``)."""
-    return ring_collective(nbytes, n, device, gbps, 2)[0]
+    return nccl_collective(nbytes, n, device, gbps, 2)[0]
 
 
 def allgather_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:
     """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` GPUs: (n - 1) / n x bytes, n - 1 steps
     (an all-reduce is a reduce-scatter followed by an all-gather), with the protocol NCCL would pick."""
-    return ring_collective(nbytes, n, device, gbps, 1)[0]
+    return nccl_collective(nbytes, n, device, gbps, 1)[0]
 
 
 def alltoall_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:

@@ -12,8 +12,8 @@ import neusight
 from neusight.devices import load_device
 from neusight.errors import InputError, ModelError
 from neusight.evaluate import find_labels, predict_label
-from neusight.parallel import (NCCL_PROTOCOLS, LinkPath, Parallelism, allgather_ms, allreduce_ms, alltoall_ms, p2p_ms,
-                               predict_parallel, ring_collective)
+from neusight.parallel import (NCCL_PROTOCOLS, LinkPath, Parallelism, allgather_ms, allreduce_ms, alltoall_ms,
+                               nccl_collective, p2p_ms, predict_parallel)
 from tests.conftest import DATASET, need_shared
 
 
@@ -60,12 +60,12 @@ def test_collectives_take_the_protocol_nccls_cost_model_finds_fastest():
     for dev in (h100, l4):
         for n in (2, 4, 8):
             for passes in (1, 2):
-                times = [ring_collective(b, n, dev, passes=passes) for b in sizes]
+                times = [nccl_collective(b, n, dev, passes=passes) for b in sizes]
                 assert all(a[0] < b[0] for a, b in zip(times, times[1:]))              # monotone in bytes
-                assert times[0][1] == "LL" and times[-1][1] == "Simple"
-                assert dev is h100 or all(p != "LL128" for _, p in times)              # PCIe: no LL128
-        assert all(ring_collective(b, 4, dev)[0] < ring_collective(b, 8, dev)[0] for b in sizes)
-    assert {p for _, p in (ring_collective(b, 8, h100) for b in sizes)} == {"LL", "LL128", "Simple"}
+                assert times[0][1] == "ring LL" and times[-1][1] == "ring Simple"
+                assert dev is h100 or all("LL128" not in p for _, p in times)          # PCIe: no LL128
+        assert all(nccl_collective(b, 4, dev)[0] < nccl_collective(b, 8, dev)[0] for b in sizes)
+    assert {p for _, p in (nccl_collective(b, 8, h100) for b in sizes)} == {"ring LL", "ring LL128", "ring Simple"}
     decode = allreduce_ms(8 * 8192 * 2, 8, h100)     # Llama-3-70B's hidden state, batch 8, BF16: 128 KiB
     assert 0.010 < decode < 0.020
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
@@ -73,6 +73,34 @@ def test_collectives_take_the_protocol_nccls_cost_model_finds_fastest():
         as_simple = (simple.base_us + 14 * simple.step_us["nvlink"]) * 1e-3 + 1.75 * b / 360e9 * 1e3
         assert allreduce_ms(b, 8, h100) <= as_simple + 1e-12
     assert LinkPath.of(h100) == LinkPath(900.0, "nvlink", 1) and LinkPath.of(l4, 32) == LinkPath(32.0, "pcie", 1)
+
+
+def test_all_reduces_over_many_nodes_take_nccls_tree_where_it_is_faster():
+    """A tree's all-reduce crosses log2(nodes) network hops each way where a ring crosses 2 x nodes steps, so over
+    8 nodes NCCL's model runs small and medium all-reduces as a tree and the largest as a ring (half a tree's bus
+    bandwidth against n / (2 (n - 1)) of the ring's); inside one node the ring's LL and LL128 steps stay the
+    faster. All-gathers and reduce-scatters have no tree. Time grows with the bytes and with the nodes."""
+    from neusight.parallel import NCCL_TREE_PROTOCOLS
+
+    h100 = load_device("h100-sxm5-80gb")
+    sizes = [2.0**e for e in range(3, 34)]
+    for nodes in (1, 2, 4, 8):
+        path = LinkPath(100.0 if nodes > 1 else 900.0, "nvlink", nodes)
+        runs = [nccl_collective(b, 8 * nodes, h100, path) for b in sizes]
+        assert all(a[0] < b[0] for a, b in zip(runs, runs[1:]))                     # monotone in bytes
+        assert runs[-1][1] == "ring Simple"
+        assert all(p.startswith("ring") for _, p in runs) == (nodes == 1)
+        assert all(nccl_collective(b, 8 * nodes, h100, path, passes=1)[1].startswith("ring") for b in sizes)
+    on = lambda b, nodes: nccl_collective(b, 8 * nodes, h100, LinkPath(100, "nvlink", nodes))[0]  # noqa: E731
+    assert all(on(b, 2) < on(b, 4) < on(b, 8) for b in sizes)                           # and in the nodes
+    # a 128 KiB all-reduce over 8 nodes: the tree's LL128 (14 us + 2 x (7 x 1.25 + 3 x 8.5) us, the bytes twice at
+    # 120 / 128 x 0.92 of the link x NCCL's medium-size correction, 0.6 at 2^11 x 64 B) beats every ring
+    ll128 = next(p for p in NCCL_TREE_PROTOCOLS if p.name == "LL128")
+    want = (ll128.base_us + 2 * (7 * 1.25 + 3 * 8.5)) * 1e-3 + 2 * 2**17 / (50e9 * 0.8 * 120 / 128 * 0.92 * 0.6) * 1e3
+    assert nccl_collective(2**17, 64, h100, LinkPath(100, "nvlink", 8)) == (pytest.approx(want), "tree LL128")
+    # the least latency of a ring there (LL: 6.6 us, 110 steps inside nodes at the network's 1 us post overhead,
+    # 16 between nodes at 2.7 us) is already above the tree's whole time
+    assert want < (6.6 + 110 * 1.0 + 16 * 2.7) * 1e-3
 
 
 def test_tensor_parallel_shard_halves_the_gemm_work():
@@ -353,10 +381,11 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     grads = sum(t.numel * t.itemsize for t in two.per_gpu.graph.grads)
     assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, LinkPath(100, "nvlink", 2)))
     assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100))
-    # of the ring's 6 steps, 2 cross the network (its latency per step), 4 stay on NVLink inside a node
+    # NCCL counts 2 x nodes = 4 of the ring's 6 steps between nodes (the network's latency per step) and 2 on
+    # NVLink inside a node, and its "plateau effect" takes 1.4 x that latency on an H100
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
     assert two.parts["dp_allreduce"] - grads * 1.5 / (50e9 * 0.8) * 1e3 == pytest.approx(
-        (simple.base_us + 4 * simple.step_us["nvlink"] + 2 * simple.step_us["network"]) * 1e-3)
+        1.4 * (simple.base_us + 2 * simple.step_us["nvlink"] + 4 * simple.step_us["network"]) * 1e-3)
     assert any("2 nodes of 8 GPUs" in n and "data-parallel" in n for n in two.notes)
     with pytest.raises(InputError, match="gpus_per_node=0"):
         predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=0, **kw)
