@@ -252,7 +252,8 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     best = (math.inf, "none")
     # rings
     steps = passes * (n - 1)
-    crossing = (2 * nodes if passes == 2 else nodes - 1) if nodes > 1 else 0   # steps between nodes
+    # steps between nodes, as NCCL counts them (no more than all of them: one GPU per node)
+    crossing = min(steps, 2 * nodes if passes == 2 else nodes - 1) if nodes > 1 else 0
     moved = passes * (n - 1) / n * nbytes
     for p in NCCL_PROTOCOLS:
         if p.name == "LL128" and path.kind != "nvlink":
