@@ -895,6 +895,21 @@ def test_xlnet_whose_attention_weights_are_made_on_the_cpu_traces_in_the_run_dty
     assert len(proj) == 2 * 4
 
 
+def test_jetmoe_gates_that_read_token_counts_back_trace_under_balanced_routing():
+    # JetMoE's gate hands its experts a .tolist() of token counts, which a trace of shapes cannot read: the balanced
+    # split stands in, 2 x 16 tokens x top-2 = 64 pairs over 4 experts, 16 rows for every expert's GEMM
+    import transformers
+
+    cfg = transformers.JetMoeConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_local_experts=4,
+                                    num_experts_per_tok=2, kv_channels=16, num_key_value_heads=2, vocab_size=256)
+    g = neusight.trace(cfg, batch_size=2, seq_len=16, mode="training")
+    assert any("balanced routing" in n and "4 top-k gates (4 experts)" in n for n in g.notes)
+    k = g.kernels
+    ups = k[(k.phase == "forward") & (k.family == "linear") & k.module.str.endswith("mlp.input_linear")]
+    assert len(ups) == 2 * 4 and set(ups.dims) == {(1, 16, 64, 2 * 96)}
+    assert (k.phase == "backward").any() and k.module.str.contains("self_attention.experts").any()
+
+
 def test_a_parameter_made_off_the_meta_device_moves_there_and_stays_tied():
     from neusight.graph.models import _strays_to_meta
 

@@ -441,11 +441,11 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 
         notes.append(fix_switch_capacity(module, config))
     else:
-        from neusight.graph.moe import fix_routed_experts
+        from neusight.graph.moe import fix_routed_experts, fix_size_list_gates
 
-        routed = fix_routed_experts(module, moe_kernels, grouped_gemm)
-        if routed:
-            notes.append(routed)
+        for routed in (fix_routed_experts(module, moe_kernels, grouped_gemm), fix_size_list_gates(module)):
+            if routed:
+                notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if model_type in ("t5", "switch_transformers") or not (isinstance(max_len, int) and max_len > 0):
         max_len = None  # relative position buckets (or XLNet's -1: no limit): any length

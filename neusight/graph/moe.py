@@ -248,6 +248,37 @@ GROUPED_GEMM_CC_MAJOR = ("9", "10")
 AUTO_MARK = "moe_kernels='auto'"   # in the note of experts traced by "auto": their kernels depend on the GPU
 
 
+def _balanced_sizes_gating_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple:
+    """A top-k gate that hands its experts a Python list of token counts (JetMoE's, for its attention and MLP
+    experts), under balanced routing: the GPU's work as the gate runs it (router GEMM, top-k, softmax, the count of
+    tokens per expert, the sort of token-expert pairs by expert and the gather of their gates), with the count read
+    back as the balanced split of the tokens x top-k pairs, since a trace of shapes has no values to read."""
+    logits = self.layer(hidden_states).float()                                  # (T, E)
+    top_logits, top_index = logits.topk(self.top_k, dim=1)                      # (T, k)
+    top_gates = torch.softmax(top_logits, dim=1).type_as(hidden_states)
+    counts = torch.zeros(top_gates.shape[0], self.num_experts, dtype=top_gates.dtype, device=top_gates.device)
+    counts.scatter(1, top_index, 1).long().sum(0)                               # the GPU's count, (E,)
+    pairs, experts = top_gates.shape[0] * self.top_k, int(self.num_experts)
+    sizes = [pairs // experts + (1 if e < pairs % experts else 0) for e in range(experts)]
+    order = top_index.flatten().sort(0)[1]                                      # (T*k,) pairs by expert
+    return (order, order.div(self.top_k, rounding_mode="trunc"), top_gates.flatten()[order], sizes, logits)
+
+
+def fix_size_list_gates(model: nn.Module) -> str | None:
+    """Trace every top-k gate of ``model`` that reads its experts' token counts back to the host (JetMoE's
+    ``JetMoeTopKGating``, whose ``.tolist()`` a meta-device trace cannot follow) under balanced routing; a note for
+    the result, None when the model has none."""
+    gates = [m for m in model.modules() if type(m).__name__ == "JetMoeTopKGating"]
+    for m in gates:
+        m.forward = types.MethodType(_balanced_sizes_gating_forward, m)
+    if not gates:
+        return None
+    experts = sorted({int(m.num_experts) for m in gates})
+    return (f"mixture of experts traced under balanced routing: each of {len(gates)} top-k gates "
+            f"({'/'.join(map(str, experts))} experts) hands every expert tokens x top-k / experts tokens "
+            "(routing is data-dependent; a real router's uneven load makes a step slower)")
+
+
 def depends_on_gpu(notes: list[str] | tuple[str, ...]) -> bool:
     """Whether a trace with these notes has experts whose kernels ``moe_kernels="auto"`` chose by the GPU, so that
     another GPU may need its own trace."""
