@@ -907,6 +907,17 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
+    if tp > 1 and act_bytes > 0:
+        ms, how = nccl_collective(act_bytes, tp, device, links.tp)
+        notes += (f"each tensor-parallel all-reduce (two per block in the forward pass"
+                  f"{', two in the backward' if training else ''}"
+                  f"{'; with sp a reduce-scatter + all-gather, charged as the all-reduce' if sp else ''}"
+                  f"): {act_bytes / 2**20:,.1f} MiB over {tp} GPUs, {ms * 1e3:,.1f} us as NCCL's {how} "
+                  f"(its cost model's fastest algorithm and protocol for that size)",)
+    if dp > 1 and training and not zero and ep == 1 and not overlap_grad_reduce:
+        ms, how = nccl_collective(grad_bytes, dp, device, links.dp)
+        notes += (f"the gradients' all-reduce: {grad_bytes / 2**20:,.1f} MiB over {dp} GPUs, {ms:,.2f} ms as NCCL's "
+                  f"{how}",)
     if columns and training and tp > 1:
         change = par.microbatches * float(stages["tp_overlap_ms"].sum())
         notes += (f"Megatron-LM overlaps each column-parallel projection's backward "

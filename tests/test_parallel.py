@@ -103,6 +103,20 @@ def test_all_reduces_over_many_nodes_take_nccls_tree_where_it_is_faster():
     assert want < (6.6 + 110 * 1.0 + 16 * 2.7) * 1e-3
 
 
+def test_a_forecast_names_the_algorithm_and_protocol_of_its_collectives():
+    h100 = load_device("h100-sxm5-80gb")
+    p = predict_parallel("gpt2", h100, batch_size=8, seq_len=256, mode="training", dp=2, tp=2, memory=False)
+    tp_note = next(n for n in p.notes if n.startswith("each tensor-parallel all-reduce"))
+    act = 4 * 256 * 768 * 4                     # a micro-batch's (tokens, hidden) activation in FP32, per replica
+    ms, how = nccl_collective(act, 2, h100)
+    assert f"{act / 2**20:,.1f} MiB over 2 GPUs, {ms * 1e3:,.1f} us as NCCL's {how}" in tp_note
+    assert how.startswith("ring ") and "two in the backward" in tp_note
+    dp_note = next(n for n in p.notes if n.startswith("the gradients' all-reduce:"))
+    assert f"{p.parts['dp_allreduce']:,.2f} ms as NCCL's ring" in dp_note
+    inference = predict_parallel("gpt2", h100, batch_size=8, seq_len=256, mode="inference", tp=2, memory=False)
+    assert not any("two in the backward" in n or "gradients' all-reduce:" in n for n in inference.notes)
+
+
 def test_tensor_parallel_shard_halves_the_gemm_work():
     whole = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None)
     half = neusight.trace("gpt2", batch_size=2, seq_len=64, mode="training", optimizer=None, tensor_parallel=2)
