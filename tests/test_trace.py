@@ -910,6 +910,20 @@ def test_jetmoe_gates_that_read_token_counts_back_trace_under_balanced_routing()
     assert (k.phase == "backward").any() and k.module.str.contains("self_attention.experts").any()
 
 
+def test_a_language_model_whose_config_has_an_image_size_is_traced_as_text():
+    # Fuyu's config has num_channels and image_size (its image patches) like an image model's, but transformers runs
+    # it as a causal LM: it is traced through its language model, with seq_len, not refused as an image model
+    import transformers
+
+    cfg = transformers.FuyuConfig(text_config=dict(model_type="persimmon", hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4, vocab_size=512))
+    g = neusight.trace(cfg, batch_size=2, seq_len=16, mode="training")
+    assert g.notes[0].startswith("the language model of fuyu (its text_config, persimmon)")
+    assert (g.kernels.family == "linear").any()
+    with pytest.raises(InputError, match="image_size=224 is for image models"):
+        neusight.trace(cfg, batch_size=2, seq_len=16, image_size=224)
+
+
 def test_a_parameter_made_off_the_meta_device_moves_there_and_stays_tied():
     from neusight.graph.models import _strays_to_meta
 

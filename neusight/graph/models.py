@@ -373,8 +373,17 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 
 
 def _is_vision(config: Any) -> bool:
-    """An image model's config: input channels and no token vocabulary (ViT, DeiT, Swin, ConvNeXt, BEiT, ...)."""
-    return hasattr(config, "num_channels") and (hasattr(config, "image_size") or not hasattr(config, "vocab_size"))
+    """An image model's config: input channels and an image size or no token vocabulary (ViT, DeiT, Swin,
+    ConvNeXt, BEiT, whose vocabulary is of visual tokens, ...), unless transformers has a language-model class for
+    it or an image-text-to-text class (Fuyu, UDOP: token ids with image patches beside them), which go the way of
+    text and multimodal models."""
+    if not (hasattr(config, "num_channels") and (hasattr(config, "image_size") or not hasattr(config, "vocab_size"))):
+        return False
+    import transformers
+
+    return not any(type(config) in getattr(transformers, auto)._model_mapping
+                   for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                            "AutoModelForImageTextToText"))
 
 
 def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
