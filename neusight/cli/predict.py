@@ -573,7 +573,14 @@ def print_library(models: bool, devices: bool) -> None:
         table.columns = ["name", "vendor", "arch", "SMs", "FP32 TFLOP/s", "GB/s", "GiB", "L2 MiB", "W"]
         print(("\n" if models else "") + f"GPUs ({len(table)}, spec files in {device_dir()}; "
               "a GPU is also found by its torch.cuda.get_device_name() string):")
-        print(table.to_string())
+        print(table.to_string(float_format=_spec_number))
+
+
+def _spec_number(v: float) -> str:
+    """A spec-file number as written, to two decimals at most (67.0, 4.83, 3350.0): not padded to the most precise
+    value of its column, so one GPU's 4.83 TFLOP/s does not turn everyone else's 67.0 into 67.00."""
+    s = f"{v:.2f}".rstrip("0")
+    return s + "0" if s.endswith(".") else s
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="predict")
