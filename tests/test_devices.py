@@ -20,7 +20,8 @@ REQUIRED_KEYS = [
     "p4", "p100-pcie-16gb", "t4", "v100-pcie-32gb", "v100-sxm2-16gb", "a10", "a10g", "a40", "a100-pcie-40gb",
     "a100-sxm4-40gb", "a100-80gb-pcie", "a100-sxm4-80gb", "a800-sxm4-80gb", "l4", "l40", "l40s", "h100-pcie",
     "h100-sxm5-80gb", "h800-sxm5-80gb",
-    "h200", "b200", "rtx-3090", "rtx-4080", "rtx-4090", "rtx-2080-ti", "gtx-1080-ti", "titan-v", "titan-rtx",
+    "h200", "b200", "rtx-3060", "rtx-3090", "rtx-4070", "rtx-4080", "rtx-4090", "rtx-2080-ti", "gtx-1080-ti",
+    "titan-v", "titan-rtx",
     "titan-xp", "quadro-rtx-5000", "quadro-rtx-6000", "quadro-rtx-8000", "mi100", "mi210", "mi250", "mi300x",
 ]
 
@@ -67,6 +68,8 @@ REQUIRED_ALIASES = {
     "TITAN X (Pascal)": "titan-x-pascal",
     "Tesla M40": "m40",
     "Tesla M60": "m60",
+    "NVIDIA GeForce RTX 3060": "rtx-3060",
+    "NVIDIA GeForce RTX 4070": "rtx-4070",
     "Quadro RTX 5000": "quadro-rtx-5000",
     "Quadro RTX 6000": "quadro-rtx-6000",
     "Quadro RTX 8000": "quadro-rtx-8000",
@@ -359,7 +362,7 @@ def test_missing_spec_file(tmp_path: Path):
 @pytest.mark.parametrize("name, close", [
     ("H100 SXM6", "h100-sxm5-80gb"),
     ("a100-sxm4-40g", "a100-sxm4-40gb"),
-    ("rtx 4070", "rtx-4090"),
+    ("rtx 4060", "rtx-4090"),
 ])
 def test_unknown_name_lists_close_matches(name: str, close: str):
     with pytest.raises(DeviceError) as info:
