@@ -53,17 +53,17 @@ communication between GPUs over the device's interconnect:
    all-to-alls, two more in the backward pass. Routing is balanced, so a GPU's experts receive as many rows as its
    own tokens make. The experts' gradients are all-reduced over the dp / ep replicas holding the same experts.
 
-Collectives are ring algorithms: an all-reduce of ``b`` bytes over ``n`` GPUs moves 2 (n - 1) / n x b per GPU
-in each direction in 2 (n - 1) steps, an all-gather or reduce-scatter half of that, an all-to-all (n - 1) / n x b,
-a point-to-point transfer ``b``; at LINK_EFFICIENCY of one direction of the device's ``interconnect_gbps``
-(NVLink / Infinity Fabric, else PCIe). All-reduces, all-gathers and reduce-scatters run with the algorithm and
-protocol NCCL's own cost model picks (:func:`nccl_collective`; :data:`NCCL_PROTOCOLS`: LL for small messages, whose
-latency per ring step is a fraction of a microsecond over NVLink, LL128 or Simple for large ones; all-reduces over
-several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`); all-to-alls and point-to-point transfers cost
-HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a group whose GPUs sit on several nodes runs
-at the slower network link of each GPU (``internode_gbps``), its ring steps and tree hops between nodes at the
-network's latency (:class:`Links`, :class:`LinkPath`). NCCL's NVLink SHARP (NVLS) and CollNet algorithms are not
-modelled.
+Collectives are ring algorithms (all-reduces over several nodes may be trees, below): an all-reduce of ``b`` bytes
+over ``n`` GPUs moves 2 (n - 1) / n x b per GPU in each direction in 2 (n - 1) steps, an all-gather or
+reduce-scatter half of that, an all-to-all (n - 1) / n x b, a point-to-point transfer ``b``; at LINK_EFFICIENCY of
+one direction of the device's ``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe). All-reduces, all-gathers
+and reduce-scatters run with the algorithm and protocol NCCL's own cost model picks (:func:`nccl_collective`;
+:data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction of a microsecond over
+NVLink, LL128 or Simple for large ones; all-reduces over several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`);
+all-to-alls and point-to-point transfers cost HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a
+group whose GPUs sit on several nodes runs at the slower network link of each GPU (``internode_gbps``), its ring
+steps and tree hops between nodes at the network's latency (:class:`Links`, :class:`LinkPath`). NCCL's NVLink SHARP
+(NVLS) and CollNet algorithms are not modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -89,8 +89,7 @@ from neusight.graph.moe import is_routed_experts
 
 __all__ = ["Parallelism", "Links", "LinkPath", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
            "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "allreduce_ms", "allgather_ms",
-           "alltoall_ms", "p2p_ms", "nccl_collective", "NCCL_PROTOCOLS",
-           "NCCL_TREE_PROTOCOLS"]
+           "alltoall_ms", "p2p_ms", "nccl_collective", "NCCL_PROTOCOLS", "NCCL_TREE_PROTOCOLS"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); an all-to-all
 # exchange or a point-to-point transfer costs a few microseconds of launch and synchronisation. Public
@@ -101,9 +100,10 @@ HOP_LATENCY_S = 5e-6
 
 @dataclass(frozen=True)
 class Protocol:
-    """One of NCCL's protocols in its cost model of ring collectives: a base latency, a latency per ring step over
-    each kind of link (``nvlink``: NVLink or Infinity Fabric, ``pcie``, ``network``: between nodes), both in
-    microseconds, and the share of the Simple protocol's bandwidth it reaches."""
+    """One of NCCL's protocols in its cost model of one algorithm (rings: :data:`NCCL_PROTOCOLS`; trees:
+    :data:`NCCL_TREE_PROTOCOLS`): a base latency, a latency per ring step or tree hop over each kind of link
+    (``nvlink``: NVLink or Infinity Fabric, ``pcie``, ``network``: between nodes), both in microseconds, and the
+    share of the link's achieved bandwidth it reaches."""
 
     name: str
     base_us: float
@@ -292,9 +292,10 @@ def _tree_correction(protocol: str, size: float) -> float:
 
 
 def allreduce_ms(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` GPUs: 2 (n - 1) / n x bytes each way, 2 (n - 1) steps, with the
-    algorithm and protocol NCCL would pick (:func:`nccl_collective`); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per
-    GPU inside one node; None: the device's ``interconnect_gbps``)."""
+    """All-reduce of ``nbytes`` over ``n`` GPUs with the algorithm and protocol NCCL would pick
+    (:func:`nccl_collective`: a ring's 2 (n - 1) / n x bytes each way in 2 (n - 1) steps, or over several nodes
+    perhaps a tree); over ``gbps`` (a :class:`LinkPath`, or bidirectional GB/s per GPU inside one node; None: the
+    device's ``interconnect_gbps``)."""
     return nccl_collective(nbytes, n, device, gbps, 2)[0]
 
 

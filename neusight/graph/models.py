@@ -383,7 +383,7 @@ def _is_vision(config: Any) -> bool:
 
     return not any(type(config) in getattr(transformers, auto)._model_mapping
                    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
-                            "AutoModelForImageTextToText"))
+                                "AutoModelForImageTextToText"))
 
 
 def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
