@@ -910,6 +910,22 @@ def test_jetmoe_gates_that_read_token_counts_back_trace_under_balanced_routing()
     assert (k.phase == "backward").any() and k.module.str.contains("self_attention.experts").any()
 
 
+def test_longcat_zero_computation_experts_trace_under_balanced_routing():
+    # LongCat-Flash's experts find the experts hit with nonzero; balanced over all 12 choices (8 routed, 4 that pass
+    # their tokens through), 2 x 16 tokens x top-3 = 96 pairs give 8 rows to each: 8 gate-up and 8 down GEMMs of 8
+    # rows, none for the zero-computation experts
+    import transformers
+
+    cfg = transformers.LongcatFlashConfig(num_layers=1, hidden_size=256, ffn_hidden_size=512, expert_ffn_hidden_size=64,
+                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                                          n_routed_experts=8, zero_expert_num=4, moe_topk=3)
+    g = neusight.trace(cfg, batch_size=2, seq_len=16, mode="training")
+    assert any("1 expert layer (8 routed + 4 zero-computation experts)" in n for n in g.notes)
+    k = g.kernels
+    gemms = k[(k.phase == "forward") & k.module.str.endswith("mlp.experts") & (k.family == "linear")]
+    assert len(gemms) == 16 and set(gemms.dims) == {(1, 8, 256, 2 * 64), (1, 8, 64, 256)}
+
+
 def test_a_language_model_whose_config_has_an_image_size_is_traced_as_text():
     # Fuyu's config has num_channels and image_size (its image patches) like an image model's, but transformers runs
     # it as a causal LM: it is traced through its language model, with seq_len, not refused as an image model

@@ -450,9 +450,10 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 
         notes.append(fix_switch_capacity(module, config))
     else:
-        from neusight.graph.moe import fix_routed_experts, fix_size_list_gates
+        from neusight.graph.moe import fix_routed_experts, fix_size_list_gates, fix_zero_compute_experts
 
-        for routed in (fix_routed_experts(module, moe_kernels, grouped_gemm), fix_size_list_gates(module)):
+        for routed in (fix_routed_experts(module, moe_kernels, grouped_gemm), fix_size_list_gates(module),
+                       fix_zero_compute_experts(module)):
             if routed:
                 notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

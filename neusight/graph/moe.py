@@ -264,6 +264,52 @@ def _balanced_sizes_gating_forward(self: nn.Module, hidden_states: torch.Tensor)
     return (order, order.div(self.top_k, rounding_mode="trunc"), top_gates.flatten()[order], sizes, logits)
 
 
+def _is_zero_compute_experts(mod: nn.Module) -> bool:
+    """Routed experts with zero-computation experts beside them (LongCat-Flash's: ``total_experts`` choices of which
+    the last ``zero_expert_num`` return their tokens unchanged), whose forward finds the experts hit by ``nonzero``."""
+    return (hasattr(mod, "zero_expert_num") and hasattr(mod, "total_experts") and hasattr(mod, "num_routed_experts")
+            and getattr(mod, "down_proj", None) is not None and mod.down_proj.dim() == 3)
+
+
+def _balanced_zero_compute_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                   top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`_is_zero_compute_experts` under balanced routing: the tokens x top-k pairs spread evenly over all
+    ``total_experts`` choices; a routed expert runs its gated MLP on its share, a zero-computation expert passes its
+    share through; each share is weighted and added back as the loop over hit experts does."""
+    pairs = hidden_states.shape[0] * top_k_index.shape[-1]
+    active = min(int(self.total_experts), pairs)
+    share = max(1, -(-pairs // active))
+    weights = top_k_weights.reshape(-1)
+    out = torch.zeros_like(hidden_states)
+    for e in range(active):
+        pair = (torch.arange(share, device=hidden_states.device) + e * share) % pairs
+        tok = torch.div(pair, top_k_index.shape[-1], rounding_mode="floor")
+        y = hidden_states.index_select(0, tok)
+        if e < int(self.num_routed_experts):
+            gate, up = nn.functional.linear(y, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+        y = y * weights.index_select(0, pair).unsqueeze(-1)
+        out = out.index_add(0, tok, y.to(out.dtype))
+    return out
+
+
+def fix_zero_compute_experts(model: nn.Module) -> str | None:
+    """Trace every experts module with zero-computation experts (:func:`_is_zero_compute_experts`) under balanced
+    routing; a note for the result, None when the model has none."""
+    found = [m for m in model.modules() if _is_zero_compute_experts(m)]
+    for m in found:
+        m.forward = types.MethodType(_balanced_zero_compute_forward, m)
+    if not found:
+        return None
+    kinds = sorted({(int(m.num_routed_experts), int(m.zero_expert_num)) for m in found})
+    return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
+            f"layer{'s' if len(found) != 1 else ''} "
+            f"({', '.join(f'{r} routed + {z} zero-computation' for r, z in kinds)} experts) every expert gets tokens x "
+            "top-k / experts tokens, those of a zero-computation expert passed through unchanged (routing is "
+            "data-dependent; a real router's uneven load, and its share of tokens kept from computation, change a "
+            "step's time)")
+
+
 def fix_size_list_gates(model: nn.Module) -> str | None:
     """Trace every top-k gate of ``model`` that reads its experts' token counts back to the host (JetMoE's
     ``JetMoeTopKGating``, whose ``.tolist()`` a meta-device trace cannot follow) under balanced routing; a note for
@@ -274,7 +320,8 @@ def fix_size_list_gates(model: nn.Module) -> str | None:
     if not gates:
         return None
     experts = sorted({int(m.num_experts) for m in gates})
-    return (f"mixture of experts traced under balanced routing: each of {len(gates)} top-k gates "
+    return (f"mixture of experts traced under balanced routing: each of {len(gates)} top-k "
+            f"gate{'s' if len(gates) != 1 else ''} "
             f"({'/'.join(map(str, experts))} experts) hands every expert tokens x top-k / experts tokens "
             "(routing is data-dependent; a real router's uneven load makes a step slower)")
 
