@@ -61,9 +61,11 @@ and reduce-scatters run with the algorithm and protocol NCCL's own cost model pi
 :data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction of a microsecond over
 NVLink, LL128 or Simple for large ones; all-reduces over several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`);
 all-to-alls and point-to-point transfers cost HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a
-group whose GPUs sit on several nodes runs at the slower network link of each GPU (``internode_gbps``), its ring
-steps and tree hops between nodes at the network's latency (:class:`Links`, :class:`LinkPath`). NCCL's NVLink SHARP
-(NVLS) and CollNet algorithms are not modelled.
+group whose GPUs sit on several nodes crosses them over its GPUs' network links (``internode_gbps`` each; a ring's
+or tree's channels spread over the links of the group's GPUs on a node, up to the node's own links; one GPU's
+all-to-all or point-to-point transfers go through its own link), its ring steps and tree hops between nodes at the
+network's latency (:class:`Links`, :class:`LinkPath`). NCCL's NVLink SHARP (NVLS) and CollNet algorithms are not
+modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -206,11 +208,24 @@ class Parallelism:
 class LinkPath:
     """The links one group's collectives cross: ``gbps`` (bidirectional GB/s per GPU) of the slowest, the kind of
     link between its GPUs inside a node (``"nvlink"``: NVLink or Infinity Fabric; ``"pcie"``) and how many nodes
-    its GPUs sit on (a ring step from one node to the next crosses the network)."""
+    its GPUs sit on (a ring step from one node to the next crosses the network). Across nodes, ``rails`` of the
+    group's GPUs sit on each node, each with a network link of its own (``gbps``), and ``inside_gbps`` joins them
+    inside a node: NCCL spreads a ring's or a tree's channels over those network links, one per channel, so such a
+    collective crosses nodes at ``rails`` x ``gbps`` together, up to ``inside_gbps`` (:attr:`ring_gbps`), while
+    one GPU's transfers (all-to-all, point to point) go through its own link at ``gbps``."""
 
     gbps: float
     kind: str = "nvlink"
     nodes: int = 1
+    rails: int = 1
+    inside_gbps: float = 0.0     # 0: as gbps
+
+    @property
+    def ring_gbps(self) -> float:
+        """Bidirectional GB/s per GPU that a ring's or a tree's channels reach over this path."""
+        if self.nodes <= 1 or self.rails <= 1:
+            return self.gbps
+        return min(self.inside_gbps or self.gbps, self.rails * self.gbps)
 
     @classmethod
     def of(cls, device: Device, gbps: "float | LinkPath | None" = None) -> "LinkPath":
@@ -240,15 +255,15 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     >>> h100 = load_device("h100-sxm5-80gb")
     >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 8, h100) for b in (2**17, 2**22, 2**30))]
     [(17.5, 'ring LL'), (62.8, 'ring LL128'), (5275.6, 'ring Simple')]
-    >>> over_8_nodes = LinkPath(100, "nvlink", 8)      # 64 GPUs, 8 per node, 400 Gb/s InfiniBand per GPU
+    >>> over_8_nodes = LinkPath(100, "nvlink", 8, rails=8, inside_gbps=900)   # 64 GPUs, 400 Gb/s InfiniBand each
     >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 64, h100, over_8_nodes) for b in (2**17, 2**30))]
-    [(95.2, 'tree LL128'), (53697.2, 'ring Simple')]
+    [(52.0, 'tree LL'), (7455.0, 'ring Simple')]
     """
     if n <= 1 or nbytes <= 0:
         return 0.0, "none"
     path = LinkPath.of(device, gbps)
     nodes = max(1, min(path.nodes, n))
-    full = _link_bytes_per_s(device, path)
+    full = _link_bytes_per_s(device, path, ring=True)
     best = (math.inf, "none")
     # rings
     steps = passes * (n - 1)
@@ -318,15 +333,18 @@ def p2p_ms(nbytes: float, device: Device, gbps: "float | LinkPath | None" = None
     return (nbytes / _link_bytes_per_s(device, gbps) + HOP_LATENCY_S) * 1e3 if nbytes > 0 else 0.0
 
 
-def _link_bytes_per_s(device: Device, gbps: "float | LinkPath | None" = None) -> float:
-    link = LinkPath.of(device, gbps).gbps
-    return link / 2 * 1e9 * LINK_EFFICIENCY     # bidirectional GB/s -> one way, achieved
+def _link_bytes_per_s(device: Device, gbps: "float | LinkPath | None" = None, ring: bool = False) -> float:
+    """Achieved one-way bytes per second over ``gbps`` (a path, or bidirectional GB/s): a GPU's own link, or with
+    ``ring`` what NCCL's ring and tree channels reach together (:attr:`LinkPath.ring_gbps`)."""
+    path = LinkPath.of(device, gbps)
+    return (path.ring_gbps if ring else path.gbps) / 2 * 1e9 * LINK_EFFICIENCY
 
 
 # Several nodes: GPUs_PER_NODE GPUs share a node's NVLink / Infinity Fabric; between nodes each GPU has its own
 # network link (DGX / HGX H100: one 400 Gb/s InfiniBand NDR port per GPU = 100 GB/s bidirectional; A100 systems:
-# 200 Gb/s HDR = 50). A collective whose group spans nodes runs at the slower of the two (NCCL's rings and trees
-# cross nodes through those ports).
+# 200 Gb/s HDR = 50). NCCL's rings and trees cross nodes through those ports, one channel per port, so a group
+# with g GPUs on each node crosses at g ports together, up to its links inside the node (LinkPath.ring_gbps); a
+# GPU's own transfers (all-to-all, point to point) use its port alone.
 GPUS_PER_NODE = 8
 INTERNODE_GBPS = 100.0
 
@@ -356,11 +374,16 @@ class Links:
         group = device.interconnect_group or gpus_per_node
 
         def over(span: int, members: int) -> LinkPath:
-            # beyond the GPUs the links join (a bridged pair) the host's PCIe; beyond a node the network
-            link = intra if span <= group else min(intra, device.pcie_gbps)
-            kind = _link_kind(device) if min(span, gpus_per_node) <= group else "pcie"   # inside each node
+            # inside each node: beyond the GPUs the links join (a bridged pair) the host's PCIe
+            inside = min(span, gpus_per_node) <= group
+            link = intra if inside else min(intra, device.pcie_gbps)
+            kind = _link_kind(device) if inside else "pcie"
             nodes = min(members, math.ceil(span / gpus_per_node))      # the nodes its GPUs sit on
-            return LinkPath(link if span <= gpus_per_node else min(link, float(internode_gbps)), kind, nodes)
+            if span <= gpus_per_node:
+                return LinkPath(link, kind, nodes)
+            # beyond a node the network, each of the group's GPUs on a node with a link of its own (DGX / HGX: one
+            # NIC per GPU)
+            return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link)
 
         spans = cls.spans(par)
         return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.dp),

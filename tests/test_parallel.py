@@ -84,20 +84,23 @@ def test_all_reduces_over_many_nodes_take_nccls_tree_where_it_is_faster():
 
     h100 = load_device("h100-sxm5-80gb")
     sizes = [2.0**e for e in range(3, 34)]
+    def path(nodes: int) -> LinkPath:       # 8 GPUs per node, each with a 100 GB/s network link
+        return LinkPath(100.0, "nvlink", nodes, 8, 900.0) if nodes > 1 else LinkPath(900.0)
+
     for nodes in (1, 2, 4, 8):
-        path = LinkPath(100.0 if nodes > 1 else 900.0, "nvlink", nodes)
-        runs = [nccl_collective(b, 8 * nodes, h100, path) for b in sizes]
+        runs = [nccl_collective(b, 8 * nodes, h100, path(nodes)) for b in sizes]
         assert all(a[0] < b[0] for a, b in zip(runs, runs[1:]))                     # monotone in bytes
         assert runs[-1][1] == "ring Simple"
         assert all(p.startswith("ring") for _, p in runs) == (nodes == 1)
-        assert all(nccl_collective(b, 8 * nodes, h100, path, passes=1)[1].startswith("ring") for b in sizes)
-    on = lambda b, nodes: nccl_collective(b, 8 * nodes, h100, LinkPath(100, "nvlink", nodes))[0]  # noqa: E731
+        assert all(nccl_collective(b, 8 * nodes, h100, path(nodes), passes=1)[1].startswith("ring") for b in sizes)
+    on = lambda b, nodes: nccl_collective(b, 8 * nodes, h100, path(nodes))[0]  # noqa: E731
     assert all(on(b, 2) < on(b, 4) < on(b, 8) for b in sizes)                           # and in the nodes
-    # a 128 KiB all-reduce over 8 nodes: the tree's LL128 (14 us + 2 x (7 x 1.25 + 3 x 8.5) us, the bytes twice at
-    # 120 / 128 x 0.92 of the link x NCCL's medium-size correction, 0.6 at 2^11 x 64 B) beats every ring
-    ll128 = next(p for p in NCCL_TREE_PROTOCOLS if p.name == "LL128")
-    want = (ll128.base_us + 2 * (7 * 1.25 + 3 * 8.5)) * 1e-3 + 2 * 2**17 / (50e9 * 0.8 * 120 / 128 * 0.92 * 0.6) * 1e3
-    assert nccl_collective(2**17, 64, h100, LinkPath(100, "nvlink", 8)) == (pytest.approx(want), "tree LL128")
+    # a 128 KiB all-reduce over 8 nodes: the tree's LL (6.8 us + 2 x (7 x 0.6 + 3 x 5.0) us, the bytes twice at
+    # 1 / 3.8 x 0.92 of the 8 network links together x NCCL's medium-size correction, 0.5 at 2^11 x 64 B) beats
+    # every ring
+    ll = next(p for p in NCCL_TREE_PROTOCOLS if p.name == "LL")
+    want = (ll.base_us + 2 * (7 * 0.6 + 3 * 5.0)) * 1e-3 + 2 * 2**17 / (400e9 * 0.8 / 3.8 * 0.92 * 0.5) * 1e3
+    assert nccl_collective(2**17, 64, h100, path(8)) == (pytest.approx(want), "tree LL")
     # the least latency of a ring there (LL: 6.6 us, 110 steps inside nodes at the network's 1 us post overhead,
     # 16 between nodes at 2.7 us) is already above the tree's whole time
     assert want < (6.6 + 110 * 1.0 + 16 * 2.7) * 1e-3
@@ -375,30 +378,39 @@ def test_bad_zero_runs_say_what_to_change(kw, fragment):
 
 def test_groups_that_span_nodes_run_at_the_network_links():
     """Ranks as Megatron-LM orders them (tensor-parallel innermost, pipeline outermost), 8 per node: with dp=4 x
-    tp=4 the tensor-parallel groups stay in a node, the data-parallel ones span two; their all-reduce then runs at
-    the network's 100 GB/s per GPU instead of NVLink's 900."""
+    tp=4 the tensor-parallel groups stay in a node, the data-parallel ones span two with two GPUs on each; NCCL
+    spreads their ring's channels over those two GPUs' network links (100 GB/s each), so the all-reduce crosses
+    nodes at 200 GB/s instead of NVLink's 900. A group with one GPU per node has that GPU's link alone; one with
+    8 per node reaches 800."""
     from neusight.parallel import Links
 
     h100 = load_device("h100-sxm5-80gb")
     links = Links.of(Parallelism(dp=4, tp=4), h100)
-    # the data-parallel group (ranks 0, 4, 8, 12) sits on both nodes, two GPUs on each
-    assert (links.tp, links.dp, links.nodes) == (LinkPath(900), LinkPath(100, "nvlink", 2), 2)
+    across = LinkPath(100, "nvlink", 2, rails=2, inside_gbps=900)
+    assert (links.tp, links.dp, links.nodes) == (LinkPath(900), across, 2) and across.ring_gbps == 200
     nvlink = LinkPath(900, "nvlink", 1)
     assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1)
-    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2)
+    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2, 1, 900)
+    assert Links.of(Parallelism(dp=16), h100).dp.ring_gbps == 800                       # 8 NICs per node
+    assert Links.of(Parallelism(dp=8, tp=8), h100).dp.ring_gbps == 100                  # one GPU per node
     l4 = load_device("l4")
-    assert Links.of(Parallelism(dp=4, tp=4), l4).dp == LinkPath(l4.interconnect_gbps, "pcie", 2)    # PCIe inside a node
+    pcie = Links.of(Parallelism(dp=4, tp=4), l4).dp                                     # PCIe inside a node
+    assert pcie == LinkPath(l4.interconnect_gbps, "pcie", 2, 2, l4.interconnect_gbps)
+    assert pcie.ring_gbps == l4.interconnect_gbps
+    # one GPU's own transfers (all-to-all, point to point) keep its link; rings and trees use the rails
+    assert alltoall_ms(1e9, 4, h100, across) == alltoall_ms(1e9, 4, h100, LinkPath(100, "nvlink", 2))
+    assert allreduce_ms(1e9, 4, h100, across) < allreduce_ms(1e9, 4, h100, LinkPath(100, "nvlink", 2))
     kw = dict(batch_size=16, seq_len=128, mode="training", dp=4, tp=4, memory=False)
     two = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
     one = predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=16, **kw)
     assert two.parts["tp_comm"] == one.parts["tp_comm"] and two.parts["compute"] == one.parts["compute"]
     grads = sum(t.numel * t.itemsize for t in two.per_gpu.graph.grads)
-    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, LinkPath(100, "nvlink", 2)))
+    assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, across))
     assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100))
-    # NCCL counts 2 x nodes = 4 of the ring's 6 steps between nodes (the network's latency per step) and 2 on
-    # NVLink inside a node, and its "plateau effect" takes 1.4 x that latency on an H100
+    # at 200 GB/s (100 one way, 80 % of it); NCCL counts 2 x nodes = 4 of the ring's 6 steps between nodes (the
+    # network's latency per step) and 2 on NVLink inside a node, and its "plateau effect" takes 1.4 x that latency
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
-    assert two.parts["dp_allreduce"] - grads * 1.5 / (50e9 * 0.8) * 1e3 == pytest.approx(
+    assert two.parts["dp_allreduce"] - grads * 1.5 / (100e9 * 0.8) * 1e3 == pytest.approx(
         1.4 * (simple.base_us + 2 * simple.step_us["nvlink"] + 4 * simple.step_us["network"]) * 1e-3)
     assert any("2 nodes of 8 GPUs" in n and "data-parallel" in n for n in two.notes)
     with pytest.raises(InputError, match="gpus_per_node=0"):
