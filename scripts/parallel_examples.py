@@ -166,9 +166,11 @@ def main() -> None:
         f"## Several nodes: {BIG} on 64 GPUs", "",
         f"{BIG}, sequence {BIG_SEQ}, global batch {BIG_BATCH}, one AdamW training step in BF16 with gradient "
         "checkpointing, on 8 nodes of 8 GPUs: ranks ordered as Megatron-LM orders them (tensor-parallel innermost, "
-        "pipeline stages outermost), groups that span nodes at 100 GB/s per GPU (`internode_gbps`), the others over "
-        "NVLink. Last three columns as in the first table: the data-parallel collectives overlapped with the "
-        "compute.", "",
+        "pipeline stages outermost), groups that span nodes over their GPUs' network links (100 GB/s each, "
+        "`internode_gbps`; a ring's or tree's channels spread over the links of the group's GPUs on a node, so "
+        "FSDP's group of 8 per node crosses at 800 GB/s, dp=8 x tp=8's data-parallel group of one per node at 100), "
+        "the others over NVLink. Last three columns as in the first table: the data-parallel collectives overlapped "
+        "with the compute.", "",
         markdown_table(big, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
         f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "
