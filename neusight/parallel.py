@@ -927,8 +927,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if links.nodes > 1:
         crossing = [name for name, f in field_of.items() if getattr(links, f).gbps < getattr(one_node, f).gbps]
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
-                  + (f"the {_joined(crossing)} collectives cross nodes at {internode_gbps:g} GB/s per GPU "
-                     "(internode_gbps, bidirectional)" if crossing else "no collective group runs slower for it (each "
+                  + (f"the {_joined(crossing)} collectives cross nodes over {internode_gbps:g} GB/s per GPU "
+                     "(internode_gbps, bidirectional), a ring's or tree's channels spread over the ports of the "
+                     "group's GPUs on each node ("
+                     + ", ".join(f"{name}: {getattr(links, field_of[name]).ring_gbps:g} GB/s" for name in crossing)
+                     + ")" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
     if tp > 1 and act_bytes > 0:

@@ -412,7 +412,7 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
     assert two.parts["dp_allreduce"] - grads * 1.5 / (100e9 * 0.8) * 1e3 == pytest.approx(
         1.4 * (simple.base_us + 2 * simple.step_us["nvlink"] + 4 * simple.step_us["network"]) * 1e-3)
-    assert any("2 nodes of 8 GPUs" in n and "data-parallel" in n for n in two.notes)
+    assert any("2 nodes of 8 GPUs" in n and "(data-parallel: 200 GB/s)" in n for n in two.notes)
     with pytest.raises(InputError, match="gpus_per_node=0"):
         predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=0, **kw)
     with pytest.raises(InputError, match="internode_gbps=-1"):
