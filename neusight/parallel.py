@@ -270,9 +270,7 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     # steps between nodes, as NCCL counts them (no more than all of them: one GPU per node)
     crossing = min(steps, 2 * nodes if passes == 2 else nodes - 1) if nodes > 1 else 0
     moved = passes * (n - 1) / n * nbytes
-    for p in NCCL_PROTOCOLS:
-        if p.name == "LL128" and path.kind != "nvlink":
-            continue
+    for p in _enabled(NCCL_PROTOCOLS, path):
         share = 1 / 3 if p.name == "LL" and passes == 1 and nodes == 1 else p.share
         intra = p.step_us[path.kind]
         if nodes > 1:
@@ -286,15 +284,18 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     # trees (all-reduce)
     per_node = max(1, n // nodes)
     size = math.log2(max(nbytes, 64) / 64)
-    for p in NCCL_TREE_PROTOCOLS:
-        if p.name == "LL128" and path.kind != "nvlink":
-            continue
+    for p in _enabled(NCCL_TREE_PROTOCOLS, path):
         share = 7 / 9 if p.name == "LL128" and nodes == 1 else p.share
         share *= NCCL_TREE_BANDWIDTH * _tree_correction(p.name, size)
         hops_up = (per_node - 1) * p.step_us[path.kind] + int(math.log2(nodes)) * p.step_us["network"]
         latency_us = p.base_us + 2 * hops_up
         best = min(best, (latency_us * 1e-3 + 2 * nbytes / (full * share) * 1e3, f"tree {p.name}"))
     return best
+
+
+def _enabled(protocols: tuple[Protocol, ...], path: LinkPath) -> list[Protocol]:
+    """The ``protocols`` NCCL enables by default over ``path``: LL128 only over NVLink-class links."""
+    return [p for p in protocols if p.name != "LL128" or path.kind == "nvlink"]
 
 
 def _tree_correction(protocol: str, size: float) -> float:

@@ -248,6 +248,10 @@ GROUPED_GEMM_CC_MAJOR = ("9", "10")
 AUTO_MARK = "moe_kernels='auto'"   # in the note of experts traced by "auto": their kernels depend on the GPU
 
 
+# the last words of every balanced-routing note
+_UNEVEN = "(routing is data-dependent; a real router's uneven load makes a step slower)"
+
+
 def _balanced_sizes_gating_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple:
     """A top-k gate that hands its experts a Python list of token counts (JetMoE's, for its attention and MLP
     experts), under balanced routing: the GPU's work as the gate runs it (router GEMM, top-k, softmax, the count of
@@ -322,8 +326,7 @@ def fix_size_list_gates(model: nn.Module) -> str | None:
     experts = sorted({int(m.num_experts) for m in gates})
     return (f"mixture of experts traced under balanced routing: each of {len(gates)} top-k "
             f"gate{'s' if len(gates) != 1 else ''} "
-            f"({'/'.join(map(str, experts))} experts) hands every expert tokens x top-k / experts tokens "
-            "(routing is data-dependent; a real router's uneven load makes a step slower)")
+            f"({'/'.join(map(str, experts))} experts) hands every expert tokens x top-k / experts tokens {_UNEVEN}")
 
 
 def depends_on_gpu(notes: list[str] | tuple[str, ...]) -> bool:
@@ -393,5 +396,4 @@ def fix_routed_experts(model: nn.Module, kernels: str = "auto", grouped_gemm: bo
     return (f"mixture of experts traced under balanced routing: in each of {len(found)} expert "
             f"layer{'s' if len(found) != 1 else ''} "
             f"({'/'.join(map(str, n_exp))} experts) every expert runs on tokens x top-k / experts tokens (when fewer "
-            f"token choices than experts: that many experts, one token each), {how}{why} (routing is data-dependent; "
-            "a real router's uneven load makes a step slower)")
+            f"token choices than experts: that many experts, one token each), {how}{why} {_UNEVEN}")
