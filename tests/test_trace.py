@@ -1295,7 +1295,9 @@ def test_llama_family_presets_have_their_published_sizes(name, billions, layers)
     # model cards / the safetensors totals of the released checkpoints; OPT: Zhang et al. 2022, Table 1
     ("llama-2-70b", 68.98, 7), ("llama-3-70b", 70.55, 7), ("llama-3.1-405b", 405.85, 7), ("llama-3.2-1b", 1.24, 7),
     ("llama-3.2-3b", 3.21, 7), ("qwen2.5-7b", 7.62, 7), ("qwen2.5-72b", 72.7, 7), ("qwen3-8b", 8.19, 7),
-    ("gemma-2-9b", 9.24, 7), ("phi-3-mini", 3.82, 4), ("opt-125m", 0.125, 6), ("opt-350m", 0.331, 6),
+    ("gemma-2-9b", 9.24, 7), ("phi-3-mini", 3.82, 4), ("phi-4", 14.66, 4),
+    # Gemma 3 technical report, Table 1: 27B = 1,416M embedding + 25,600M other parameters (its vision encoder apart)
+    ("gemma-3-27b", 27.02, 7), ("opt-125m", 0.125, 6), ("opt-350m", 0.331, 6),
     ("opt-2.7b", 2.65, 6), ("opt-6.7b", 6.66, 6), ("opt-13b", 12.85, 6), ("opt-30b", 29.97, 6), ("opt-66b", 65.7, 6)])
 def test_newer_decoder_presets_have_their_published_sizes(name, billions, per_layer):
     g = neusight.trace(name, batch_size=1, seq_len=16, mode="inference")
@@ -1304,6 +1306,20 @@ def test_newer_decoder_presets_have_their_published_sizes(name, billions, per_la
     # q, k, v, o and a gated MLP's three (Phi-3: fused qkv and gate_up); OPT: q, k, v, out, fc1, fc2; plus the head
     extra = 2 if name == "opt-350m" else 0        # its 512 -> 1024 projections in and out
     assert (g.kernels["family"] == "linear").sum() == per_layer * layers + 1 + extra
+    assert g.unmodeled == []
+
+
+@pytest.mark.parametrize("name, billions, active, rel", [
+    # gpt-oss model card (OpenAI 2025, table 1): totals and active parameters per token, the unembedding counted
+    # (a GEMM), the embedding not (a gather); Qwen3 model cards: 30.5B / 3.3B and 235B / 22B activated, the
+    # embeddings counted, so their 0.31B / 0.62B (a gather) is taken off; those are rounded, hence the tolerance
+    ("gpt-oss-20b", 20.91, 3.61, 0.002), ("gpt-oss-120b", 116.83, 5.13, 0.002),
+    ("qwen3-30b-a3b", 30.5, 3.3 - 0.311, 0.02), ("qwen3-235b-a22b", 235.0, 22.0 - 0.622, 0.03)])
+def test_2025_mixture_of_experts_presets_have_their_published_sizes(name, billions, active, rel):
+    g = neusight.trace(name, batch_size=1, seq_len=64, mode="inference")
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(billions, rel=min(rel, 0.005))
+    gemm_flops = g.kernels.loc[g.kernels["family"] == "linear", "flops"].sum()
+    assert gemm_flops / 64 / 2 / 1e9 == pytest.approx(active, rel=rel)
     assert g.unmodeled == []
 
 

@@ -36,7 +36,8 @@ _LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_ep
 
 
 _CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int,
@@ -140,6 +141,29 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                         v_head_dim=128, vocab_size=129280, n_group=8, topk_group=4,
                                         routed_scaling_factor=2.5, max_position_embeddings=163840,
                                         tie_word_embeddings=False)),
+    # Released in 2025, from their published config.json files: Microsoft's Phi-4 (14.7B, Phi-3's layout), Google's
+    # Gemma 3 27B (its language model: 5 sliding-window layers of 1,024 tokens to each global one), Alibaba's Qwen3
+    # mixtures of experts (128 experts of which 8 per token, in every layer) and OpenAI's gpt-oss (experts with biases
+    # and a clamped SwiGLU, 4 of 32 / 128 per token; attention with learned sinks, every other layer over a 128-token
+    # window). gpt-oss's released experts are stored in MXFP4, which transformers dequantizes where it has no MXFP4
+    # kernel; they are traced dense in the run's dtype.
+    "phi-4": _llama(5120, 17920, 40, 40, 10, 100352, 16384, "phi3", rope_theta=250000.0),
+    "gemma-3-27b": ("gemma3_text", dict(architectures=["Gemma3ForCausalLM"], hidden_size=5376, intermediate_size=21504,
+                                        num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                                        head_dim=128, vocab_size=262208, max_position_embeddings=131072,
+                                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=168,
+                                        sliding_window=1024, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    **{f"qwen3-{size}": _llama(hidden, 3 * hidden, layers, heads, 4, 151936, 40960, "qwen3_moe", head_dim=128,
+                               rope_theta=1e6, rms_norm_eps=1e-6, moe_intermediate_size=moe, num_experts=128,
+                               num_experts_per_tok=8, norm_topk_prob=True)
+       for size, hidden, layers, heads, moe in (("30b-a3b", 2048, 48, 32, 768), ("235b-a22b", 4096, 94, 64, 1536))},
+    **{f"gpt-oss-{size}": ("gpt_oss", dict(architectures=["GptOssForCausalLM"], hidden_size=2880,
+                                           intermediate_size=2880, num_hidden_layers=layers, num_attention_heads=64,
+                                           num_key_value_heads=8, head_dim=64, num_local_experts=experts,
+                                           num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                                           max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+                                           tie_word_embeddings=False))
+       for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))},
     # Vision Transformers (Dosovitskiy et al. 2021, Table 1: ViT-Base / ViT-Large, patch 16) at 224 x 224 with the
     # ImageNet-1k classifier.
     "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -152,7 +176,8 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "resnext50_32x4d": "resnext50-32x4d", "resnext101_32x4d": "resnext101-32x4d",
                   "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
                   "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "llama2-70b": "llama-2-70b",
-                  "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b", "phi-3-mini-4k": "phi-3-mini",
+                  "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b",
+                  "llama-3.3-70b": "llama-3-70b", "llama3.3-70b": "llama-3-70b", "phi-3-mini-4k": "phi-3-mini",
                   "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
                   "mixtral-8x22b-v0.1": "mixtral-8x22b", "vit-b-16": "vit-base", "vit-l-16": "vit-large",
                   "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
