@@ -61,11 +61,11 @@ and reduce-scatters run with the algorithm and protocol NCCL's own cost model pi
 :data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction of a microsecond over
 NVLink, LL128 or Simple for large ones; all-reduces over several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`);
 all-to-alls and point-to-point transfers cost HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a
-group whose GPUs sit on several nodes crosses them over its GPUs' network links (``internode_gbps`` each; a ring's
-or tree's channels spread over the links of the group's GPUs on a node, up to the node's own links; one GPU's
-all-to-all or point-to-point transfers go through its own link), its ring steps and tree hops between nodes at the
-network's latency (:class:`Links`, :class:`LinkPath`). NCCL's NVLink SHARP (NVLS) and CollNet algorithms are not
-modelled.
+group whose GPUs sit on several nodes crosses them over its GPUs' network links (``internode_gbps`` each, or a
+share of a node's ``nics_per_node`` such ports; a ring's or tree's channels spread over the links of the group's
+GPUs on a node, up to the node's own links; one GPU's all-to-all or point-to-point transfers go through its own
+link), its ring steps and tree hops between nodes at the network's latency (:class:`Links`, :class:`LinkPath`).
+NCCL's NVLink SHARP (NVLS) and CollNet algorithms are not modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -293,6 +293,19 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     return best
 
 
+def collective_call(nbytes: float, n: int, device: Device, gbps: "float | LinkPath | None" = None,
+                    passes: int = 2) -> str:
+    """One collective as a forecast's notes describe it: its size, GPUs, time and NCCL's algorithm and protocol
+    (:func:`nccl_collective`; ``passes`` 2 an all-reduce, 1 an all-gather or reduce-scatter of ``nbytes`` in all).
+
+    >>> collective_call(2**30, 8, load_device("h100-sxm5-80gb"))
+    "1,024.0 MiB over 8 GPUs, 5.28 ms as NCCL's ring Simple"
+    """
+    ms, how = nccl_collective(nbytes, n, device, gbps, passes)
+    took = f"{ms:,.2f} ms" if ms >= 1 else f"{ms * 1e3:,.1f} us"
+    return f"{nbytes / 2**20:,.1f} MiB over {n} GPUs, {took} as NCCL's {how}"
+
+
 def _enabled(protocols: tuple[Protocol, ...], path: LinkPath) -> list[Protocol]:
     """The ``protocols`` NCCL enables by default over ``path``: LL128 only over NVLink-class links."""
     return [p for p in protocols if p.name != "LL128" or path.kind == "nvlink"]
@@ -365,12 +378,24 @@ class Links:
 
     @classmethod
     def of(cls, par: "Parallelism", device: Device, gpus_per_node: int = GPUS_PER_NODE,
-           internode_gbps: float = INTERNODE_GBPS) -> "Links":
+           internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None) -> "Links":
+        """``internode_gbps``: each network port's bidirectional GB/s; ``nics_per_node``: a node's ports (None: one
+        per GPU, as DGX / HGX have). With fewer ports than GPUs, a node's GPUs share them: each GPU's share is
+        ``internode_gbps`` x ports / GPUs (every GPU of a node crosses at once in the collectives modelled)."""
         for name, v in (("gpus_per_node", gpus_per_node), ("internode_gbps", internode_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or \
                     (name == "gpus_per_node" and not isinstance(v, int)):
                 raise InputError(f"{name}={v!r} must be a positive {'integer' if name == 'gpus_per_node' else 'number'}"
                                  f". Fix: e.g. {name}={GPUS_PER_NODE if name == 'gpus_per_node' else INTERNODE_GBPS:g}")
+        if nics_per_node is not None:
+            if isinstance(nics_per_node, bool) or not isinstance(nics_per_node, int) or nics_per_node < 1:
+                raise InputError(f"nics_per_node={nics_per_node!r} must be a positive integer (a node's network "
+                                 "ports). Fix: e.g. nics_per_node=4, or leave it out (one per GPU)")
+            if nics_per_node > gpus_per_node:
+                raise InputError(f"nics_per_node={nics_per_node} is more than gpus_per_node={gpus_per_node}; the "
+                                 "model gives a GPU one port at most. Fix: nics_per_node <= gpus_per_node, with "
+                                 "internode_gbps = each GPU's ports together")
+            internode_gbps = internode_gbps * nics_per_node / gpus_per_node
         intra = device.interconnect_gbps
         group = device.interconnect_group or gpus_per_node
 
@@ -677,8 +702,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,
                      fused: bool = False, megatron: bool = False, memory: bool = True, tf32: Any = None,
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
-                     internode_gbps: float = INTERNODE_GBPS, cache: dict | None = None,
-                     host_us: float | None = None, vpp: int = 1, sp: bool = False,
+                     internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None,
+                     cache: dict | None = None, host_us: float | None = None, vpp: int = 1, sp: bool = False,
                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                      **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
@@ -704,6 +729,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     layouts with the same micro-batch size and ``tp`` (differing in ``dp``, ``pp``, ``zero`` or the links) reuse them.
     ``host_us``: the host's time per kernel launch on each GPU (:func:`neusight.api.host_waits_ms`; None: not
     modelled).
+    ``gpus_per_node``, ``internode_gbps``, ``nics_per_node``: the nodes the GPUs sit on, each network port's
+    bidirectional GB/s and a node's ports (None: one per GPU), from which each group's links follow (:class:`Links`).
     ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
@@ -741,7 +768,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                          "gathers none. Fix: zero=1, 2 or 3 (with dp > 1), or leave overlap_param_gather out")
     par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp)
     device = load_device(device)
-    links = Links.of(par, device, gpus_per_node, internode_gbps)
+    links = Links.of(par, device, gpus_per_node, internode_gbps, nics_per_node)
     if batch_size % (dp * microbatches):
         raise InputError(f"batch_size={batch_size} does not split into dp={dp} replicas x {microbatches} "
                          f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
@@ -833,12 +860,14 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         sizes = [b * ratio for b in nbytes]
         backward = k["phase"] == "backward"
 
-        def ddp_exposed(column: str) -> tuple[float, int]:
+        def ddp_exposed(column: str) -> tuple[float, list[float]]:
             buckets = ddp_buckets(k, backward, names, sizes, column)
-            return exposed_bucket_reduce_ms(buckets, float(k.loc[backward, column].sum()), reduce_ms), len(buckets)
+            return (exposed_bucket_reduce_ms(buckets, float(k.loc[backward, column].sum()), reduce_ms),
+                    [b for _, b in buckets])
 
         alone = parts["dp_allreduce"]
-        parts["dp_allreduce"], n_buckets = ddp_exposed("latency_ms")
+        parts["dp_allreduce"], bucket_bytes = ddp_exposed("latency_ms")
+        n_buckets = len(bucket_bytes)
         dp_roofline = ddp_exposed("roofline_ms")[0]
         # DDP's own kernels on each gradient (into its bucket, and back): told, not charged, since ZeRO's, FSDP's and
         # Megatron-LM's per-parameter kernels are not modelled either and layouts are to compare on the same footing
@@ -927,25 +956,39 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   "(pcie_gbps)",)
     if links.nodes > 1:
         crossing = [name for name, f in field_of.items() if getattr(links, f).gbps < getattr(one_node, f).gbps]
+        shared = nics_per_node is not None and nics_per_node < gpus_per_node
+        ports = (f"{nics_per_node} network ports of {internode_gbps:g} GB/s per node (nics_per_node, internode_gbps, "
+                 f"bidirectional), {internode_gbps * nics_per_node / gpus_per_node:g} GB/s per GPU as all its GPUs "
+                 "share them" if shared else
+                 f"{internode_gbps:g} GB/s per GPU (internode_gbps, bidirectional)")
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
-                  + (f"the {_joined(crossing)} collectives cross nodes over {internode_gbps:g} GB/s per GPU "
-                     "(internode_gbps, bidirectional), a ring's or tree's channels spread over the ports of the "
-                     "group's GPUs on each node ("
+                  + (f"the {_joined(crossing)} collectives cross nodes over {ports}, a ring's or tree's channels "
+                     "spread over the ports of the group's GPUs on each node ("
                      + ", ".join(f"{name}: {getattr(links, field_of[name]).ring_gbps:g} GB/s" for name in crossing)
                      + ")" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
     if tp > 1 and act_bytes > 0:
-        ms, how = nccl_collective(act_bytes, tp, device, links.tp)
         notes += (f"each tensor-parallel all-reduce (two per block in the forward pass"
                   f"{', two in the backward' if training else ''}"
                   f"{'; with sp a reduce-scatter + all-gather, charged as the all-reduce' if sp else ''}"
-                  f"): {act_bytes / 2**20:,.1f} MiB over {tp} GPUs, {ms * 1e3:,.1f} us as NCCL's {how} "
+                  f"): {collective_call(act_bytes, tp, device, links.tp)} "
                   f"(its cost model's fastest algorithm and protocol for that size)",)
     if dp > 1 and training and not zero and ep == 1 and not overlap_grad_reduce:
-        ms, how = nccl_collective(grad_bytes, dp, device, links.dp)
-        notes += (f"the gradients' all-reduce: {grad_bytes / 2**20:,.1f} MiB over {dp} GPUs, {ms:,.2f} ms as NCCL's "
-                  f"{how}",)
+        notes += (f"the gradients' all-reduce: {collective_call(grad_bytes, dp, device, links.dp)}",)
+    if dp > 1 and training and zero and ep == 1:
+        if zero == 3:
+            unit = sorted(units)[len(units) // 2]
+            notes += (f"ZeRO stage 3's collectives, per unit of parameters ({len(units) - 1} transformer blocks and "
+                      f"the rest): the median unit's parameters all-gathered twice a step, before its forward and "
+                      f"its backward pass, {collective_call(unit, dp, device, links.dp, 1)}; its gradients "
+                      "reduce-scattered once, "
+                      f"{collective_call(unit * grad_bytes / max(sum(units), 1.0), dp, device, links.dp, 1)}",)
+        else:
+            params = sum(t.numel * t.itemsize for t in g.params) * share
+            notes += (f"ZeRO stage {zero}'s collectives, one call each: the gradients' reduce-scatter, "
+                      f"{collective_call(grad_bytes, dp, device, links.dp, 1)}; the updated parameters' all-gather, "
+                      f"{collective_call(params, dp, device, links.dp, 1)}",)
     if columns and training and tp > 1:
         change = par.microbatches * float(stages["tp_overlap_ms"].sum())
         notes += (f"Megatron-LM overlaps each column-parallel projection's backward "
@@ -976,7 +1019,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if ddp:
         notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
                   f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "
-                  f"the order their gradients are ready, one collective at a time: {alone:,.1f} ms of it alone, "
+                  f"the order their gradients are ready, one collective at a time (the median bucket: "
+                  f"{collective_call(sorted(bucket_bytes)[n_buckets // 2], dp, device, links.dp)}): "
+                  f"{alone:,.1f} ms of it alone, "
                   f"{parts['dp_allreduce']:,.1f} ms left exposed after the last backward kernel (kernels sharing the "
                   "GPU with it are not slowed in the forecast). Not included: DDP's two elementwise kernels per "
                   f"parameter (each gradient divided into its bucket and copied back), {copies_ms:,.2f} ms by this "

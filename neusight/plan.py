@@ -238,7 +238,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         Adds the cost per 1M tokens (images, samples) of every candidate, all ``gpus`` GPUs counted.
     **kwargs
         As for :func:`neusight.parallel.predict_parallel` (head, predictor, fused, megatron, tf32,
-        gpus_per_node, internode_gbps, attn_implementation, dtype, amp, ...).
+        gpus_per_node, internode_gbps, nics_per_node, attn_implementation, dtype, amp, ...).
 
     Examples
     --------

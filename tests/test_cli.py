@@ -90,6 +90,8 @@ BAD = {
                                           "overlap_grad_reduce=true"), "overlap_grad_reduce=true overlaps"),
     "predict-param-gather-without-zero": (("neusight-predict", "model=gpt2", "device=t4", "mode=training", "dp=2",
                                            "overlap_param_gather=true"), "zero=0 gathers none"),
+    "predict-more-ports-than-gpus": (("neusight-predict", "model=gpt2", "device=h100-sxm5-80gb", "mode=training",
+                                      "dp=16", "nics_per_node=16"), "nics_per_node=16 is more than gpus_per_node=8"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
                                      "lora_targets"),
     "predict-sequence-length-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "seq_len=128"),

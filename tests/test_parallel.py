@@ -13,7 +13,7 @@ from neusight.devices import load_device
 from neusight.errors import InputError, ModelError
 from neusight.evaluate import find_labels, predict_label
 from neusight.parallel import (NCCL_PROTOCOLS, LinkPath, Parallelism, allgather_ms, allreduce_ms, alltoall_ms,
-                               nccl_collective, p2p_ms, predict_parallel)
+                               collective_call, nccl_collective, p2p_ms, predict_parallel)
 from tests.conftest import DATASET, need_shared
 
 
@@ -115,9 +115,33 @@ def test_a_forecast_names_the_algorithm_and_protocol_of_its_collectives():
     assert f"{act / 2**20:,.1f} MiB over 2 GPUs, {ms * 1e3:,.1f} us as NCCL's {how}" in tp_note
     assert how.startswith("ring ") and "two in the backward" in tp_note
     dp_note = next(n for n in p.notes if n.startswith("the gradients' all-reduce:"))
-    assert f"{p.parts['dp_allreduce']:,.2f} ms as NCCL's ring" in dp_note
+    assert p.parts["dp_allreduce"] < 1 and f"{p.parts['dp_allreduce'] * 1e3:,.1f} us as NCCL's ring" in dp_note
     inference = predict_parallel("gpt2", h100, batch_size=8, seq_len=256, mode="inference", tp=2, memory=False)
     assert not any("two in the backward" in n or "gradients' all-reduce:" in n for n in inference.notes)
+
+
+def test_zero_and_ddp_notes_give_their_collectives_per_call():
+    h100 = load_device("h100-sxm5-80gb")
+    kw = dict(batch_size=8, seq_len=128, mode="training", dp=4, memory=False)
+    z2 = predict_parallel("gpt2", h100, zero=2, **kw)
+    note = next(n for n in z2.notes if n.startswith("ZeRO stage 2's collectives"))
+    grads = params = 124_439_808 * 4                       # GPT-2's parameters (its head tied), FP32
+    # not overlapped: the note's calls are what the forecast charges
+    assert collective_call(grads, 4, h100, passes=1) in note
+    assert f"{z2.parts['dp_allreduce']:,.2f} ms as NCCL's" in note.split("; ")[0]
+    assert f"{z2.parts['dp_gather']:,.2f} ms as NCCL's" in note.split("; ")[1]
+    assert f"{params / 2**20:,.1f} MiB over 4 GPUs" in note.split("; ")[1]
+    z3 = predict_parallel("gpt2", h100, zero=3, **kw)
+    note = next(n for n in z3.notes if n.startswith("ZeRO stage 3's collectives"))
+    block = 7_087_872 * 4                                   # one GPT-2 block's parameters: the median of 13 units
+    assert "12 transformer blocks and the rest" in note
+    assert f"before its forward and its backward pass, {collective_call(block, 4, h100, passes=1)};" in note
+    assert note.endswith(collective_call(block, 4, h100, passes=1))      # its gradients: as large, FP32 too
+    ddp = predict_parallel("gpt2", h100, overlap_grad_reduce=True, **kw)
+    note = next(n for n in ddp.notes if "as PyTorch DDP runs it" in n)
+    median = re.search(r"the median bucket: ([\d.,]+) MiB over 4 GPUs, [\d.,]+ (us|ms) as NCCL's ring", note)
+    assert median and 25 <= float(median.group(1).replace(",", "")) < 200
+    assert not any("collectives, " in n for n in ddp.notes)
 
 
 def test_tensor_parallel_shard_halves_the_gemm_work():
@@ -417,6 +441,31 @@ def test_groups_that_span_nodes_run_at_the_network_links():
         predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=0, **kw)
     with pytest.raises(InputError, match="internode_gbps=-1"):
         predict_parallel("gpt2", "h100-sxm5-80gb", internode_gbps=-1, **kw)
+
+
+def test_fewer_network_ports_than_gpus_are_shared_by_the_nodes_gpus():
+    """nics_per_node=4 on nodes of 8 GPUs: each port (internode_gbps) serves two GPUs, so every group crossing nodes
+    gets half the network it gets with one port per GPU; groups inside a node are untouched."""
+    from neusight.parallel import Links
+
+    h100 = load_device("h100-sxm5-80gb")
+    for par, default, shared in ((Parallelism(dp=16), 800, 400), (Parallelism(dp=8, tp=8), 100, 50),
+                                 (Parallelism(dp=4, tp=4), 200, 100)):
+        assert Links.of(par, h100).dp.ring_gbps == default
+        assert Links.of(par, h100, nics_per_node=4).dp.ring_gbps == shared
+        assert Links.of(par, h100, nics_per_node=8) == Links.of(par, h100)          # one port per GPU: the default
+        assert Links.of(par, h100, nics_per_node=4).tp == Links.of(par, h100).tp
+    assert Links.of(Parallelism(dp=8, tp=8), h100, nics_per_node=2).dp.gbps == 25
+    kw = dict(batch_size=32, seq_len=128, mode="training", dp=16, memory=False)
+    full = predict_parallel("gpt2", h100, **kw)
+    half = predict_parallel("gpt2", h100, nics_per_node=4, **kw)
+    assert half.parts["compute"] == full.parts["compute"] and half.parts["dp_allreduce"] > full.parts["dp_allreduce"]
+    assert any("4 network ports of 100 GB/s per node" in n and "50 GB/s per GPU" in n
+               and "(data-parallel: 400 GB/s)" in n for n in half.notes)
+    for bad, match in ((0, "nics_per_node=0 must be a positive integer"), (True, "nics_per_node=True"),
+                       (2.5, "nics_per_node=2.5"), (16, "nics_per_node=16 is more than gpus_per_node=8")):
+        with pytest.raises(InputError, match=match):
+            predict_parallel("gpt2", h100, nics_per_node=bad, **kw)
 
 
 def test_groups_beyond_a_bridged_pair_run_over_pcie():

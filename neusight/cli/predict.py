@@ -85,6 +85,8 @@ class PredictConfig:
     #                                      each; null = 1 (with gpus=N: the degrees dividing dp and the experts tried)
     gpus_per_node: int = 8               # GPUs per node sharing NVLink; groups spanning nodes use the network
     internode_gbps: float = 100.0        # per-GPU network link between nodes, bidirectional GB/s (400 Gb/s IB = 100)
+    nics_per_node: Optional[int] = None  # network ports per node, internode_gbps each, shared by its GPUs; null = one
+    #                                      per GPU (DGX / HGX)
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
@@ -833,7 +835,7 @@ def _parallel(cfg: PredictConfig) -> float:
                              vpp=cfg.vpp, sp=cfg.sp, overlap_grad_reduce=cfg.overlap_grad_reduce,
                              overlap_param_gather=cfg.overlap_param_gather,
                              gpus_per_node=cfg.gpus_per_node,
-                             internode_gbps=cfg.internode_gbps,
+                             internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
                              **_step_options(cfg))
         print(("\n" if i else "") + p.summary())
         gpus = p.parallelism.gpus
@@ -890,7 +892,8 @@ def _plan(cfg: PredictConfig) -> float:
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
                                  amp=cfg.amp, kv_cache=cfg.kv_cache, gpus_per_node=cfg.gpus_per_node,
-                                 internode_gbps=cfg.internode_gbps, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
+                                 overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather,
                                  **_step_options(cfg))
             print(("\n" if plans else "") + plan.summary())
