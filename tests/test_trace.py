@@ -725,7 +725,12 @@ def test_unknown_model_suggests_close_names():
     ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("google/gemma-2-9b-it", "gemma-2-9b"),
     ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"), ("openai-community/gpt2-large", "gpt2-large"),
     ("mistralai/Mistral-7B-Instruct-v0.3", None),      # v0.3 is not v0.1's architecture (vocabulary)
-    ("EleutherAI/gpt-neo-2.7B", None)])
+    ("EleutherAI/gpt-neo-2.7B", None),
+    # retrained releases dated by their month, and reasoning fine-tunes, keep their base's architecture
+    ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b"), ("Qwen/Qwen3-235B-A22B-Thinking-2507", "qwen3-235b-a22b"),
+    ("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
+    ("openai/gpt-oss-120b", "gpt-oss-120b"), ("google/gemma-3-12b-it", "gemma-3-12b"),
+    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3-70b"), ("acme/model-2507", None)])
 def test_hub_names_of_fine_tuned_variants_build_their_preset(hub_name, preset):
     from neusight.graph.models import _preset_of_hub_name, build_model
 
@@ -1296,8 +1301,10 @@ def test_llama_family_presets_have_their_published_sizes(name, billions, layers)
     ("llama-2-70b", 68.98, 7), ("llama-3-70b", 70.55, 7), ("llama-3.1-405b", 405.85, 7), ("llama-3.2-1b", 1.24, 7),
     ("llama-3.2-3b", 3.21, 7), ("qwen2.5-7b", 7.62, 7), ("qwen2.5-72b", 72.7, 7), ("qwen3-8b", 8.19, 7),
     ("gemma-2-9b", 9.24, 7), ("phi-3-mini", 3.82, 4), ("phi-4", 14.66, 4),
-    # Gemma 3 technical report, Table 1: 27B = 1,416M embedding + 25,600M other parameters (its vision encoder apart)
-    ("gemma-3-27b", 27.02, 7), ("opt-125m", 0.125, 6), ("opt-350m", 0.331, 6),
+    # Gemma 3 technical report, Table 1: embedding + other parameters, the vision encoder apart (1B: 302M + 698M,
+    # 4B: 675M + 3,209M, 12B: 1,012M + 10,759M, 27B: 1,416M + 25,600M)
+    ("gemma-3-1b", 1.000, 7), ("gemma-3-4b", 3.884, 7), ("gemma-3-12b", 11.771, 7), ("gemma-3-27b", 27.016, 7),
+    ("opt-125m", 0.125, 6), ("opt-350m", 0.331, 6),
     ("opt-2.7b", 2.65, 6), ("opt-6.7b", 6.66, 6), ("opt-13b", 12.85, 6), ("opt-30b", 29.97, 6), ("opt-66b", 65.7, 6)])
 def test_newer_decoder_presets_have_their_published_sizes(name, billions, per_layer):
     g = neusight.trace(name, batch_size=1, seq_len=16, mode="inference")

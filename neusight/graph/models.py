@@ -142,17 +142,23 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                         routed_scaling_factor=2.5, max_position_embeddings=163840,
                                         tie_word_embeddings=False)),
     # Released in 2025, from their published config.json files: Microsoft's Phi-4 (14.7B, Phi-3's layout), Google's
-    # Gemma 3 27B (its language model: 5 sliding-window layers of 1,024 tokens to each global one), Alibaba's Qwen3
-    # mixtures of experts (128 experts of which 8 per token, in every layer) and OpenAI's gpt-oss (experts with biases
-    # and a clamped SwiGLU, 4 of 32 / 128 per token; attention with learned sinks, every other layer over a 128-token
-    # window). gpt-oss's released experts are stored in MXFP4, which transformers dequantizes where it has no MXFP4
-    # kernel; they are traced dense in the run's dtype.
+    # Gemma 3 1B-27B (their language models: 5 sliding-window layers of 512 / 1,024 tokens to each global one),
+    # Alibaba's Qwen3 mixtures of experts (128 experts of which 8 per token, in every layer) and OpenAI's gpt-oss
+    # (experts with biases and a clamped SwiGLU, 4 of 32 / 128 per token; attention with learned sinks, every other
+    # layer over a 128-token window). gpt-oss's released experts are stored in MXFP4, which transformers
+    # dequantizes where it has no MXFP4 kernel; they are traced dense in the run's dtype.
     "phi-4": _llama(5120, 17920, 40, 40, 10, 100352, 16384, "phi3", rope_theta=250000.0),
-    "gemma-3-27b": ("gemma3_text", dict(architectures=["Gemma3ForCausalLM"], hidden_size=5376, intermediate_size=21504,
-                                        num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
-                                        head_dim=128, vocab_size=262208, max_position_embeddings=131072,
-                                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=168,
-                                        sliding_window=1024, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    **{f"gemma-3-{size}": ("gemma3_text", dict(architectures=["Gemma3ForCausalLM"], hidden_size=hidden,
+                                               intermediate_size=inter, num_hidden_layers=layers,
+                                               num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                                               vocab_size=262144 if size == "1b" else 262208,
+                                               max_position_embeddings=32768 if size == "1b" else 131072,
+                                               hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                                               sliding_window=512 if size == "1b" else 1024, rms_norm_eps=1e-6,
+                                               tie_word_embeddings=True))
+       for size, hidden, inter, layers, heads, kv, head_dim, scalar in (
+           ("1b", 1152, 6912, 26, 4, 1, 256, 256), ("4b", 2560, 10240, 34, 8, 4, 256, 256),
+           ("12b", 3840, 15360, 48, 16, 8, 256, 256), ("27b", 5376, 21504, 62, 32, 16, 128, 168))},
     **{f"qwen3-{size}": _llama(hidden, 3 * hidden, layers, heads, 4, 151936, 40960, "qwen3_moe", head_dim=128,
                                rope_theta=1e6, rms_norm_eps=1e-6, moe_intermediate_size=moe, num_experts=128,
                                num_experts_per_tok=8, norm_topk_prob=True)
@@ -177,7 +183,8 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "se_resnext101_32x4d": "se-resnext101-32x4d", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
                   "llama3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b", "llama2-70b": "llama-2-70b",
                   "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b",
-                  "llama-3.3-70b": "llama-3-70b", "llama3.3-70b": "llama-3-70b", "phi-3-mini-4k": "phi-3-mini",
+                  "llama-3.3-70b": "llama-3-70b", "llama3.3-70b": "llama-3-70b",
+                  "deepseek-r1": "deepseek-v3", "deepseek-v3.1": "deepseek-v3", "phi-3-mini-4k": "phi-3-mini",
                   "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
                   "mixtral-8x22b-v0.1": "mixtral-8x22b", "vit-b-16": "vit-base", "vit-l-16": "vit-large",
                   "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
@@ -308,9 +315,10 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
                      "'package.module:ClassName' of your own nn.Module (with input_shapes).")
 
 
-# words of a Hub model name that do not change its architecture: fine-tuned variants ("-Instruct", "-chat", "-it"),
-# the "-hf" of converted checkpoints, the "Meta-" of "Meta-Llama-3-8B"
-_VARIANT_WORDS = {"hf", "instruct", "chat", "it", "base"}
+# words of a Hub model name that do not change its architecture: fine-tuned variants ("-Instruct", "-chat", "-it",
+# "-Thinking"), the "-hf" of converted checkpoints, the "Meta-" of "Meta-Llama-3-8B", and a last word of four digits:
+# the month of a retrained release ("Qwen3-30B-A3B-Instruct-2507", "DeepSeek-V3-0324")
+_VARIANT_WORDS = {"hf", "instruct", "chat", "it", "base", "thinking"}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -321,6 +329,8 @@ def _preset_of_hub_name(name: str) -> str | None:
     words = name.rsplit("/", 1)[-1].lower().split("-")
     if words and words[0] == "meta" and len(words) > 1:
         words = words[1:]
+    if len(words) > 1 and re.fullmatch(r"\d{4}", words[-1]):
+        words = words[:-1]
     kept = "-".join(w for w in words if w not in _VARIANT_WORDS)
     key = PRESET_ALIASES.get(kept, kept)
     return key if key in HF_PRESETS else None
