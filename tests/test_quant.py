@@ -1,5 +1,5 @@
-"""Weight-only quantized inference (weight_quant="int8" / "int4"): one dequantizing GEMM per projection, its bytes,
-the stored weights, the bound of a decode step, and the refusals."""
+"""Weight-only quantized inference (weight_quant="int8" / "int4" / "mxfp4"): one dequantizing GEMM per projection, its
+bytes, the stored weights and their scales, the bound of a decode step, and the refusals."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _gemms(g):
     return k[k["family"] == "linear"]
 
 
-@pytest.mark.parametrize("bits, weight_bytes", [("int8", 1.0), ("int4", 0.5)])
+@pytest.mark.parametrize("bits, weight_bytes", [("int8", 1.0), ("int4", 0.5), ("mxfp4", 0.5)])
 def test_each_projection_is_one_gemm_reading_its_weight_in_its_stored_bytes(bits, weight_bytes):
     kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16")
     plain = neusight.trace(_TINY_LLAMA, **kw)
@@ -32,13 +32,26 @@ def test_each_projection_is_one_gemm_reading_its_weight_in_its_stored_bytes(bits
     assert q["flops"].sum() == _gemms(plain)["flops"].sum()               # the same work, the LM head unquantized
     assert len(q) - len(mine) == 1
     # q_proj, 64 tokens: BF16 input and output, the weight in its bytes, its scales (int8: one per output channel;
-    # int4: a scale and a zero point per 128 inputs) in BF16
-    scales = 128 * 2 if bits == "int8" else 2 * 128 * 1 * 2
+    # int4: a scale and a zero point per 128 inputs) in BF16; MXFP4: a one-byte power-of-two scale per 32 inputs
+    scales = {"int8": 128 * 2, "int4": 2 * 128 * 1 * 2, "mxfp4": 128 * 4}[bits]
     row = mine[mine["dims"] == (1, 64, 128, 128)].iloc[0]
     assert row["bytes"] == 64 * 128 * 2 + 128 * 128 * weight_bytes + scales + 64 * 128 * 2
     stored = [p for p in quant.params if p.dtype in ("int8", "uint8")]
     assert sum(p.numel * p.itemsize for p in stored) == _PROJECTION_WEIGHTS * weight_bytes
     assert any(f"weight-only {bits} quantization: 14 nn.Linear" in n for n in quant.notes)
+    assert quant.n_params == plain.n_params                  # two 4-bit weights a byte are still two parameters
+    # the scales are resident weight memory too, beside the stored weights
+    from neusight.memory import estimate_memory
+
+    delta = {"int8": 1.0, "int4": 0.5, "mxfp4": 0.5}[bits] - 2.0
+    added = sum(m.itemsize * m.numel for m in quant.buffers) - sum(m.itemsize * m.numel for m in plain.buffers)
+    # int8: 2 layers' 1,024 output channels, a BF16 scale each; int4: 4 bytes per 128 weights; MXFP4: 1 per 32
+    assert added == {"int8": 2 * 1024 * 2, "int4": _PROJECTION_WEIGHTS * 4 / 128,
+                     "mxfp4": _PROJECTION_WEIGHTS / 32}[bits]
+    weights = {n: estimate_memory(g, "h100-sxm5-80gb").breakdown["weights"] for n, g in (("plain", plain),
+                                                                                        ("quant", quant))}
+    # (each of the 14 scale tensors rounded up to the caching allocator's 512-byte blocks)
+    assert 0 <= weights["quant"] - weights["plain"] - (_PROJECTION_WEIGHTS * delta + added) < 14 * 512
 
 
 def test_a_decode_step_reads_fewer_weight_bytes_and_is_bounded_lower():
@@ -93,3 +106,41 @@ def test_routed_experts_are_stored_quantized_and_run_one_dequantizing_grouped_ge
     assert {p.dtype for p in experts} == {"uint8"}
     assert sum(p.numel for p in experts) == 2 * 4 * (128 * 512 + 256 * 128) // 2
     assert any("routed experts of 2 layers are stored in int4" in n for n in quant.notes)
+
+
+_TINY_GPT_OSS = dict(model_type="gpt_oss", hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                     num_experts_per_tok=2, vocab_size=512, sliding_window=16)
+
+
+def test_mxfp4_stores_a_mixture_of_experts_routed_experts_alone_as_gpt_oss_ships_them():
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16", moe_kernels="grouped")
+    plain = neusight.trace(_TINY_GPT_OSS, **kw)
+    quant = neusight.trace(_TINY_GPT_OSS, weight_quant="mxfp4", **kw)
+    k = quant.kernels
+    grouped = k[k["kernel"] == "mxfp4_weight_grouped_gemm"]
+    assert set(grouped["dims"]) == {(4, 32, 128, 256), (4, 32, 128, 128)} and len(grouped) == 4
+    gate_up = grouped[grouped["dims"] == (4, 32, 128, 256)].iloc[0]
+    # BF16 rows in, 4 experts' 4-bit weights with one scale byte per 32 inputs, BF16 rows out
+    assert gate_up["bytes"] == 128 * 128 * 2 + 4 * (256 * 128 / 2 + 256 * 128 / 32) + 128 * 256 * 2
+    # attention, router and head untouched: the same kernels as without quantization
+    others = lambda g: sorted(g.kernels.loc[g.kernels["family"] == "linear", "dims"])  # noqa: E731
+    assert others(quant) == others(plain) and not k["kernel"].str.contains("mxfp4_weight_gemm").any()
+    stored = {n: p for n, p in zip(quant.param_names, quant.params) if p.dtype == "uint8"}
+    assert stored and all(".experts." in n for n in stored)
+    assert quant.n_params == plain.n_params
+    # every weight and scale resident (up to the caching allocator's 512-byte blocks)
+    from neusight.memory import estimate_memory
+
+    resident = sum(t.numel * t.itemsize for t in [*quant.params, *quant.buffers])
+    weights = estimate_memory(quant, "h100-sxm5-80gb").breakdown["weights"]
+    assert 0 <= weights - resident < 512 * (len(quant.params) + len(quant.buffers))
+    assert sum(t.numel * t.itemsize for t in quant.buffers if t.dtype == "uint8") == 2 * 4 * (256 + 128) * 128 / 32
+    note = next(n for n in quant.notes if n.startswith("weight-only mxfp4"))
+    assert "routed experts of 2 layers" in note and "attention, the router, the embeddings and the LM head" in note
+
+
+def test_mxfp4_needs_inputs_in_groups_of_32():
+    odd = dict(_TINY_GPT_OSS, hidden_size=120, head_dim=30)                    # experts' inputs: 120 and 120
+    with pytest.raises(InputError, match="multiples of 32"):
+        neusight.trace(odd, batch_size=1, seq_len=8, mode="inference", dtype="bfloat16", weight_quant="mxfp4")

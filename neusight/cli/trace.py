@@ -32,7 +32,8 @@ class TraceConfig:
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
     fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling)
-    weight_quant: Optional[str] = None   # inference with int8 / int4 weights (weight-only, dequantized in the GEMM)
+    weight_quant: Optional[str] = None   # inference with int8 / int4 / mxfp4 weights (weight-only, dequantized in
+    #                                      the GEMM; mxfp4 in a mixture of experts: its routed experts, as gpt-oss)
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     static_cache: bool = False           # generation: new tokens written in place (StaticCache), not concatenated
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th

@@ -55,6 +55,8 @@ class Graph:
     memory_format: str = "contiguous"   # the CNN's layout: "contiguous" (NCHW) or "channels_last" (neusight.graph.layout)
     # a tensor-parallel trace's projections split by output features (Megatron-LM's column-parallel linears)
     tp_columns: tuple[str, ...] = ()
+    # the model's parameters as numbers where its stored elements differ (weight_quant: two 4-bit weights per byte)
+    param_count: int | None = None
 
     @functools.cached_property
     def kernels(self) -> pd.DataFrame:
@@ -100,7 +102,8 @@ class Graph:
 
     @property
     def n_params(self) -> int:
-        return sum(p.numel for p in self.params)
+        """The model's parameters (a packed 4-bit weight's byte counted as its two weights)."""
+        return self.param_count if self.param_count is not None else sum(p.numel for p in self.params)
 
     def summary(self) -> pd.DataFrame:
         """Per family: kernel count, GFLOPs, GB of minimum DRAM traffic."""

@@ -177,13 +177,14 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     torch.zeros(int(self.num_experts), dtype=torch.int32, device=device).cumsum(0)      # tokens per expert -> offsets
 
     def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        scales = getattr(self, "neusight_scales_of", {}).get(id(w))    # weight-only quantized experts' scales
         if active < w.shape[0]:            # only the experts that run (slicing them all would add a gradient copy)
             w = w[:active]
         w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)
         if w.dtype == torch.float8_e4m3fn:  # FP8 experts (fp8=True, inference): one FP8 grouped GEMM
             y = _fp8_grouped_mm(h, w, share)
         elif w.dtype in (torch.int8, torch.uint8):   # weight-only quantized experts (weight_quant=)
-            y = self.neusight_quantized_mm(h, w, share)
+            y = self.neusight_quantized_mm(h, w, share, scales)
         elif grouped:
             y = torch.bmm(h.view(active, share, h.shape[-1]), w).view(rows, w.shape[-1])
         else:                              # in the weights' dtype, as transformers casts it (grouped_mm: no autocast)

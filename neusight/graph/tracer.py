@@ -744,10 +744,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         are not multiples of 16) as FP8 GEMMs with dynamic per-tensor scaling, as torchao runs them: in training its
         Float8Linear (weights, gradients and optimizer in the model's precision, FP8 casts in every pass), in
         inference FP8 weights (one byte each) with each input cast per call. Needs a GPU with FP8 tensor cores.
-    weight_quant : {None, "int8", "int4"}
+    weight_quant : {None, "int8", "int4", "mxfp4"}
         Weight-only quantized inference (:mod:`neusight.graph.quant`): every ``nn.Linear`` weight but the LM head's
-        stored in 8 or 4 bits (int4: groups of 128 inputs), each projection one GEMM that dequantizes as it loads
-        (Marlin / AWQ / GPTQ-style), computing in the model's dtype.
+        stored in 8 or 4 bits (int4: groups of 128 inputs; mxfp4: OCP microscaling, groups of 32, and in a mixture
+        of experts its routed experts alone, as gpt-oss ships them), each projection one GEMM that dequantizes as it
+        loads (Marlin / AWQ / GPTQ-style), computing in the model's dtype.
     moe_kernels : {"auto", "loop", "grouped", "per-expert"}
         Routed mixture-of-experts layers (Mixtral, Qwen-MoE, ...; :mod:`neusight.graph.moe`, balanced routing):
         "loop" runs one GEMM pair per expert on its gathered tokens (transformers' eager experts), "grouped" one
@@ -888,9 +889,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     tracker.parents = _EnteredModules(["Global"])
     _RECOMPUTING.clear()    # no recomputation is running as a trace starts (whatever an interrupted one left)
     rec = _Recorder(tracker, type(module).__name__)
+    param_count = None             # the parameters as numbers, where packed storage differs (weight_quant)
     if weight_quant is not None:   # after the cache probe: its layers record into the trace's recorder
         from neusight.graph.quant import apply_weight_quant
 
+        param_count = sum(p.numel() for p in module.parameters())
         layers_note = apply_weight_quant(module, weight_quant, rec.fused_region)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
     # float16 training runs under torch.cuda.amp.GradScaler (bfloat16 has FP32's range and needs none)
@@ -985,7 +988,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
                  lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch,
-                 memory_format=memory_format, tp_columns=tuple(tp_columns))
+                 memory_format=memory_format, tp_columns=tuple(tp_columns),
+                 param_count=param_count)
 
 
 def _to_channels_last(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
