@@ -54,6 +54,8 @@ RUNS = [
      dict(batch_size=1, seq_len=1, mode="inference", kv_cache=1023, dtype="bfloat16", weight_quant="int4")),
     ("Mixtral 8x7B decode step with int4 weights (its experts too), batch 8, context 2048, bf16", "mixtral-8x7b",
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16", weight_quant="int4")),
+    ("gpt-oss-120b decode step as released (MXFP4 experts), batch 8, context 2048, bf16", "gpt-oss-120b",
+     dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16", weight_quant="mxfp4")),
     ("Llama-3-8B decode step as a server runs it (SDPA attention, static KV cache), batch 32, context 4096, bf16",
      "llama-3-8b", dict(batch_size=32, seq_len=1, mode="inference", kv_cache=4095, dtype="bfloat16",
                         attn_implementation="sdpa", static_cache=True)),
