@@ -998,10 +998,14 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   "the stages' GPUs), the collectives' share of the SMs not modelled",)
     if ep > 1:
         n_layers = len({path for path, _, _ in g.expert_dispatch})
+        sent = sorted(b for _, phase, b in g.expert_dispatch if phase == "forward")
+        per_call = sent[len(sent) // 2] if sent else 0.0
+        took = alltoall_ms(per_call, ep, device, links.ep)
         notes += (f"expert parallelism: each of {ep} GPUs holds 1/{ep} of the experts of the {n_layers} experts "
                   f"layer{'s' if n_layers != 1 else ''} and runs them on the token rows of all {ep}, sent and returned "
-                  "by an all-to-all each (two more per layer in the backward pass); routing balanced, all-to-alls not "
-                  "overlapped with compute",)
+                  f"by an all-to-all each ({per_call / 2**20:,.1f} MiB from each GPU a call, "
+                  f"{f'{took:,.2f} ms' if took >= 1 else f'{took * 1e3:,.1f} us'}; two more per layer in the backward "
+                  "pass); routing balanced, all-to-alls not overlapped with compute",)
     if sp:
         n_sp = int(sequence_parallel_mask(g.kernels).sum())
         notes += (f"sequence parallelism: {n_sp} kernels of the blocks (layer norms, dropouts, residual adds) run on "

@@ -258,6 +258,8 @@ def test_expert_parallel_spreads_the_experts_and_keeps_their_work(tmp_path):
     assert whole.memory_breakdown["weights"] - spread.memory_breakdown["weights"] == pytest.approx(experts)
     assert spread.memory_peak_bytes < whole.memory_peak_bytes
     assert "ep 2" in spread.summary() and any("expert parallelism" in n for n in spread.notes)
+    one = alltoall_ms(2 * 32 * 2 * 64 * 4.0, 2, h100)              # each call's, as charged above
+    assert any(f"(0.0 MiB from each GPU a call, {one * 1e3:,.1f} us;" in n for n in spread.notes)
 
 
 def test_expert_parallel_dispatches_again_for_a_recomputed_layer_and_splits_switch_experts():
