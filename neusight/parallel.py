@@ -979,8 +979,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if dp > 1 and training and zero and ep == 1:
         if zero == 3:
             unit = sorted(units)[len(units) // 2]
-            notes += (f"ZeRO stage 3's collectives, per unit of parameters ({len(units) - 1} transformer blocks and "
-                      f"the rest): the median unit's parameters all-gathered twice a step, before its forward and "
+            what = f"{len(index)} transformer blocks and the rest" if index else "the whole model, one unit"
+            notes += (f"ZeRO stage 3's collectives, per unit of parameters ({what}): the median unit's parameters "
+                      "all-gathered twice a step, before its forward and "
                       f"its backward pass, {collective_call(unit, dp, device, links.dp, 1)}; its gradients "
                       "reduce-scattered once, "
                       f"{collective_call(unit * grad_bytes / max(sum(units), 1.0), dp, device, links.dp, 1)}",)
