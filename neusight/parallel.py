@@ -302,8 +302,23 @@ def collective_call(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     "1,024.0 MiB over 8 GPUs, 5.28 ms as NCCL's ring Simple"
     """
     ms, how = nccl_collective(nbytes, n, device, gbps, passes)
-    took = f"{ms:,.2f} ms" if ms >= 1 else f"{ms * 1e3:,.1f} us"
-    return f"{nbytes / 2**20:,.1f} MiB over {n} GPUs, {took} as NCCL's {how}"
+    return f"{nbytes / 2**20:,.1f} MiB over {n} GPUs, {_duration(ms)} as NCCL's {how}"
+
+
+def _duration(ms: float) -> str:
+    """A collective's time for a note: ms from 1 ms on, else us."""
+    return f"{ms:,.2f} ms" if ms >= 1 else f"{ms * 1e3:,.1f} us"
+
+
+def _median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count); 0 for none."""
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
+def network_share_gbps(internode_gbps: float, nics_per_node: int | None, gpus_per_node: int) -> float:
+    """Each GPU's share of its node's network: ``internode_gbps`` per port, ``nics_per_node`` ports (None: one per
+    GPU) shared by the node's ``gpus_per_node`` GPUs, all of which cross at once in the collectives modelled."""
+    return internode_gbps if nics_per_node is None else internode_gbps * nics_per_node / gpus_per_node
 
 
 def _enabled(protocols: tuple[Protocol, ...], path: LinkPath) -> list[Protocol]:
@@ -395,7 +410,7 @@ class Links:
                 raise InputError(f"nics_per_node={nics_per_node} is more than gpus_per_node={gpus_per_node}; the "
                                  "model gives a GPU one port at most. Fix: nics_per_node <= gpus_per_node, with "
                                  "internode_gbps = each GPU's ports together")
-            internode_gbps = internode_gbps * nics_per_node / gpus_per_node
+        internode_gbps = network_share_gbps(internode_gbps, nics_per_node, gpus_per_node)
         intra = device.interconnect_gbps
         group = device.interconnect_group or gpus_per_node
 
@@ -820,6 +835,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
+    param_bytes = sum(t.numel * t.itemsize for t in g.params) * share
     expert_share = _expert_parameter_share(g) if ep > 1 else 0.0
     units = _unit_parameter_bytes(g, index) if zero == 3 else []
 
@@ -839,7 +855,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         parts["dp_gather"] = sum(2 * sharded_ms(u) for u in units)
     elif zero:      # reduce-scatter the gradients, all-gather the updated parameters
         parts["dp_allreduce"] = reduce_ms(grad_bytes)
-        parts["dp_gather"] = sharded_ms(sum(t.numel * t.itemsize for t in g.params) * share)
+        parts["dp_gather"] = sharded_ms(param_bytes)
     else:
         parts["dp_allreduce"] = reduce_ms(grad_bytes) if training else 0.0
         parts["dp_gather"] = 0.0
@@ -958,8 +974,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         crossing = [name for name, f in field_of.items() if getattr(links, f).gbps < getattr(one_node, f).gbps]
         shared = nics_per_node is not None and nics_per_node < gpus_per_node
         ports = (f"{nics_per_node} network ports of {internode_gbps:g} GB/s per node (nics_per_node, internode_gbps, "
-                 f"bidirectional), {internode_gbps * nics_per_node / gpus_per_node:g} GB/s per GPU as all its GPUs "
-                 "share them" if shared else
+                 f"bidirectional), {network_share_gbps(internode_gbps, nics_per_node, gpus_per_node):g} GB/s per GPU "
+                 "as all its GPUs share them" if shared else
                  f"{internode_gbps:g} GB/s per GPU (internode_gbps, bidirectional)")
         notes += (f"{links.nodes} nodes of {gpus_per_node} GPUs (gpus_per_node): "
                   + (f"the {_joined(crossing)} collectives cross nodes over {ports}, a ring's or tree's channels "
@@ -978,7 +994,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"the gradients' all-reduce: {collective_call(grad_bytes, dp, device, links.dp)}",)
     if dp > 1 and training and zero and ep == 1:
         if zero == 3:
-            unit = sorted(units)[len(units) // 2]
+            unit = _median(units)
             what = f"{len(index)} transformer blocks and the rest" if index else "the whole model, one unit"
             notes += (f"ZeRO stage 3's collectives, per unit of parameters ({what}): the median unit's parameters "
                       "all-gathered twice a step, before its forward and "
@@ -986,10 +1002,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                       "reduce-scattered once, "
                       f"{collective_call(unit * grad_bytes / max(sum(units), 1.0), dp, device, links.dp, 1)}",)
         else:
-            params = sum(t.numel * t.itemsize for t in g.params) * share
             notes += (f"ZeRO stage {zero}'s collectives, one call each: the gradients' reduce-scatter, "
                       f"{collective_call(grad_bytes, dp, device, links.dp, 1)}; the updated parameters' all-gather, "
-                      f"{collective_call(params, dp, device, links.dp, 1)}",)
+                      f"{collective_call(param_bytes, dp, device, links.dp, 1)}",)
     if columns and training and tp > 1:
         change = par.microbatches * float(stages["tp_overlap_ms"].sum())
         notes += (f"Megatron-LM overlaps each column-parallel projection's backward "
@@ -999,13 +1014,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   "the stages' GPUs), the collectives' share of the SMs not modelled",)
     if ep > 1:
         n_layers = len({path for path, _, _ in g.expert_dispatch})
-        sent = sorted(b for _, phase, b in g.expert_dispatch if phase == "forward")
-        per_call = sent[len(sent) // 2] if sent else 0.0
-        took = alltoall_ms(per_call, ep, device, links.ep)
+        per_call = _median([b for _, phase, b in g.expert_dispatch if phase == "forward"])
         notes += (f"expert parallelism: each of {ep} GPUs holds 1/{ep} of the experts of the {n_layers} experts "
                   f"layer{'s' if n_layers != 1 else ''} and runs them on the token rows of all {ep}, sent and returned "
                   f"by an all-to-all each ({per_call / 2**20:,.1f} MiB from each GPU a call, "
-                  f"{f'{took:,.2f} ms' if took >= 1 else f'{took * 1e3:,.1f} us'}; two more per layer in the backward "
+                  f"{_duration(alltoall_ms(per_call, ep, device, links.ep))}; two more per layer in the backward "
                   "pass); routing balanced, all-to-alls not overlapped with compute",)
     if sp:
         n_sp = int(sequence_parallel_mask(g.kernels).sum())
@@ -1025,7 +1038,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
                   f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "
                   f"the order their gradients are ready, one collective at a time (the median bucket: "
-                  f"{collective_call(sorted(bucket_bytes)[n_buckets // 2], dp, device, links.dp)}): "
+                  f"{collective_call(_median(bucket_bytes), dp, device, links.dp)}): "
                   f"{alone:,.1f} ms of it alone, "
                   f"{parts['dp_allreduce']:,.1f} ms left exposed after the last backward kernel (kernels sharing the "
                   "GPU with it are not slowed in the forecast). Not included: DDP's two elementwise kernels per "

@@ -177,7 +177,7 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     torch.zeros(int(self.num_experts), dtype=torch.int32, device=device).cumsum(0)      # tokens per expert -> offsets
 
     def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        scales = getattr(self, "neusight_scales_of", {}).get(id(w))    # weight-only quantized experts' scales
+        scales = getattr(w, "neusight_scales", None)    # weight-only quantized experts' scales (weight_quant=)
         if active < w.shape[0]:            # only the experts that run (slicing them all would add a gradient copy)
             w = w[:active]
         w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)

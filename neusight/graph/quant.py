@@ -40,9 +40,9 @@ QUANT_NOTE = ("weight-only {bits} quantization: {n} nn.Linear weights stored in 
               "unvalidated: no measurement of such kernels was available")
 _PER = {"int8": "a scale per output channel", "int4": f"a scale and a zero point per {INT4_GROUP} inputs",
         "mxfp4": f"4-bit E2M1 values with an 8-bit power-of-two scale per {MXFP4_GROUP} inputs, OCP microscaling"}
-_KERNELS = {"int8": "Marlin / AWQ / GPTQ / TensorRT-LLM-style kernels", "int4": "Marlin / AWQ / GPTQ / "
-            "TensorRT-LLM-style kernels", "mxfp4": "as Triton's MXFP4 kernels run on GPUs without FP4 tensor cores; "
-            "Blackwell's FP4 products are not modelled"}
+_INTEGER_KERNELS = "Marlin / AWQ / GPTQ / TensorRT-LLM-style kernels"
+_KERNELS = {"int8": _INTEGER_KERNELS, "int4": _INTEGER_KERNELS, "mxfp4": "as Triton's MXFP4 kernels run on GPUs "
+            "without FP4 tensor cores; Blackwell's FP4 products are not modelled"}
 
 
 def linear_layers(module: nn.Module,
@@ -67,12 +67,11 @@ def check_weight_quant(value: Any, mode: str) -> None:
 
 
 def _weight_bytes(out_f: int, in_f: int, bits: str, act_size: int) -> float:
-    """Bytes of a quantized weight with its scales (and int4 zero points) in the activations' precision."""
-    if bits == "int8":
-        return out_f * in_f + out_f * act_size
-    if bits == "mxfp4":       # two 4-bit (E2M1) values per byte, a one-byte (E8M0) scale per 32
-        return out_f * in_f / 2 + out_f * (in_f // MXFP4_GROUP)
-    return out_f * in_f / 2 + 2 * out_f * (in_f // INT4_GROUP) * act_size
+    """Bytes of a quantized weight with its scales (:func:`_scales`; those in the weight's dtype at the activations'
+    ``act_size``): one byte a weight in int8, half a byte in int4 and MXFP4."""
+    shape, dtype = _scales(bits, in_f, out_f, None)
+    scale_size = act_size if dtype is None else dtype.itemsize
+    return out_f * in_f * (1 if bits == "int8" else 0.5) + math.prod(shape) * scale_size
 
 
 def _quantized_forward(region: Callable, bits: str) -> Callable:
@@ -137,18 +136,17 @@ def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable) -> i
             scales, dtype = _scales(bits, ins[name], out_f, w.dtype)
             mod.register_buffer(f"neusight_{name}_scales", torch.empty((w.shape[0], *scales), dtype=dtype,
                                                                        device="meta"))
-            # the projection reads its weights' scales too (and they are resident memory): found by its weights
-            mod.neusight_scales_of = {**getattr(mod, "neusight_scales_of", {}),
-                                      id(packed): getattr(mod, f"neusight_{name}_scales")}
+            # the projection reads its weights' scales too (and they are resident memory): found on its weights
+            packed.neusight_scales = getattr(mod, f"neusight_{name}_scales")
         mod.neusight_quantized_mm = _quantized_grouped_mm(region, bits)
         mod.forward = types.MethodType(_grouped_experts_forward, mod)
         done += 1
     return done
 
 
-def _scales(bits: str, in_f: int, out_f: int, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+def _scales(bits: str, in_f: int, out_f: int, dtype: Any) -> tuple[tuple[int, ...], Any]:
     """Shape and dtype of one weight's scales: int8 one per output channel, int4 a scale and a zero point per 128
-    inputs (in the weight's dtype), MXFP4 one E8M0 byte per 32 inputs."""
+    inputs (both in the weight's ``dtype``), MXFP4 one E8M0 byte per 32 inputs."""
     if bits == "int8":
         return (out_f,), dtype
     if bits == "mxfp4":
