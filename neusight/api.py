@@ -21,7 +21,7 @@ from neusight.graph.fusion import REWRITE_NOTE, REWRITTEN_ATTENTION, fused_kerne
 from neusight.graph.graph import Graph
 from neusight.graph.layout import INDUCTOR_NOTE, LAYOUT_NOTE, TRANSPOSE_KERNELS, charged, with_layout_transposes
 from neusight.graph.megatron import megatron_kernels
-from neusight.graph.tracer import trace
+from neusight.graph.tracer import notes_on, trace
 from neusight.kernels.base import ATTENTION_KERNEL
 from neusight.kernels.ops_gemm import DEPTHWISE_PREFIX
 from neusight.memory import estimate_memory
@@ -515,7 +515,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         kernels["latency_ms"] = kernels["gpu_ms"] + kernels["host_wait_ms"]
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
-    notes = g.notes + ((FUSED_NOTE,) if fused else ())
+    notes = notes_on(g.notes, device) + ((FUSED_NOTE,) if fused else ())
     if megatron:
         notes += (MEGATRON_NOTE.format(
             fused=f"{changed['fused']} fused bias-GeLU kernels (one per activation and pass)" if changed["fused"] else

@@ -493,6 +493,17 @@ def test_sdpa_takes_the_backend_pytorch_picks_on_the_gpu():
     assert "aten._scaled_dot_product_efficient_attention.default" in _attention_ops(mha)
 
 
+def test_gpus_sharing_a_trace_each_read_their_own_name_in_its_attention_note():
+    """H100 and B200 take the same attention backend, so one trace serves both; each forecast's note names its GPU."""
+    from neusight.api import predict_many
+
+    run = dict(batch_size=2, seq_len=1, kv_cache=63, attn_implementation="sdpa", dtype="bfloat16")
+    h100, b200 = predict_many(_GQA_LM, ["h100-sxm5-80gb", "b200"], mode="inference", **run)
+    named = lambda p: [n.split(" as ")[0] for n in p.notes if n.startswith("scaled_dot_product_attention on")]  # noqa
+    assert named(h100) == ["scaled_dot_product_attention on h100-sxm5-80gb"]
+    assert named(b200) == ["scaled_dot_product_attention on b200"]
+
+
 def _attention_kernels(model, device, **run) -> set[str]:
     ops = _attention_ops(neusight.trace(model, device=device, **run))
     return {o.removeprefix("aten.").removesuffix(".default") for o in ops

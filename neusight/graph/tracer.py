@@ -579,6 +579,13 @@ def trace_key(graphs: dict, device: Any, dtype: Any) -> tuple[bool, str]:
     return software_path(device, dtype)
 
 
+def notes_on(notes: tuple[str, ...], device: Any) -> tuple[str, ...]:
+    """A trace's notes as ``device`` reads them: a trace is shared by the GPUs of its software path (:func:`trace_key`)
+    and its attention-backend note named the GPU it was traced for; here it names ``device``."""
+    lead = SDPA_MARK + " "
+    return tuple(lead + device.key + n[n.find(" ", len(lead)):] if n.startswith(lead) else n for n in notes)
+
+
 def depends_on_gpu(notes: Any) -> bool:
     """Whether a trace with these notes took a GPU-specific path (experts of ``moe_kernels="auto"``, an attention
     backend picked for the GPU), so that a GPU with another :func:`software_path` needs its own trace."""
