@@ -741,7 +741,8 @@ def test_unknown_model_suggests_close_names():
     ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b"), ("Qwen/Qwen3-235B-A22B-Thinking-2507", "qwen3-235b-a22b"),
     ("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
     ("openai/gpt-oss-120b", "gpt-oss-120b"), ("google/gemma-3-12b-it", "gemma-3-12b"),
-    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3-70b"), ("acme/model-2507", None)])
+    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3-70b"), ("acme/model-2507", None),
+    ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b")])
 def test_hub_names_of_fine_tuned_variants_build_their_preset(hub_name, preset):
     from neusight.graph.models import _preset_of_hub_name, build_model
 
@@ -1338,6 +1339,21 @@ def test_2025_mixture_of_experts_presets_have_their_published_sizes(name, billio
     assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(billions, rel=min(rel, 0.005))
     gemm_flops = g.kernels.loc[g.kernels["family"] == "linear", "flops"].sum()
     assert gemm_flops / 64 / 2 / 1e9 == pytest.approx(active, rel=rel)
+    assert g.unmodeled == []
+
+
+@pytest.mark.parametrize("name, billions, non_embedding", [
+    # Qwen3 model cards: parameters and non-embedding parameters in billions, as rounded there (the embeddings and
+    # an untied LM head counted as embedding)
+    ("qwen3-0.6b", 0.6, 0.44), ("qwen3-1.7b", 1.7, 1.4), ("qwen3-4b", 4.0, 3.6), ("qwen3-8b", 8.2, 6.95),
+    ("qwen3-14b", 14.8, 13.2), ("qwen3-32b", 32.8, 31.2)])
+def test_qwen3_dense_presets_have_their_published_sizes(name, billions, non_embedding):
+    g = neusight.trace(name, batch_size=1, seq_len=16, mode="inference")
+    sizes = {n: t.numel / 1e9 for n, t in zip(g.param_names, g.params)}
+    embedding = sizes["model.embed_tokens.weight"] + sizes.get("lm_head.weight", 0.0)   # tied: one table
+    assert sum(sizes.values()) == pytest.approx(billions, abs=0.05)
+    assert sum(sizes.values()) - embedding == pytest.approx(non_embedding, abs=0.05 if non_embedding > 1 else 0.005)
+    assert ("lm_head.weight" in sizes) == (billions > 5)          # the three smallest tie it to the embeddings
     assert g.unmodeled == []
 
 

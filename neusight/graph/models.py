@@ -107,6 +107,13 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-72b": _llama(8192, 29568, 80, 64, 8, 152064, 131072, "qwen2", rope_theta=1e6, rms_norm_eps=1e-6),
     "qwen3-8b": _llama(4096, 12288, 36, 32, 8, 151936, 40960, "qwen3", head_dim=128, rope_theta=1e6,
                        rms_norm_eps=1e-6),
+    # the rest of the dense Qwen3 family (Qwen3 model cards and config.json files): the three smallest tie their
+    # embeddings to the head
+    **{f"qwen3-{size}": _llama(hidden, inter, layers, heads, 8, 151936, 40960, "qwen3", head_dim=128, rope_theta=1e6,
+                               rms_norm_eps=1e-6, tie_word_embeddings=hidden <= 2560)
+       for size, hidden, inter, layers, heads in (("0.6b", 1024, 3072, 28, 16), ("1.7b", 2048, 6144, 28, 16),
+                                                  ("4b", 2560, 9728, 36, 32), ("14b", 5120, 17408, 40, 40),
+                                                  ("32b", 5120, 25600, 64, 64))},
     "gemma-2-9b": ("gemma2", dict(architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
                                   num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                                   vocab_size=256000, max_position_embeddings=8192,
