@@ -126,3 +126,23 @@ def test_routed_experts_serve_fp8_weights_as_grouped_gemms_and_train_in_precisio
     assert not (train.kernels["kernel"] == "scaled_grouped_mm").any()
     assert {p.dtype for n, p in zip(train.param_names, train.params) if ".experts." in n} == {"bfloat16"}
     assert any("kept in the model's precision: the LM head, the routed experts" in n for n in train.notes)
+
+
+def test_experts_stored_input_major_serve_fp8_weights_too():
+    """gpt-oss stores its experts (experts, in, out) (transformers' is_transposed); their FP8 copies are laid out as
+    the FP8 grouped GEMM takes them, so FP8 serving runs (it stopped at the GEMM's layout check before)."""
+    from neusight.api import predict_graph
+
+    gpt_oss = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                   num_experts_per_tok=2, vocab_size=512, sliding_window=16)
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16", moe_kernels="grouped")
+    plain, fp8 = (neusight.trace(gpt_oss, fp8=f, **kw) for f in (False, True))
+    grouped = fp8.kernels[fp8.kernels["kernel"] == "scaled_grouped_mm"]
+    assert set(grouped["dims"]) == {(4, 32, 64, 2 * 96), (4, 32, 96, 64)} and len(grouped) == 4
+    experts = {n: p for n, p in zip(fp8.param_names, fp8.params) if n.endswith(("experts.gate_up_proj",
+                                                                                   "experts.down_proj"))}
+    assert {p.dtype for p in experts.values()} == {"float8_e4m3fn"}
+    assert sum(p.numel for p in experts.values()) == 2 * 4 * (64 * 2 * 96 + 96 * 64)
+    assert predict_graph(fp8, "h100-sxm5-80gb").latency_ms > 0
+    assert plain.n_params == fp8.n_params

@@ -142,7 +142,12 @@ def _fp8_experts(routed: list[nn.Module]) -> None:
         for name in ("gate_up_proj", "up_proj", "down_proj"):
             w = getattr(mod, name, None)
             if isinstance(w, nn.Parameter) and w.dim() == 3:
-                setattr(mod, name, nn.Parameter(torch.empty(w.shape, dtype=E4M3, device="meta"), requires_grad=False))
+                e, a, b = w.shape
+                # the grouped GEMM takes each expert's weight (in, out) column-major: experts stored (experts, in,
+                # out) (is_transposed, gpt-oss's, Llama 4's) hold their FP8 copy as (experts, out, in), seen transposed
+                fp8 = (torch.empty(e, b, a, dtype=E4M3, device="meta").transpose(1, 2)
+                       if getattr(mod, "is_transposed", False) else torch.empty(e, a, b, dtype=E4M3, device="meta"))
+                setattr(mod, name, nn.Parameter(fp8, requires_grad=False))
         mod.forward = types.MethodType(_grouped_experts_forward, mod)
 
 
