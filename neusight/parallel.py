@@ -447,7 +447,7 @@ class Links:
 # are not Llama-style in this sense and are refused; Phi-3's fused projections have entries of their own below.
 _LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3",
                 "Ministral", "Granite", "Cohere", "Olmo", "Helium", "Ernie4_5", "Arcee", "Exaone4", "SeedOss",
-                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2")
+                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2", "GptOss")
 # multi-head latent attention blocks (DeepSeek-V2 / V3)
 _MLA = ("DeepseekV2", "DeepseekV3")
 # (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features
@@ -487,6 +487,8 @@ _CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads")
 _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
            "OPTAttention": ("embed_dim",)}
 _HEADS = {"GPT2Attention": "num_heads", "BertSelfAttention": "num_attention_heads", "OPTAttention": "num_heads"}
+# per-head parameters of an attention block, split by heads with its projections: gpt-oss's attention sinks
+_PER_HEAD = {"GptOssAttention": ("sinks",)}
 
 
 def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None = None) -> nn.Module:
@@ -498,7 +500,8 @@ def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None 
     ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too), Phi-3's fused
     projections and DeepSeek-V2 / V3's multi-head latent attention (``_MLA``: the per-head up projections split,
     the shared low-rank down projections whole). Raises
-    ModelError for a model without any of them, InputError when heads or widths do not divide by ``tp``.
+    ModelError for a model without any of them or with attention / MLP blocks of another kind beside them (split
+    only in part, :func:`_unsplit_blocks`), InputError when heads or widths do not divide by ``tp``.
     """
     if tp == 1:
         return module
@@ -533,6 +536,10 @@ def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None 
                 found += 1
                 if how == "col" and columns is not None:
                     columns.append(f"{path}.{attr}" if path else attr)
+        for attr in _PER_HEAD.get(cls, ()):
+            w = getattr(parent, attr)      # (heads,): _CONFIG_HEADS checked that tp divides them
+            setattr(parent, attr, nn.Parameter(torch.empty(w.shape[0] // tp, dtype=w.dtype, device="meta"),
+                                               requires_grad=w.requires_grad))
         if is_routed_experts(parent):
             _split_experts(parent, tp, cls)
             found += 1
@@ -541,8 +548,26 @@ def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None 
                          f"Llama-style blocks ({', '.join(_LLAMA_STYLE)}, Phi3) and DeepSeek's latent attention "
                          f"({', '.join(_MLA)}); {type(module).__name__} has "
                          "none. Fix: use tp=1 (dp and pp work for any model)")
+    whole = _unsplit_blocks(module)
+    if whole:
+        raise ModelError(f"tensor parallelism would split only part of {type(module).__name__}: its "
+                         f"{', '.join(whole)} block{'s' if len(whole) > 1 else ''} with linear layers "
+                         f"{'are' if len(whole) > 1 else 'is'} not among the modelled ones (GPT-2, BERT, OPT, "
+                         f"Llama-style blocks: {', '.join(_LLAMA_STYLE)}, Phi3, {', '.join(_MLA)}), and a forecast "
+                         f"with {'them' if len(whole) > 1 else 'it'} whole on every GPU would be wrong. Fix: use tp=1 "
+                         "(dp and pp work for any model)")
     _split_vocab(module, tp)
     return module
+
+
+def _unsplit_blocks(module: nn.Module) -> list[str]:
+    """Class names of the attention and MLP blocks of ``module`` (by name: ``...Attention``, ``...MLP``) that hold
+    linear layers of their own but that no tensor-parallel split knows: a model tensor parallelism would only
+    partly shard."""
+    known = {owner for owner, _ in _SPLITS}
+    return sorted({type(m).__name__ for m in module.modules()
+                   if type(m).__name__.endswith(("Attention", "MLP")) and type(m).__name__ not in known
+                   and any(isinstance(c, nn.Linear) for c in m.children())})
 
 
 def _split(layer: nn.Module, how: str, tp: int, where: str) -> nn.Module:

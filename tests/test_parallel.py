@@ -7,13 +7,14 @@ import json
 import re
 
 import pytest
+from torch import nn
 
 import neusight
 from neusight.devices import load_device
 from neusight.errors import InputError, ModelError
 from neusight.evaluate import find_labels, predict_label
 from neusight.parallel import (NCCL_PROTOCOLS, LinkPath, Parallelism, allgather_ms, allreduce_ms, alltoall_ms,
-                               collective_call, nccl_collective, p2p_ms, predict_parallel)
+                               collective_call, nccl_collective, p2p_ms, predict_parallel, shard_tensor_parallel)
 from tests.conftest import DATASET, need_shared
 
 
@@ -331,7 +332,7 @@ _TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "qwen3_moe", "granite", "cohere", "starcoder2",
-                                        "ministral", "phi3"])
+                                        "ministral", "phi3", "gpt_oss"])
 def test_other_llama_style_blocks_halve_every_layer_product(model_type):
     """Each block's projections, MLP (or experts) and attention products halve at tp=2; only routers stay whole."""
     import transformers
@@ -356,6 +357,29 @@ def test_blocks_that_are_not_llama_style_are_refused(model_type):
     """OLMo 2 normalizes the whole query width, GLM fuses gate and up in a block otherwise its own: neither is split."""
     with pytest.raises(ModelError, match="Llama-style blocks"):
         neusight.trace({"model_type": model_type, **_TINY_DECODER}, batch_size=2, seq_len=8, tensor_parallel=2)
+
+
+def test_a_model_split_only_in_part_is_refused():
+    """OLMoE's routed experts split like Mixtral's, but its attention (which normalizes the whole query width, as
+    OLMo 2's) does not: a forecast with the attention whole on every GPU is refused, not returned."""
+    with pytest.raises(ModelError, match=r"split only part of OlmoeForCausalLM: its OlmoeAttention block"):
+        neusight.trace({"model_type": "olmoe", **_TINY_DECODER, "num_experts": 4}, batch_size=2, seq_len=8,
+                       tensor_parallel=2)
+
+    class LlamaMLP(nn.Module):          # a block tensor parallelism knows, by its class name
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    class MyAttention(nn.Module):       # and one it does not
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+    model = nn.Sequential(LlamaMLP(), MyAttention()).to("meta")
+    with pytest.raises(ModelError, match="its MyAttention block with linear layers is not among the modelled ones"):
+        shard_tensor_parallel(model, 2)
+    assert shard_tensor_parallel(nn.Sequential(LlamaMLP()).to("meta"), 2)[0].up_proj.out_features == 8
 
 
 def test_zero_stages_shard_the_state_and_trade_collectives():
