@@ -447,7 +447,7 @@ class Links:
 # are not Llama-style in this sense and are refused; Phi-3's fused projections have entries of their own below.
 _LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3",
                 "Ministral", "Granite", "Cohere", "Olmo", "Helium", "Ernie4_5", "Arcee", "Exaone4", "SeedOss",
-                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2", "GptOss")
+                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2", "Llama4Text", "GptOss")
 # multi-head latent attention blocks (DeepSeek-V2 / V3)
 _MLA = ("DeepseekV2", "DeepseekV3")
 # (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features
@@ -540,7 +540,7 @@ def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None 
             w = getattr(parent, attr)      # (heads,): _CONFIG_HEADS checked that tp divides them
             setattr(parent, attr, nn.Parameter(torch.empty(w.shape[0] // tp, dtype=w.dtype, device="meta"),
                                                requires_grad=w.requires_grad))
-        if is_routed_experts(parent):
+        if is_routed_experts(parent) or getattr(parent, "neusight_dense", False):   # Llama 4's run densely too
             _split_experts(parent, tp, cls)
             found += 1
     if not found:
@@ -632,6 +632,11 @@ def shard_expert_parallel(module: nn.Module, ep: int) -> nn.Module:
             mod.experts = nn.ModuleDict({k: mod.experts[k] for k in keys[:len(keys) // ep]})
             mod.neusight_capacity *= ep
         found += 1
+    if not found and any(getattr(m, "neusight_dense", False) for m in module.modules()):
+        raise ModelError(f"expert parallelism (ep={ep}) hands each token to the GPUs of its chosen experts, but "
+                         f"{type(module).__name__}'s experts run as transformers runs them, every expert on every "
+                         "token (moe_kernels='auto'). Fix: moe_kernels='grouped' (or 'loop' / 'per-expert') to "
+                         "forecast them routed, as serving engines run them")
     if not found:
         raise ModelError(f"expert parallelism (ep={ep}) spreads a mixture of experts' experts over GPUs; "
                          f"{type(module).__name__} has no experts layers (routed top-k experts or Switch Transformers' "

@@ -332,7 +332,7 @@ _TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "qwen3_moe", "granite", "cohere", "starcoder2",
-                                        "ministral", "phi3", "gpt_oss"])
+                                        "ministral", "phi3", "llama4_text", "gpt_oss"])
 def test_other_llama_style_blocks_halve_every_layer_product(model_type):
     """Each block's projections, MLP (or experts) and attention products halve at tp=2; only routers stay whole."""
     import transformers
@@ -380,6 +380,26 @@ def test_a_model_split_only_in_part_is_refused():
     with pytest.raises(ModelError, match="its MyAttention block with linear layers is not among the modelled ones"):
         shard_tensor_parallel(model, 2)
     assert shard_tensor_parallel(nn.Sequential(LlamaMLP()).to("meta"), 2)[0].up_proj.out_features == 8
+
+
+_TINY_LLAMA4 = dict(model_type="llama4_text", hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, vocab_size=512,
+                    attention_chunk_size=16)
+
+
+def test_llama4s_experts_split_as_transformers_runs_them_and_need_routing_for_expert_parallelism():
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16")
+    whole, half = (neusight.trace(_TINY_LLAMA4, tensor_parallel=tp, **kw) for tp in (1, 2))
+    experts = lambda g: g.kernels[g.kernels["module"].str.endswith("feed_forward.experts")  # noqa: E731
+                                  & (g.kernels["family"] == "bmm")]
+    # every expert on every token (2 x 32 rows each), its intermediate width halved: gate-up 128 -> 64, down 64 -> 32
+    assert set(experts(whole)["dims"]) == {(4, 64, 64, 128), (4, 64, 64, 64)}
+    assert set(experts(half)["dims"]) == {(4, 64, 64, 64), (4, 64, 32, 64)}
+    with pytest.raises(ModelError, match=re.escape("Fix: moe_kernels='grouped'")):
+        predict_parallel(_TINY_LLAMA4, "h100-sxm5-80gb", dp=2, ep=2, **kw)
+    routed = predict_parallel(_TINY_LLAMA4, "h100-sxm5-80gb", dp=2, ep=2, moe_kernels="grouped", **kw)
+    assert routed.parts["ep_alltoall"] > 0
 
 
 def test_zero_stages_shard_the_state_and_trade_collectives():

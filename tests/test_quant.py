@@ -144,3 +144,23 @@ def test_mxfp4_needs_inputs_in_groups_of_32():
     odd = dict(_TINY_GPT_OSS, hidden_size=120, head_dim=30)                    # experts' inputs: 120 and 120
     with pytest.raises(InputError, match="multiples of 32"):
         neusight.trace(odd, batch_size=1, seq_len=8, mode="inference", dtype="bfloat16", weight_quant="mxfp4")
+
+
+_TINY_LLAMA4 = dict(model_type="llama4_text", hidden_size=128, intermediate_size=128, intermediate_size_mlp=256,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=1, vocab_size=512)
+
+
+def test_llama4s_dense_experts_are_not_quantized_and_routed_ones_are():
+    """Llama 4's experts as transformers runs them (every expert on every token) have no quantized kernel: int4
+    keeps them in the model's precision and says so, MXFP4 (experts only) refuses; routed, they are quantized."""
+    kw = dict(batch_size=2, seq_len=16, mode="inference", dtype="bfloat16")
+    dense = neusight.trace(_TINY_LLAMA4, weight_quant="int4", **kw)
+    assert {p.dtype for n, p in zip(dense.param_names, dense.params) if ".experts." in n} == {"bfloat16"}
+    note = next(n for n in dense.notes if n.startswith("weight-only int4"))
+    assert "the experts of 2 layers, run as transformers runs them" in note and "moe_kernels='grouped'" in note
+    with pytest.raises(InputError, match=re.escape("Fix: moe_kernels='grouped'")):
+        neusight.trace(_TINY_LLAMA4, weight_quant="mxfp4", **kw)
+    routed = neusight.trace(_TINY_LLAMA4, weight_quant="mxfp4", moe_kernels="grouped", **kw)
+    assert {p.dtype for n, p in zip(routed.param_names, routed.params) if ".experts." in n} == {"uint8"}
+    assert (routed.kernels["kernel"] == "mxfp4_weight_grouped_gemm").sum() == 4

@@ -742,7 +742,8 @@ def test_unknown_model_suggests_close_names():
     ("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
     ("openai/gpt-oss-120b", "gpt-oss-120b"), ("google/gemma-3-12b-it", "gemma-3-12b"),
     ("meta-llama/Llama-3.3-70B-Instruct", "llama-3-70b"), ("acme/model-2507", None),
-    ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b")])
+    ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b"), ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout"),
+    ("meta-llama/Llama-4-Maverick-17B-128E", "llama-4-maverick")])
 def test_hub_names_of_fine_tuned_variants_build_their_preset(hub_name, preset):
     from neusight.graph.models import _preset_of_hub_name, build_model
 
@@ -1355,6 +1356,28 @@ def test_qwen3_dense_presets_have_their_published_sizes(name, billions, non_embe
     assert sum(sizes.values()) - embedding == pytest.approx(non_embedding, abs=0.05 if non_embedding > 1 else 0.005)
     assert ("lm_head.weight" in sizes) == (billions > 5)          # the three smallest tie it to the embeddings
     assert g.unmodeled == []
+
+
+def test_llama4_presets_have_their_published_sizes_and_run_experts_as_transformers_or_routed():
+    """Meta's Llama 4 announcement: Scout 17B active of 109B (with its vision encoder, which the preset leaves out),
+    Maverick 17B active of 400B; the active parameters count the 1.03B embedding, a gather here."""
+    from neusight.graph.models import build_model
+
+    maverick = build_model("llama-4-maverick").module
+    assert sum(p.numel() for p in maverick.parameters()) / 1e9 == pytest.approx(400.0, rel=0.005)
+    kw = dict(batch_size=1, seq_len=64, mode="inference", dtype="bfloat16")
+    dense, routed = (neusight.trace("llama-4-scout", moe_kernels=k, **kw) for k in ("auto", "loop"))
+    total = sum(t.numel for t in dense.params) / 1e9
+    assert 107.0 < total < 109.0                       # the language model alone
+    flops = lambda g, family: g.kernels.loc[g.kernels["family"] == family, "flops"].sum()  # noqa: E731
+    assert flops(routed, "linear") / 64 / 2 / 1e9 == pytest.approx(17.0 - 1.03, rel=0.02)
+    # transformers runs every expert on every token: the experts' batched GEMMs do 16 x the routed experts' work
+    experts_dense = flops(dense, "bmm") - flops(routed, "bmm")              # the attention's bmm alike in both
+    experts_routed = flops(routed, "linear") - flops(dense, "linear")
+    assert experts_routed > 0 and experts_dense == pytest.approx(16 * experts_routed, rel=1e-12)
+    assert any("all 16 experts run on every token" in n and "moe_kernels='grouped'" in n for n in dense.notes)
+    assert any(n.startswith("mixture of experts traced under balanced routing") for n in routed.notes)
+    assert dense.unmodeled == routed.unmodeled == []
 
 
 def test_deepseek_presets_have_their_published_sizes():

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from neusight.errors import InputError
-from neusight.graph.moe import is_routed_experts
+from neusight.graph.moe import dense_experts_kept, is_routed_experts
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_MULTIPLE = 16     # torch._scaled_mm: both GEMM dims of the weight must be multiples of 16
@@ -123,6 +123,9 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     if misaligned:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} with features not a multiple of "
                        f"{SCALED_MM_MULTIPLE}")
+    dense = dense_experts_kept(module, "FP8")
+    if dense:
+        skipped.append(dense)
     how = "torchao Float8Linear, tensorwise" if training else "FP8 weights, inputs cast per call"
     note = FP8_NOTE.format(how=how, n=converted, skipped=f"; kept in the model's precision: {', '.join(skipped)}"
                            if skipped else "")

@@ -177,6 +177,20 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                            max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
                                            tie_word_embeddings=False))
        for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))},
+    # Meta's Llama 4 Scout and Maverick (their language models, from the published config.json files): 16 / 128
+    # experts of which 1 per token beside a shared expert, in every layer / every other one (the others a dense
+    # 16,384-wide MLP); three of four layers attend within chunks of 8,192 tokens with rotary positions, every fourth
+    # over the whole context without them. transformers runs every expert on every token (moe_kernels= routes them).
+    **{f"llama-4-{size}": ("llama4_text", dict(architectures=["Llama4ForCausalLM"], hidden_size=5120,
+                                               intermediate_size=8192, intermediate_size_mlp=16384,
+                                               num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                                               head_dim=128, vocab_size=202048, num_local_experts=experts,
+                                               num_experts_per_tok=1, interleave_moe_layer_step=step,
+                                               use_qk_norm=qk_norm, attention_chunk_size=8192,
+                                               max_position_embeddings=positions, rope_theta=500000.0,
+                                               rms_norm_eps=1e-5, tie_word_embeddings=False))
+       for size, experts, step, qk_norm, positions in (("scout", 16, 1, True, 10485760),
+                                                       ("maverick", 128, 2, False, 1048576))},
     # Vision Transformers (Dosovitskiy et al. 2021, Table 1: ViT-Base / ViT-Large, patch 16) at 224 x 224 with the
     # ImageNet-1k classifier.
     "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -192,6 +206,7 @@ PRESET_ALIASES = {"gpt3-1.3b": "gpt3-xl", "bert-base-uncased": "bert-base", "ber
                   "llama3-70b": "llama-3-70b", "llama-3.1-70b": "llama-3-70b",
                   "llama-3.3-70b": "llama-3-70b", "llama3.3-70b": "llama-3-70b",
                   "deepseek-r1": "deepseek-v3", "deepseek-v3.1": "deepseek-v3", "phi-3-mini-4k": "phi-3-mini",
+                  "llama-4-scout-17b-16e": "llama-4-scout", "llama-4-maverick-17b-128e": "llama-4-maverick",
                   "phi3-mini": "phi-3-mini", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
                   "mixtral-8x22b-v0.1": "mixtral-8x22b", "vit-b-16": "vit-base", "vit-l-16": "vit-large",
                   "vit_b_16": "vit-base", "vit_l_16": "vit-large"}
@@ -492,10 +507,11 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
 
         notes.append(fix_switch_capacity(module, config))
     else:
-        from neusight.graph.moe import fix_routed_experts, fix_size_list_gates, fix_zero_compute_experts
+        from neusight.graph.moe import (fix_llama4_experts, fix_routed_experts, fix_size_list_gates,
+                                        fix_zero_compute_experts)
 
-        for routed in (fix_routed_experts(module, moe_kernels, grouped_gemm), fix_size_list_gates(module),
-                       fix_zero_compute_experts(module)):
+        for routed in (fix_llama4_experts(module, moe_kernels), fix_routed_experts(module, moe_kernels, grouped_gemm),
+                       fix_size_list_gates(module), fix_zero_compute_experts(module)):
             if routed:
                 notes.append(routed)
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

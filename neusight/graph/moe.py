@@ -330,6 +330,73 @@ def fix_size_list_gates(model: nn.Module) -> str | None:
             f"({'/'.join(map(str, experts))} experts) hands every expert tokens x top-k / experts tokens {_UNEVEN}")
 
 
+# Llama 4's mixture of experts (transformers' Llama4TextMoe) runs every expert on every token: each token is copied
+# once per expert, scaled by the router's sigmoid score (zero for the experts it did not choose), and the experts
+# run as one batched GEMM pair over all those copies; a shared expert beside them. That is what transformers runs,
+# kept under moe_kernels="auto" with a note. Any other moe_kernels turns each such layer into the routed form that
+# serving engines run: the router's top-k and their sigmoid scores, the chosen experts under balanced routing
+# (fix_routed_experts, which then finds these experts like any routed ones; the score is applied to an expert's
+# output there, to its input in Llama 4: the same elementwise product), the shared expert beside them.
+
+def _is_llama4_moe(mod: nn.Module) -> bool:
+    experts = getattr(mod, "experts", None)
+    return (type(mod).__name__ == "Llama4TextMoe" and isinstance(experts, nn.Module)
+            and getattr(experts, "gate_up_proj", None) is not None and hasattr(mod, "router")
+            and hasattr(mod, "shared_expert"))
+
+
+def _gate_then_up(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)       # Llama 4's order: the gate's half first
+    return up * self.act_fn(gate)
+
+
+def _routed_llama4_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)                       # (T, h)
+    router_logits = nn.functional.linear(hidden_states, self.router.weight)         # (T, E)
+    top_value, top_index = torch.topk(router_logits, self.top_k, dim=1)             # (T, k)
+    scores = torch.sigmoid(top_value.float()).to(hidden_states.dtype)
+    out = self.shared_expert(hidden_states)
+    out.add_(self.experts(hidden_states, top_index, scores))
+    return out, router_logits
+
+
+def fix_llama4_experts(model: nn.Module, kernels: str = "auto") -> str | None:
+    """Llama 4's experts layers: under ``kernels="auto"`` left as transformers runs them (every expert on every
+    token; marked ``neusight_dense`` for tensor parallelism's split) with a note saying so; under any other
+    :data:`MOE_KERNELS` value made routed, their experts marked for :func:`fix_routed_experts` (call it next), no
+    note of their own. None when the model has no such layer."""
+    check_moe_kernels(kernels)
+    found = [m for m in model.modules() if _is_llama4_moe(m)]
+    if not found:
+        return None
+    if kernels == "auto":
+        for m in found:     # the layout tensor parallelism splits (neusight.parallel): weights (experts, in, out)
+            m.experts.is_transposed, m.experts.has_gate, m.experts.neusight_dense = True, True, True
+        n_exp = "/".join(str(e) for e in sorted({int(m.num_experts) for m in found}))
+        top_k = "/".join(str(k) for k in sorted({int(m.top_k) for m in found}))
+        return (f"Llama 4's experts as transformers runs them: in each of {len(found)} expert "
+                f"layer{'s' if len(found) != 1 else ''} all {n_exp} experts run on every token (its copy scaled by "
+                f"the router's score, zero for the experts it did not choose), {n_exp} x the FLOPs of {top_k} routed "
+                "expert per token; moe_kernels='grouped', 'loop' or 'per-expert' forecasts them routed, as serving "
+                "engines run them")
+    for m in found:
+        experts = m.experts
+        experts.is_transposed, experts.has_gate, experts.neusight_routed = True, True, True
+        experts._apply_gate = types.MethodType(_gate_then_up, experts)
+        m.forward = types.MethodType(_routed_llama4_forward, m)
+    return None
+
+
+def dense_experts_kept(module: nn.Module, what: str) -> str | None:
+    """For a note's list of what stays in the model's precision: Llama 4's experts run densely (``moe_kernels="auto"``,
+    :func:`fix_llama4_experts`), which ``what`` (a weight format) does not convert; None when the model has none."""
+    n = sum(1 for m in module.modules() if getattr(m, "neusight_dense", False))
+    if not n:
+        return None
+    return (f"the experts of {n} layer{'s' if n != 1 else ''}, run as transformers runs them (every expert on every "
+            f"token; moe_kernels='grouped' forecasts them routed, in {what})")
+
+
 def depends_on_gpu(notes: list[str] | tuple[str, ...]) -> bool:
     """Whether a trace with these notes has experts whose kernels ``moe_kernels="auto"`` chose by the GPU, so that
     another GPU may need its own trace."""
@@ -356,7 +423,7 @@ def check_moe_kernels(kernels: str) -> None:
 def is_routed_experts(mod: nn.Module) -> bool:
     """transformers' standard top-k experts module (3-D weights per expert, called with each token's chosen experts),
     as :func:`fix_routed_experts` traces. Experts called with the hidden states alone (Llama 4's, which run every
-    expert on every token's scaled copy) keep their own forward."""
+    expert on every token's scaled copy) are not, unless :func:`fix_llama4_experts` made them routed."""
     if not hasattr(mod, "num_experts"):                   # the cheap test first: most modules stop here
         return False
     params = dict(mod.named_parameters(recurse=False))
@@ -365,6 +432,8 @@ def is_routed_experts(mod: nn.Module) -> bool:
     if not (up is not None and down is not None and up.dim() == 3 and down.dim() == 3
             and up.shape[0] == down.shape[0] == int(mod.num_experts)):
         return False
+    if getattr(mod, "neusight_routed", False):            # fix_llama4_experts made them routed
+        return True
     try:
         takes = inspect.signature(type(mod).forward).parameters
     except (TypeError, ValueError):

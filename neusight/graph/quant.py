@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from neusight.errors import InputError
-from neusight.graph.moe import is_routed_experts
+from neusight.graph.moe import dense_experts_kept, is_routed_experts
 from neusight.graph.records import TensorMeta
 from neusight.kernels.base import Family, Kernel
 
@@ -160,6 +160,12 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     InputError when no layer is eligible."""
     head, layers, misaligned = linear_layers(module, lambda m: m.in_features % GROUP[bits] == 0)
     routed = [m for m in module.modules() if is_routed_experts(m)]
+    dense = dense_experts_kept(module, bits)
+    if bits == "mxfp4" and dense and not routed:
+        raise InputError(f"weight_quant='mxfp4' stores a mixture of experts' routed experts in MXFP4, but "
+                         f"{type(module).__name__}'s experts run as transformers runs them, every expert on every "
+                         "token (moe_kernels='auto'). Fix: moe_kernels='grouped' (or 'loop' / 'per-expert') to "
+                         "forecast them routed, as serving engines run MXFP4 experts")
     experts_done = _quantize_experts(routed, bits, region)
     if bits == "mxfp4" and routed:
         return _experts_only_note(module, routed, experts_done)
@@ -187,6 +193,8 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     if misaligned:
         skipped.append(f"{misaligned} layer{'s' if misaligned != 1 else ''} whose input features are not a multiple "
                        f"of {GROUP[bits]}")
+    if dense:
+        skipped.append(dense)
     experts = (f"; the routed experts of {experts_done} layers are stored in {bits} too, each projection one "
                "dequantizing grouped GEMM over the experts (in place of the experts kernels named above)"
                if experts_done else "")
