@@ -22,8 +22,9 @@ __all__ = ["GenerationForecast", "generation_ranking_table", "predict_generation
 # decode steps are forecast at this many context lengths, evenly spread (the cost is smooth in the context)
 SAMPLES = 3
 # the notes of the last decode step a generation forecast repeats (after how its cache takes new tokens): the
-# host-bound warning (decode steps are where it matters), collectives and the attention backend
-GENERATION_NOTES = ("kernel launches", "host modelled", "collectives", "scaled_dot_product_attention on")
+# host-bound warning (decode steps are where it matters), collectives, the attention backend and an FP8 cache
+GENERATION_NOTES = ("kernel launches", "host modelled", "collectives", "scaled_dot_product_attention on",
+                    "KV cache in FP8")
 CACHE_NOTES = {False: "each decode step concatenates its keys and values onto the whole KV cache (transformers' "
                       "DynamicCache, as eager generate() runs)",
                True: "each decode step writes its keys and values in place into a KV cache sized for the run "
@@ -90,6 +91,10 @@ def _check_run(batch_size: Any, prompt_len: Any, new_tokens: Any, static_cache: 
                          "new_tokens instead")
     if not isinstance(static_cache, bool):
         raise InputError(f"static_cache={static_cache!r} is not true or false. Fix: static_cache=True or leave it out")
+    from neusight.graph.tracer import check_kv_cache_dtype
+
+    check_kv_cache_dtype(trace_kwargs.get("kv_cache_dtype"), 1, static_cache,
+                          trace_kwargs.get("attn_implementation", "eager"))
 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
@@ -111,12 +116,14 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     from neusight.devices import load_device
 
     _check_run(batch_size, prompt_len, new_tokens, static_cache, trace_kwargs)
+    kv_dtype = trace_kwargs.pop("kv_cache_dtype", None)   # the decode steps' cache (the prefill reads none)
     device = load_device(device)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
     if tp == 1:
         return predict_generation_many(model, [device], batch_size, prompt_len, new_tokens, predictor=predictor,
-                                       static_cache=static_cache, host_us=host_us, **trace_kwargs)[0]
+                                       static_cache=static_cache, host_us=host_us, kv_cache_dtype=kv_dtype,
+                                       **trace_kwargs)[0]
 
     def forecast(devices: list, seq: int, memory: bool = False, left_out: Any = None, **kw: Any) -> list:
         from neusight.parallel import predict_parallel
@@ -124,7 +131,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         return [predict_parallel(model, devices[0], batch_size, seq, "inference", tp=tp, predictor=predictor,
                                  memory=memory, host_us=host_us, **kw, **trace_kwargs)]
 
-    return _generate([device], batch_size, prompt_len, new_tokens, static_cache, tp, forecast)[0]
+    return _generate([device], batch_size, prompt_len, new_tokens, static_cache, tp, forecast, kv_dtype=kv_dtype)[0]
 
 
 def predict_generation_many(model: Any, devices: Any, batch_size: int = 1, prompt_len: int = 128,
@@ -142,12 +149,13 @@ def predict_generation_many(model: Any, devices: Any, batch_size: int = 1, promp
     from neusight.api import predict_many
 
     _check_run(batch_size, prompt_len, new_tokens, static_cache, trace_kwargs)
+    kv_dtype = trace_kwargs.pop("kv_cache_dtype", None)   # the decode steps' cache (the prefill reads none)
 
     def forecast(devs: list, seq: int, memory: bool = False, left_out: Any = None, **kw: Any) -> list:
         return predict_many(model, devs, batch_size, seq, "inference", predictor=predictor, memory=memory,
                             left_out=left_out, host_us=host_us, **kw, **trace_kwargs)
 
-    return _generate(devices, batch_size, prompt_len, new_tokens, static_cache, 1, forecast, left_out)
+    return _generate(devices, batch_size, prompt_len, new_tokens, static_cache, 1, forecast, left_out, kv_dtype)
 
 
 def _peak(p: Any) -> float | None:
@@ -157,10 +165,11 @@ def _peak(p: Any) -> float | None:
 
 
 def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, static_cache: bool, tp: int,
-              forecast: Any, left_out: dict[str, str] | None = None) -> list[GenerationForecast]:
+              forecast: Any, left_out: dict[str, str] | None = None,
+              kv_dtype: str | None = None) -> list[GenerationForecast]:
     """The prefill on ``devices`` (``forecast(devices, seq_len, memory, left_out, **trace keywords)`` -> one
-    forecast per GPU it can run on), then the decode steps at SAMPLES context lengths on those GPUs; one
-    GenerationForecast each."""
+    forecast per GPU it can run on), then the decode steps at SAMPLES context lengths on those GPUs, their cache in
+    ``kv_dtype`` when given (``kv_cache_dtype``); one GenerationForecast each."""
     try:
         first = forecast(devices, prompt_len, left_out=left_out)
     except InputError as e:   # the prefill's seq_len is the caller's prompt_len
@@ -176,7 +185,8 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
         cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
         for c in cached:
             try:   # the last step holds the longest cache: its memory is the run's
-                last = forecast(devs, 1, memory=c == cached[-1], kv_cache=c, static_cache=static_cache)
+                last = forecast(devs, 1, memory=c == cached[-1], kv_cache=c, static_cache=static_cache,
+                                **({"kv_cache_dtype": kv_dtype} if kv_dtype else {}))
             except InputError as e:
                 raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
                                  f"{e}") from None

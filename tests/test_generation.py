@@ -110,3 +110,57 @@ def test_generation_on_several_gpus_leaves_out_those_that_cannot_run_it():
     assert [f.device.key for f in fs] == ["l4"] and list(left) == ["t4"]
     with pytest.raises(InputError, match="prompt_len=5000"):   # beyond the positions on every GPU: the error
         predict_generation_many("gpt2", ["t4", "l4"], prompt_len=5000, new_tokens=4, left_out={})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# an FP8 KV cache (kv_cache_dtype=)
+
+_GQA = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=32, vocab_size=512)
+
+
+def test_an_fp8_kv_cache_halves_the_caches_bytes_in_memory_and_in_attention():
+    run = dict(batch_size=4, seq_len=1, kv_cache=255, mode="inference", dtype="bfloat16", attn_implementation="sdpa",
+               static_cache=True)
+    bf16, fp8 = (neusight.predict(_GQA, "h100-sxm5-80gb", kv_cache_dtype=d, **run) for d in (None, "fp8"))
+    attention = lambda p: p.kernels[p.kernels["kernel"] == "attention"]  # noqa: E731
+    a, b = attention(bf16), attention(fp8)
+    cache = 4 * 2 * 256 * 32          # one layer's keys (batch x kv heads x 256 positions x head dim); values alike
+    assert len(a) == len(b) == 2 and list(b["flops"]) == list(a["flops"])
+    assert list(a["bytes"] - b["bytes"]) == [2 * cache * (2 - 1)] * 2          # keys and values at 1 byte, not 2
+    assert (b["latency_ms"] <= a["latency_ms"]).all()
+    assert set(fp8.kernels["aten_op"]) - set(bf16.kernels["aten_op"]) == {"neusight.fused.attention_fp8_kv"}
+    # the cache buffers (room for the new token: 256 positions) at one byte: 2 layers' keys and values
+    act = lambda p: p.memory.breakdown["activations"]  # noqa: E731
+    assert act(bf16) - act(fp8) == 2 * 2 * cache * (2 - 1)
+    assert any(n.startswith("KV cache in FP8 E4M3: the keys and values of 2 attention layers") for n in fp8.notes)
+    gen_run = dict(batch_size=4, prompt_len=64, new_tokens=8, dtype="bfloat16", attn_implementation="sdpa",
+                   static_cache=True)
+    gen = neusight.predict_generation(_GQA, "h100-sxm5-80gb", kv_cache_dtype="fp8", **gen_run)
+    plain = neusight.predict_generation(_GQA, "h100-sxm5-80gb", **gen_run)
+    assert gen.prefill_ms == plain.prefill_ms and gen.decode_ms <= plain.decode_ms
+    assert gen.memory_peak_bytes <= plain.memory_peak_bytes and any("KV cache in FP8" in n for n in gen.notes)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(kv_cache_dtype="fp16"), "kv_cache_dtype='fp16' is not known"),
+    (dict(kv_cache_dtype="fp8", static_cache=False), "this run has transformers' dynamic cache"),
+    (dict(kv_cache_dtype="fp8", attn_implementation="eager"), "attn_implementation='eager' computes attention"),
+    (dict(kv_cache_dtype="fp8", device="v100-sxm2-32gb", dtype="float16"), "PyTorch's math backend"),
+])
+def test_an_fp8_kv_cache_is_refused_where_it_is_not_modelled(kw, fragment):
+    run = dict(batch_size=2, seq_len=1, kv_cache=31, mode="inference", dtype="bfloat16", attn_implementation="sdpa",
+               static_cache=True, device="h100-sxm5-80gb")
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.trace(_GQA, **{**run, **kw})
+
+
+def test_an_fp8_kv_cache_is_refused_for_latent_attention():
+    """DeepSeek's latent attention projects its cached latent up before attending: not an FP8-cache attention."""
+    mla = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+               q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+               n_routed_experts=4, num_experts_per_tok=2, vocab_size=512)
+    with pytest.raises(InputError, match="does not read its cached keys and values as they are"):
+        neusight.trace(mla, batch_size=2, seq_len=1, kv_cache=31, dtype="bfloat16", attn_implementation="sdpa",
+                       static_cache=True, kv_cache_dtype="fp8", device="h100-sxm5-80gb")

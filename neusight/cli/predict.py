@@ -97,6 +97,8 @@ class PredictConfig:
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     static_cache: bool = False           # generation: new tokens written in place (StaticCache, serving engines), not
     #                                      concatenated onto the whole cache every step (eager DynamicCache)
+    kv_cache_dtype: Optional[str] = None  # generation with static_cache: the KV cache in fp8 (e4m3) | fp8_e5m2, as
+    #                                      serving engines store it; null = the model's dtype
     gradient_checkpointing: Any = None   # training: layers recompute their forward in backward (HF); n: every n-th;
     #                                      selective: the attention cores only (Megatron-LM's selective recompute);
     #                                      null = off (with gpus=N: tried where a candidate does not fit without it)
@@ -375,7 +377,7 @@ def _step_options(cfg: Any) -> dict[str, Any]:
     out = {"gradient_checkpointing": cfg.gradient_checkpointing, "lora_rank": cfg.lora_rank, "lora_targets": targets,
            "moe_kernels": getattr(cfg, "moe_kernels", "auto"), "ssm_kernels": getattr(cfg, "ssm_kernels", "fused"),
            "fp8": getattr(cfg, "fp8", False), "weight_quant": getattr(cfg, "weight_quant", None),
-           "static_cache": getattr(cfg, "static_cache", False),
+           "static_cache": getattr(cfg, "static_cache", False), "kv_cache_dtype": getattr(cfg, "kv_cache_dtype", None),
            "memory_format": getattr(cfg, "memory_format", "contiguous")}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
@@ -720,7 +722,8 @@ def _generation(cfg: PredictConfig) -> float:
     prices = dict(zip((d.key for d in devices), _prices(cfg)))
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
               amp=cfg.amp, head=cfg.head, attn_implementation=cfg.attn_implementation, fp8=cfg.fp8,
-              weight_quant=cfg.weight_quant, static_cache=cfg.static_cache, host_us=cfg.host_us)
+              weight_quant=cfg.weight_quant, static_cache=cfg.static_cache, host_us=cfg.host_us,
+              **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype else {}))
     if cfg.gpus is not None:
         return _plan_generation(cfg, devices, list(prices.values()), kw)
     skipped: dict[str, str] = {}

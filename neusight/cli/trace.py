@@ -36,6 +36,7 @@ class TraceConfig:
     #                                      the GEMM; mxfp4 in a mixture of experts: its routed experts, as gpt-oss)
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     static_cache: bool = False           # generation: new tokens written in place (StaticCache), not concatenated
+    kv_cache_dtype: Optional[str] = None  # with static_cache: the KV cache in fp8 (e4m3) | fp8_e5m2; null = the dtype
     gradient_checkpointing: Any = False  # training: layers recompute their forward in backward (HF); n: every n-th
     lora_rank: Optional[int] = None      # LoRA fine-tuning: adapters of this rank, base weights frozen
     lora_targets: Optional[List[str]] = None  # LoRA's target projections (null: the architecture's defaults)

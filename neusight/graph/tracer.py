@@ -46,6 +46,12 @@ KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} 
 STATIC_KV_NOTE = ("generation with a KV cache: {t} new token(s) per sequence after {n} cached ones, written in place "
                   "into a cache sized for the run (static_cache: transformers' StaticCache, as compiled generation and "
                   "serving engines' paged caches write it) and read by every layer")
+# kv_cache_dtype values: the FP8 formats serving engines store a KV cache in (vLLM's kv_cache_dtype names)
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_KV_NOTE = ("KV cache in {fmt}: the keys and values of {n} attention layers stored at one byte each, every step's "
+               "new ones cast into it, attention reading them as FP8 and computing in {dtype} (the FP8 KV caches of "
+               "serving engines: vLLM, SGLang, TensorRT-LLM, with FlashInfer / FlashAttention kernels){other}")
+FP8_KV_ATTENTION = "attention_fp8_kv"   # the fused region of an attention over an FP8 cache
 AMP_NOTE = ("mixed precision: torch.autocast({dtype}){scaler}, emulated on meta (neusight.graph.amp): GEMMs and "
             "convolutions in {dtype}, softmax, norms and losses in FP32, with the casts between them")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
@@ -143,7 +149,8 @@ class _Recorder(TorchDispatchMode):
     @contextlib.contextmanager
     def fused_region(self, name: str, inputs: tuple, info: dict) -> Any:
         """Record what runs inside as one fused kernel (:mod:`neusight.graph.ssm`): the ops recorded in the region
-        are replaced by one op whose kernel is ``fused_kernel`` of theirs (or ``info["make"]``'s, called alike),
+        are replaced by one op whose kernel is ``fused_kernel`` of theirs (or ``info["make"]``'s, called alike, which
+        may return a list of kernels),
         reading ``inputs`` and writing the tensors the caller appends to the yielded list; the kernel is left in
         ``info["kernel"]``. A region inside another one is part of the outer one."""
         if self._in_region:
@@ -165,9 +172,10 @@ class _Recorder(TorchDispatchMode):
         ins = [TensorMeta.of(t) for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         outs = [TensorMeta.of(t) for t in outputs if t.device.type == "meta"]
         kernel = info.get("make", fused_kernel)(name, [k for r in inner for k in r.kernels], ins, outs)
+        kernels = kernel if isinstance(kernel, list) else [kernel]   # a maker may return several
         info["kernel"] = kernel
         call = OpCall(FUSED_OP_PREFIX + name, None, tuple(ins), {}, tuple(outs))
-        self.ops.append(OpRecord(start, phase, module, call, [kernel], True, bool(_RECOMPUTING)))
+        self.ops.append(OpRecord(start, phase, module, call, kernels, True, bool(_RECOMPUTING)))
 
     def _module(self) -> str:
         deepest = self.entered_module()
@@ -268,6 +276,7 @@ class _CudaPaths(TorchFunctionMode):
         # flash_attention_2 / _3: the model was built with sdpa, whose calls become flash-attn's kernel here
         self.flash_attn = attn_implementation if attn_implementation in FLASH_ATTN_IMPLEMENTATIONS else None
         self.sdpa: set[str] = set()    # the backends its scaled_dot_product_attention calls took (SDPA_BACKENDS)
+        self.region: Any = None        # the recorder's fused_region, for attention over an FP8 KV cache
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -281,6 +290,8 @@ class _CudaPaths(TorchFunctionMode):
                 return torch.zeros_like(x)
             return x
         if func is F.scaled_dot_product_attention:
+            if self.region is not None and len(args) > 2 and args[1].dtype in FP8_KV_STORAGE:
+                return self._fp8_kv_attention(*args, **kwargs)
             if self.flash_attn:
                 self.sdpa.add(self.flash_attn)
                 return _flash_attn(self.device, self.flash_attn, *args, **kwargs)
@@ -294,6 +305,43 @@ class _CudaPaths(TorchFunctionMode):
         if func in (torch.rnn_tanh, torch.rnn_relu) and _cudnn_rnn_applies(args, kwargs, lstm=False):
             return _cudnn_style_rnn("tanh" if func is torch.rnn_tanh else "relu", *args)
         return func(*args, **kwargs)
+
+    def _fp8_kv_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        """Attention over an FP8 KV cache (``kv_cache_dtype``): one kernel that reads the cached keys and values at
+        one byte each and computes in the queries' dtype, as serving engines' FP8-cache attention does. Traced as the
+        attention this GPU runs on the keys and values in the queries' dtype, recorded as one fused region whose
+        kernel is that attention's with the FP8 operands' bytes."""
+        info: dict[str, Any] = {"make": functools.partial(_fp8_kv_kernel, saved=(k.numel() + v.numel())
+                                                          * (q.element_size() - k.element_size()))}
+        with self.region(FP8_KV_ATTENTION, (q, k, v), info) as outputs:
+            out = self.__torch_function__(F.scaled_dot_product_attention, (), (q, k.to(q.dtype), v.to(q.dtype),
+                                                                                *rest), kwargs)
+            outputs.append(out)
+        return out
+
+
+# the storage dtypes of an FP8 KV cache
+FP8_KV_STORAGE = frozenset(KV_CACHE_DTYPES.values())
+
+
+def _fp8_kv_kernel(name: str, inner: list, ins: list, outs: list, saved: float) -> list:
+    """The kernels of :meth:`_CudaPaths._fp8_kv_attention`'s region: ``inner`` without its first two (the casts of
+    the keys and values to the compute dtype, which the FP8-cache kernel does as it loads them), the one fused
+    attention kernel among the rest reading ``saved`` bytes fewer. InputError where this GPU runs no fused attention
+    kernel on these inputs (the math backend's GEMMs and softmax)."""
+    import dataclasses
+
+    from neusight.kernels.base import Family
+
+    rest = list(inner[2:])
+    gemms = [i for i, k in enumerate(rest) if k.family == Family.BMM]
+    if len(gemms) != 1:
+        raise InputError("kv_cache_dtype: an FP8 KV cache is read by a fused attention kernel, and this GPU runs "
+                         "scaled_dot_product_attention on these inputs as separate GEMMs and a softmax (PyTorch's math "
+                         "backend). Fix: leave kv_cache_dtype out, or a GPU with fused attention for this dtype")
+    i = gemms[0]
+    rest[i] = dataclasses.replace(rest[i], bytes=rest[i].bytes - saved)
+    return rest
 
 
 # the recomputations running (torch.utils.checkpoint enters a _Recompute per checkpointed call), innermost last:
@@ -704,7 +752,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           kv_cache: int | None = None, gradient_checkpointing: bool | int | str = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
           ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
-          memory_format: str = "contiguous", **unknown: Any) -> Graph:
+          kv_cache_dtype: str | None = None, memory_format: str = "contiguous", **unknown: Any) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -793,6 +841,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         With ``kv_cache``: the cache is a buffer sized for the run, and each step writes its new tokens' keys and
         values in place (one copy of their bytes), as transformers' ``StaticCache`` (compiled generation) and the
         paged caches of serving engines do, instead of concatenating the whole cache again every step.
+    kv_cache_dtype : {None, "fp8", "fp8_e4m3", "fp8_e5m2"}
+        With ``static_cache`` and a fused attention (``attn_implementation`` sdpa or flash_attention_2 / _3): the
+        attention layers' cache stored in FP8 (``fp8`` = e4m3), as serving engines' ``kv_cache_dtype`` does: half
+        the bytes of a 16-bit cache in memory and in every attention's reads; each step's new keys and values are
+        cast into it. Layers with a cache of another kind (sliding windows, state-space states) keep theirs.
     memory_format : {"contiguous", "channels_last"}
         The layout of a CNN's activations and weights: PyTorch's default NCHW, or NHWC as
         ``model.to(memory_format=torch.channels_last)`` and a channels-last input run it (4-D tensors channels-last,
@@ -839,6 +892,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         raise InputError("static_cache=True is how a KV cache takes new tokens, and this run has none (kv_cache is not "
                          "set). Fix: kv_cache=<cached tokens> with seq_len=<new tokens>, e.g. kv_cache=2047 seq_len=1, "
                          "or leave static_cache out")
+    check_kv_cache_dtype(kv_cache_dtype, kv_cache, static_cache, attn_implementation)
     if amp_t is not None and torch_dtype != torch.float32:
         dt = str(torch_dtype).removeprefix("torch.")
         raise InputError(f"amp={amp!r} casts an FP32 model's operations, but dtype={dt!r}. Fix: dtype='float32' with "
@@ -890,7 +944,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if memory_format == "channels_last":
         args, kwargs = _to_channels_last(module, args, kwargs)
     if kv_cache:
-        kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0))
+        kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0,
+                                       KV_CACHE_DTYPES.get(kv_cache_dtype or "")))
         clear_dispatch(module)    # the cache probe's experts calls are not the trace's
     tracker = _Tracker()
     tracker.parents = _EnteredModules(["Global"])
@@ -911,6 +966,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     ssm_ctx = fused_calls(module, ssm_kernels, rec.fused_region)
     rng_ctx, drop_ctx = _fixed_rng(), _layerdrop_off(module, training)
     paths = _CudaPaths(device, attn_implementation)
+    if kv_cache_dtype:
+        paths.region = rec.fused_region
     try:
         with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, paths, rec, recompute_ctx, ssm_ctx as fused_names:
             with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
@@ -967,6 +1024,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     notes += (layers_note,) if layers_note else ()
     if kv_cache:
         notes += ((STATIC_KV_NOTE if static_cache else KV_NOTE).format(n=kv_cache, t=seq_len),)
+    if kv_cache_dtype:
+        notes += (_fp8_kv_note(kwargs["cache"], kv_cache_dtype, rec.ops),)
     if amp_name:
         notes += (AMP_NOTE.format(dtype=amp_name, scaler=" with GradScaler" if scaler else ""),)
     if adapted:
@@ -1168,12 +1227,58 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
                          f"{built.max_seq_len} positions. Fix: kv_cache + seq_len <= {built.max_seq_len}")
 
 
+def check_kv_cache_dtype(kv_cache_dtype: Any, kv_cache: Any, static_cache: bool, attn_implementation: str) -> None:
+    """Refuse a ``kv_cache_dtype`` that is not one of :data:`KV_CACHE_DTYPES` or a run it does not fit: one without
+    a static KV cache (an FP8 cache is a serving engine's: written in place) or with eager attention (whose GEMMs
+    would read the FP8 keys as they are)."""
+    if kv_cache_dtype is None:
+        return
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} is not known. Fix: one of "
+                         f"{', '.join(map(repr, KV_CACHE_DTYPES))} (fp8 = e4m3), or leave it out (the model's dtype)")
+    if not kv_cache or not static_cache:
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} stores a KV cache in FP8 as serving engines do, written "
+                         "in place; this run has " + ("no KV cache" if not kv_cache else "transformers' dynamic cache")
+                         + ". Fix: kv_cache=<cached tokens> with static_cache=True (generation: new_tokens= with "
+                         "static_cache=true), or leave kv_cache_dtype out")
+    if attn_implementation == "eager":
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} is read by a fused attention kernel, and "
+                         "attn_implementation='eager' computes attention as separate GEMMs. Fix: "
+                         "attn_implementation='sdpa' (or flash_attention_2), or leave kv_cache_dtype out")
+
+
+def _fp8_kv_note(cache: Any, kv_cache_dtype: str, ops: list) -> str:
+    """The note of a trace with an FP8 KV cache: its format, the layers that store theirs in it and, when some layers
+    cache otherwise (sliding windows, state-space states), those. InputError when no attention read it."""
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None
+              and isinstance(layer.keys, torch.Tensor) and layer.keys.dtype in FP8_KV_STORAGE]
+    stored = {t.untyped_storage()._cdata for layer in layers for t in (layer.keys, layer.values)}
+    # every kernel that touches the cache: its attention (the fused region) and the writes of the new tokens
+    others = sorted({r.call.op for r in ops if r.kernels and not r.call.op.endswith(FP8_KV_ATTENTION)
+                     and not (r.call.packet is torch.ops.aten.copy_ and r.call.args[0].storage in stored)
+                     and any(isinstance(a, TensorMeta) and a.storage in stored
+                             for a in tree_flatten((r.call.args, r.call.kwargs))[0])})
+    if others or not any(r.call.op.endswith(FP8_KV_ATTENTION) for r in ops):
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r}: this model's attention does not read its cached keys "
+                         "and values as they are (" + (f"{', '.join(others)} read them first: DeepSeek's latent "
+                         "attention, for one, projects its cached latent up" if others else "no "
+                         "scaled_dot_product_attention call reads them") + "), and an FP8 cache is modelled for "
+                         "attention kernels that do. Fix: leave kv_cache_dtype out")
+    other = len(cache.layers) - len(layers)
+    dtype = next(str(r.kernels[-1].dtype) for r in ops if r.call.op.endswith(FP8_KV_ATTENTION))
+    return FP8_KV_NOTE.format(fmt="FP8 " + ("E5M2" if kv_cache_dtype.endswith("e5m2") else "E4M3"),
+                              n=len(layers), dtype=dtype,
+                              other=f"; {other} layers' caches of other kinds (sliding windows, recurrent states) "
+                              "stay in the model's dtype" if other else "")
+
+
 def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torch.dtype | None,
-                     room: int = 0) -> dict[str, Any]:
+                     room: int = 0, storage: torch.dtype | None = None) -> dict[str, Any]:
     """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, shaped and
     typed as the model's own first step stores it (under autocast the dtype depends on the model: GPT-2 caches its
     FP16 projections, Llama the FP32 result of its rotary embedding). ``room`` > 0: each attention layer is an
-    in-place layer (:func:`_in_place_layer_class`) with room for that many more tokens (``static_cache``)."""
+    in-place layer (:func:`_in_place_layer_class`) with room for that many more tokens (``static_cache``), its
+    buffers in ``storage`` when given (an FP8 cache, ``kv_cache_dtype``)."""
     from transformers import DynamicCache
 
     hybrid = _hybrid_cache(module)
@@ -1196,7 +1301,7 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
 
         for i, layer in enumerate(cache.layers):   # attention layers (not sliding-window or state-space ones)
             if type(layer) is DynamicLayer and isinstance(getattr(layer, "keys", None), torch.Tensor):
-                cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room)
+                cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage)
     return {"cache": cache, "use_cache": True}
 
 
@@ -1209,11 +1314,12 @@ def _in_place_layer_class() -> type:
         """A cache layer whose keys and values sit in a buffer with room for the run's new tokens: an update copies
         them in place and returns the filled part, as transformers' StaticCache (``index_copy_``) does."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int,
+                     storage: torch.dtype | None = None) -> None:
             super().__init__()
             self.filled = keys.shape[-2]
-            self.keys, self.values = (torch.zeros(*t.shape[:-2], self.filled + room, t.shape[-1], dtype=t.dtype,
-                                                  device=t.device) for t in (keys, values))
+            self.keys, self.values = (torch.zeros(*t.shape[:-2], self.filled + room, t.shape[-1],
+                                                  dtype=storage or t.dtype, device=t.device) for t in (keys, values))
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
