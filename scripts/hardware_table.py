@@ -59,6 +59,12 @@ RUNS = [
     ("Llama-3-8B decode step as a server runs it (SDPA attention, static KV cache), batch 32, context 4096, bf16",
      "llama-3-8b", dict(batch_size=32, seq_len=1, mode="inference", kv_cache=4095, dtype="bfloat16",
                         attn_implementation="sdpa", static_cache=True)),
+    ("The same with an FP8 KV cache (kv_cache_dtype=fp8)",
+     "llama-3-8b", dict(batch_size=32, seq_len=1, mode="inference", kv_cache=4095, dtype="bfloat16",
+                        attn_implementation="sdpa", static_cache=True, kv_cache_dtype="fp8")),
+    ("Llama 4 Scout decode step, experts routed (grouped GEMMs) and int4 like every projection, batch 8, context "
+     "2048, bf16", "llama-4-scout", dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16",
+                                         moe_kernels="grouped", weight_quant="int4")),
     ("ViT-Base/16 training, batch 128, 224 x 224, FP32 (TF32 patch convolution where the GPU has it), AdamW",
      "vit-base", dict(batch_size=128, mode="training")),
     # on several GPUs (neusight.predict_parallel): memory is one GPU's
@@ -97,10 +103,13 @@ def forecast() -> pd.DataFrame:
                     graphs[path] = trace(model, device=dev, **kw)
                 g = graphs[path]
                 p = predict_graph(g, dev, fused=fused)
-            except InputError:   # FP8 GEMMs on a GPU without FP8 tensor cores (neusight.graph.fp8.check_fp8_device)
-                if not kw.get("fp8"):
+            except InputError:   # FP8 GEMMs on a GPU without FP8 tensor cores (neusight.graph.fp8.check_fp8_device),
+                # an FP8 KV cache where attention runs as PyTorch's math backend (neusight.graph.tracer._fp8_kv_kernel)
+                if not (kw.get("fp8") or kw.get("kv_cache_dtype")):
                     raise
-                rows.append({"run": label, "gpu": key, "ms": float("nan"), "GiB": float("nan"), "fits": True})
+                why = "no FP8 tensor cores" if kw.get("fp8") else "no fused attention for these inputs"
+                rows.append({"run": label, "gpu": key, "ms": float("nan"), "GiB": float("nan"), "fits": True,
+                             "why": why})
                 continue
             mem = estimate_memory(g, dev, fused=fused)
             rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": mem.peak_bytes / 2**30,
@@ -119,8 +128,10 @@ def render(df: pd.DataFrame, seconds: float) -> str:
              "memory forecast exceeds the GPU's memory. V100 has no BF16 tensor cores: its bf16 runs are forecast at its FP32 rate.", ""]
     for run, d in df.groupby("run", sort=False):
         first = d.dropna(subset=["ms"]).iloc[0]    # the first GPU that can run it (FP8 needs FP8 tensor cores)
+        if "why" not in d:
+            d = d.assign(why="")
         base = float(first["ms"])
-        cells = ["n/a (no FP8 tensor cores)" if pd.isna(r.ms) else
+        cells = [f"n/a ({r.why})" if pd.isna(r.ms) else
                  f"{r.ms:,.1f} ({base / r.ms:.2f}x)" + ("" if r.fits else " (does not fit)") for r in d.itertuples()]
         t = pd.DataFrame([cells], columns=list(d["gpu"]))
         per = " per GPU" if "GPUs" in str(run) else ""
