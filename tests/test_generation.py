@@ -164,3 +164,20 @@ def test_an_fp8_kv_cache_is_refused_for_latent_attention():
     with pytest.raises(InputError, match="does not read its cached keys and values as they are"):
         neusight.trace(mla, batch_size=2, seq_len=1, kv_cache=31, dtype="bfloat16", attn_implementation="sdpa",
                        static_cache=True, kv_cache_dtype="fp8", device="h100-sxm5-80gb")
+
+
+def test_sliding_window_layers_cache_only_their_window():
+    """Gemma 3 attends over a window of 16 tokens in five of six layers (sliding_window=16): transformers keeps the
+    last 15 of their keys and values, the sixth (global) layer all of them; eager concatenation and in-place writes
+    (static_cache) alike."""
+    cfg = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=16)
+    for static in (False, True):
+        g = neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=63, dtype="bfloat16", attn_implementation="sdpa",
+                           static_cache=static)
+        k = g.kernels[g.kernels["kernel"] == "attention"]
+        keys = {int(re.search(r"layers\.(\d+)\.", m).group(1)): d[-1] for m, d in zip(k["module"], k["dims"])}
+        assert keys == {0: 16, 1: 16, 2: 16, 3: 16, 4: 16, 5: 64}, (static, keys)
+        cached = sorted({t.shape[2] for t in g.held if len(t.shape) == 4 and t.shape[1] == 2})
+        # held after the step: the window's last 15 (a buffer with room for the new token: 16) and all 64
+        assert cached == ([15 + 1, 63 + 1] if static else [15, 63 + 1]), (static, cached)

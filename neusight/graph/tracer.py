@@ -836,7 +836,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         Generation with a KV cache (inference of a decoder-only causal LM): ``seq_len`` new tokens per sequence
         after ``kv_cache`` tokens already in the cache, e.g. ``seq_len=1, kv_cache=2047`` for one decode step at
         context 2048. The cache (transformers' ``DynamicCache``, filled before the trace, so it counts as a model
-        input) is read by every layer's attention and grown by ``seq_len``, as Hugging Face's eager generation does.
+        input) is read by every layer's attention and grown by ``seq_len``, as Hugging Face's eager generation does;
+        sliding-window and chunked-attention layers (Mistral, Gemma 2 / 3, gpt-oss, Llama 4) hold the last window - 1
+        tokens, as transformers' cache keeps them for those layers.
     static_cache : bool
         With ``kv_cache``: the cache is a buffer sized for the run, and each step writes its new tokens' keys and
         values in place (one copy of their bytes), as transformers' ``StaticCache`` (compiled generation) and the
@@ -845,7 +847,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         With ``static_cache`` and a fused attention (``attn_implementation`` sdpa or flash_attention_2 / _3): the
         attention layers' cache stored in FP8 (``fp8`` = e4m3), as serving engines' ``kv_cache_dtype`` does: half
         the bytes of a 16-bit cache in memory and in every attention's reads; each step's new keys and values are
-        cast into it. Layers with a cache of another kind (sliding windows, state-space states) keep theirs.
+        cast into it (sliding-window layers' buffers too). State-space layers' states keep the model's dtype.
     memory_format : {"contiguous", "channels_last"}
         The layout of a CNN's activations and weights: PyTorch's default NCHW, or NHWC as
         ``model.to(memory_format=torch.channels_last)`` and a channels-last input run it (4-D tensors channels-last,
@@ -1249,7 +1251,7 @@ def check_kv_cache_dtype(kv_cache_dtype: Any, kv_cache: Any, static_cache: bool,
 
 def _fp8_kv_note(cache: Any, kv_cache_dtype: str, ops: list) -> str:
     """The note of a trace with an FP8 KV cache: its format, the layers that store theirs in it and, when some layers
-    cache otherwise (sliding windows, state-space states), those. InputError when no attention read it."""
+    cache otherwise (state-space states), those. InputError when its attention does not read it as it is."""
     layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None
               and isinstance(layer.keys, torch.Tensor) and layer.keys.dtype in FP8_KV_STORAGE]
     stored = {t.untyped_storage()._cdata for layer in layers for t in (layer.keys, layer.values)}
@@ -1268,17 +1270,19 @@ def _fp8_kv_note(cache: Any, kv_cache_dtype: str, ops: list) -> str:
     dtype = next(str(r.kernels[-1].dtype) for r in ops if r.call.op.endswith(FP8_KV_ATTENTION))
     return FP8_KV_NOTE.format(fmt="FP8 " + ("E5M2" if kv_cache_dtype.endswith("e5m2") else "E4M3"),
                               n=len(layers), dtype=dtype,
-                              other=f"; {other} layers' caches of other kinds (sliding windows, recurrent states) "
-                              "stay in the model's dtype" if other else "")
+                              other=f"; {other} layers' caches of other kinds (recurrent states) stay in the "
+                              "model's dtype" if other else "")
 
 
 def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torch.dtype | None,
                      room: int = 0, storage: torch.dtype | None = None) -> dict[str, Any]:
     """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, shaped and
     typed as the model's own first step stores it (under autocast the dtype depends on the model: GPT-2 caches its
-    FP16 projections, Llama the FP32 result of its rotary embedding). ``room`` > 0: each attention layer is an
-    in-place layer (:func:`_in_place_layer_class`) with room for that many more tokens (``static_cache``), its
-    buffers in ``storage`` when given (an FP8 cache, ``kv_cache_dtype``)."""
+    FP16 projections, Llama the FP32 result of its rotary embedding); a sliding-window layer's the last window - 1
+    (:func:`_grown_hybrid_cache`). ``room`` > 0: each attention layer is an in-place layer
+    (:func:`_in_place_layer_class`) with room for that many more tokens (``static_cache``; a sliding-window one a
+    window's buffer, as StaticSlidingWindowLayer), its buffers in ``storage`` when given (an FP8 cache,
+    ``kv_cache_dtype``)."""
     from transformers import DynamicCache
 
     hybrid = _hybrid_cache(module)
@@ -1297,11 +1301,16 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
                             for t in (layer.keys, layer.values))
             cache.update(keys, values, i)
     if room:
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-        for i, layer in enumerate(cache.layers):   # attention layers (not sliding-window or state-space ones)
-            if type(layer) is DynamicLayer and isinstance(getattr(layer, "keys", None), torch.Tensor):
+        for i, layer in enumerate(cache.layers):   # attention layers (not state-space ones)
+            if not isinstance(getattr(layer, "keys", None), torch.Tensor):
+                continue
+            if type(layer) is DynamicLayer:
                 cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage)
+            elif type(layer) is DynamicSlidingWindowLayer:    # a window's buffer (StaticSlidingWindowLayer's)
+                cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage,
+                                                          seen=layer.cumulative_length)
     return {"cache": cache, "use_cache": True}
 
 
@@ -1315,9 +1324,11 @@ def _in_place_layer_class() -> type:
         them in place and returns the filled part, as transformers' StaticCache (``index_copy_``) does."""
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int,
-                     storage: torch.dtype | None = None) -> None:
+                     storage: torch.dtype | None = None, seen: int | None = None) -> None:
             super().__init__()
             self.filled = keys.shape[-2]
+            # a sliding-window or chunked layer's buffer holds the last window - 1 of the ``seen`` tokens so far
+            self.seen, self.is_sliding = seen, seen is not None
             self.keys, self.values = (torch.zeros(*t.shape[:-2], self.filled + room, t.shape[-1],
                                                   dtype=storage or t.dtype, device=t.device) for t in (keys, values))
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
@@ -1331,22 +1342,30 @@ def _in_place_layer_class() -> type:
             self.keys[..., self.filled:self.filled + n, :].copy_(key_states)
             self.values[..., self.filled:self.filled + n, :].copy_(value_states)
             self.filled += n
+            if self.seen is not None:
+                self.seen += n
             return self.keys[..., :self.filled, :], self.values[..., :self.filled, :]
 
         def get_seq_length(self) -> int:
-            return self.filled
+            return self.filled if self.seen is None else self.seen
+
+        def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
+            # the keys the next update returns: the buffer's tokens and the new ones, from the window's first token
+            return self.filled + query_length, 0 if self.seen is None else self.seen - self.filled
 
     return InPlaceLayer
 
 
 def _hybrid_cache(module: torch.nn.Module) -> Any:
-    """For a model with state-space / linear-attention layers (Mamba, Qwen3-Next, Jamba, ...): a maker of the
-    DynamicCache its generation uses (built from its config: a conv and a recurrent state per such layer, keys and
-    values per attention layer); None for a model of attention layers only (a plain DynamicCache)."""
+    """For a model whose layers do not all cache every token's keys and values: state-space / linear-attention
+    layers (Mamba, Qwen3-Next, Jamba, ...: a conv and a recurrent state each) or attention over a sliding window or
+    a chunk (Mistral, Gemma 2 / 3, gpt-oss, Llama 4: the last window - 1 tokens each), a maker of the DynamicCache
+    its generation uses (built from its config, as transformers' generate() builds it); None for a model whose
+    layers all attend over the whole context (a plain DynamicCache)."""
     from transformers import DynamicCache
 
     try:
-        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+        from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
     except ImportError:
         return None
     config = getattr(module, "config", None)
@@ -1356,21 +1375,22 @@ def _hybrid_cache(module: torch.nn.Module) -> Any:
         layers = DynamicCache(config=config).layers
     except Exception:   # a config the cache cannot read the layer types of: the plain cache
         return None
-    if not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
+    if not any(isinstance(layer, (LinearAttentionCacheLayerMixin, DynamicSlidingWindowLayer)) for layer in layers):
         return None
     return lambda: DynamicCache(config=config)
 
 
 def _grown_hybrid_cache(probe: Any, batch: int, length: int) -> Any:
     """The cache ``probe`` (one token of one sequence through the model) as ``batch`` sequences after ``length``
-    tokens: attention layers' keys and values ``length`` long, the state-space layers' conv and recurrent states
-    (of fixed size whatever the length) for every sequence."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    tokens: attention layers' keys and values ``length`` long (a sliding-window or chunked layer's the last window -
+    1 of them, as its DynamicSlidingWindowLayer keeps, counting all ``length`` as seen), the state-space layers'
+    conv and recurrent states (of fixed size whatever the length) for every sequence."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-    def grown(t: torch.Tensor, seq_dim: int | None) -> torch.Tensor:
+    def grown(t: torch.Tensor, seq_len: int | None) -> torch.Tensor:
         shape = [batch, *t.shape[1:]]
-        if seq_dim is not None:
-            shape[seq_dim] = length
+        if seq_len is not None:
+            shape[2] = seq_len
         return torch.zeros(shape, dtype=t.dtype, device="meta")
 
     for layer in probe.layers:
@@ -1379,10 +1399,14 @@ def _grown_hybrid_cache(probe: Any, batch: int, length: int) -> Any:
                 for i, t in states.items():
                     if isinstance(t, torch.Tensor):
                         states[i] = grown(t, None)
+        kept = length
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            kept = min(length, int(layer.sliding_window) - 1)
+            layer.cumulative_length = length
         for name in ("keys", "values"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and t.ndim == 4:
-                setattr(layer, name, grown(t, 2))
+                setattr(layer, name, grown(t, kept))
     return probe
 
 
