@@ -36,6 +36,7 @@ from neusight.graph.graph import SELECTIVE, Graph
 from neusight.graph.layout import check_memory_format
 from neusight.graph.models import BuiltModel, build_model
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
+from neusight.kernels.base import Family
 from neusight.kernels.registry import build_kernels
 
 log = logging.getLogger(__name__)
@@ -330,8 +331,6 @@ def _fp8_kv_kernel(name: str, inner: list, ins: list, outs: list, saved: float) 
     attention kernel among the rest reading ``saved`` bytes fewer. InputError where this GPU runs no fused attention
     kernel on these inputs (the math backend's GEMMs and softmax)."""
     import dataclasses
-
-    from neusight.kernels.base import Family
 
     rest = list(inner[2:])
     gemms = [i for i, k in enumerate(rest) if k.family == Family.BMM]
@@ -1267,7 +1266,8 @@ def _fp8_kv_note(cache: Any, kv_cache_dtype: str, ops: list) -> str:
                          "scaled_dot_product_attention call reads them") + "), and an FP8 cache is modelled for "
                          "attention kernels that do. Fix: leave kv_cache_dtype out")
     other = len(cache.layers) - len(layers)
-    dtype = next(str(r.kernels[-1].dtype) for r in ops if r.call.op.endswith(FP8_KV_ATTENTION))
+    dtype = next(str(k.dtype) for r in ops if r.call.op.endswith(FP8_KV_ATTENTION) for k in r.kernels
+                 if k.family == Family.BMM)
     return FP8_KV_NOTE.format(fmt="FP8 " + ("E5M2" if kv_cache_dtype.endswith("e5m2") else "E4M3"),
                               n=len(layers), dtype=dtype,
                               other=f"; {other} layers' caches of other kinds (recurrent states) stay in the "
@@ -1279,21 +1279,21 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     """A DynamicCache holding ``length`` tokens per layer (meta tensors), as the model's ``cache`` input, shaped and
     typed as the model's own first step stores it (under autocast the dtype depends on the model: GPT-2 caches its
     FP16 projections, Llama the FP32 result of its rotary embedding); a sliding-window layer's the last window - 1
-    (:func:`_grown_hybrid_cache`). ``room`` > 0: each attention layer is an in-place layer
+    (:func:`_grown_config_cache`). ``room`` > 0: each attention layer is an in-place layer
     (:func:`_in_place_layer_class`) with room for that many more tokens (``static_cache``; a sliding-window one a
     window's buffer, as StaticSlidingWindowLayer), its buffers in ``storage`` when given (an FP8 cache,
     ``kv_cache_dtype``)."""
     from transformers import DynamicCache
 
-    hybrid = _hybrid_cache(module)
+    from_config = _config_cache(module)
     # one token through the model into an empty cache: each layer's (1, kv heads, 1, head_dim) keys and values and
     # their dtypes (values may differ from keys: DeepSeek's latent attention caches its 512-wide compressed keys and
     # values as "keys" and the 64-wide rotary key as "values")
-    probe = hybrid() if hybrid is not None else DynamicCache()
+    probe = from_config() if from_config is not None else DynamicCache()
     with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
-    if hybrid is not None:
-        cache = _grown_hybrid_cache(probe, batch, length)
+    if from_config is not None:
+        cache = _grown_config_cache(probe, batch, length)
     else:
         cache = DynamicCache()
         for i, layer in enumerate(probe.layers):
@@ -1356,7 +1356,7 @@ def _in_place_layer_class() -> type:
     return InPlaceLayer
 
 
-def _hybrid_cache(module: torch.nn.Module) -> Any:
+def _config_cache(module: torch.nn.Module) -> Any:
     """For a model whose layers do not all cache every token's keys and values: state-space / linear-attention
     layers (Mamba, Qwen3-Next, Jamba, ...: a conv and a recurrent state each) or attention over a sliding window or
     a chunk (Mistral, Gemma 2 / 3, gpt-oss, Llama 4: the last window - 1 tokens each), a maker of the DynamicCache
@@ -1380,7 +1380,7 @@ def _hybrid_cache(module: torch.nn.Module) -> Any:
     return lambda: DynamicCache(config=config)
 
 
-def _grown_hybrid_cache(probe: Any, batch: int, length: int) -> Any:
+def _grown_config_cache(probe: Any, batch: int, length: int) -> Any:
     """The cache ``probe`` (one token of one sequence through the model) as ``batch`` sequences after ``length``
     tokens: attention layers' keys and values ``length`` long (a sliding-window or chunked layer's the last window -
     1 of them, as its DynamicSlidingWindowLayer keeps, counting all ``length`` as seen), the state-space layers'
