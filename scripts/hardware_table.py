@@ -90,7 +90,7 @@ def forecast() -> pd.DataFrame:
             for key in GPUS:
                 p = predict_parallel(model, key, optimizer="adamw" if kw["mode"] == "training" else None, **kw)
                 rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": p.memory_peak_bytes / 2**30,
-                             "fits": bool(p.memory_fits)})
+                             "fits": bool(p.memory_fits), "why": ""})
             continue
         kw = dict(kw)
         fused = kw.pop("fused", False)
@@ -113,7 +113,7 @@ def forecast() -> pd.DataFrame:
                 continue
             mem = estimate_memory(g, dev, fused=fused)
             rows.append({"run": label, "gpu": key, "ms": p.latency_ms, "GiB": mem.peak_bytes / 2**30,
-                         "fits": bool(mem.fits)})
+                         "fits": bool(mem.fits), "why": ""})
     return pd.DataFrame(rows)
 
 
@@ -128,8 +128,6 @@ def render(df: pd.DataFrame, seconds: float) -> str:
              "memory forecast exceeds the GPU's memory. V100 has no BF16 tensor cores: its bf16 runs are forecast at its FP32 rate.", ""]
     for run, d in df.groupby("run", sort=False):
         first = d.dropna(subset=["ms"]).iloc[0]    # the first GPU that can run it (FP8 needs FP8 tensor cores)
-        if "why" not in d:
-            d = d.assign(why="")
         base = float(first["ms"])
         cells = [f"n/a ({r.why})" if pd.isna(r.ms) else
                  f"{r.ms:,.1f} ({base / r.ms:.2f}x)" + ("" if r.fits else " (does not fit)") for r in d.itertuples()]
