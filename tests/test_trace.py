@@ -635,6 +635,55 @@ def test_flash_attention_2_runs_flash_attns_kernel_where_flash_attn_runs():
         neusight.trace(_GQA_LM, **{**run, "attn_implementation": "flex_attention"})
 
 
+
+# transformers' classes without an SDPA path: Gemma 2 (logit soft-capping) and gpt-oss (attention sinks) run eager or
+# flash-attn; BLOOM (ALiBi) runs eager only
+_NO_SDPA = {
+    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=32),
+    "gpt_oss": ROUTED_MOE["gpt_oss"],
+    "bloom": dict(model_type="bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=128),
+}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_flash_attn_runs_models_without_an_sdpa_path(name):
+    """A model whose transformers class has flash-attn but no SDPA path (Gemma 2, gpt-oss) traces with
+    attn_implementation='flash_attention_2' / '_3' as flash-attn's kernel on every attention call, in both passes
+    (before, it was built for SDPA, which transformers refused); eager is unchanged; 'sdpa' is refused with the
+    implementations the class has."""
+    cfg = _NO_SDPA[name]
+    run = dict(batch_size=2, seq_len=64, dtype="bfloat16", device="h100-sxm5-80gb", mode="training")
+    flash = "aten._scaled_dot_product_flash_attention"
+    def forward_ops(g):
+        return g.kernels.loc[g.kernels["phase"] == "forward", "aten_op"].astype(str)
+
+    eager = forward_ops(neusight.trace(cfg, attn_implementation="eager", **run))
+    assert not eager.str.contains("attention").any()
+    for impl in ("flash_attention_2", "flash_attention_3"):
+        g = neusight.trace(cfg, attn_implementation=impl, **run)
+        ops = g.kernels["aten_op"].astype(str)
+        assert (ops == f"{flash}.default").sum() == 2 and (ops == f"{flash}_backward.default").sum() == 2
+        ops = forward_ops(g)
+        for op, per_layer in (("aten._softmax.default", 1), ("aten.bmm.default", 2)):   # eager's scores and output
+            assert (eager == op).sum() - (ops == op).sum() == 2 * per_layer
+    with pytest.raises(ModelError, match="attn_implementation='sdpa': transformers has no sdpa path for .*eager | "
+                                         "flash_attention_2 | flash_attention_3. Fix: attn_implementation=flash"):
+        neusight.trace(cfg, attn_implementation="sdpa", **run)
+
+
+def test_attention_implementations_a_model_lacks_are_refused_with_the_ones_it_has():
+    """BLOOM has neither an SDPA nor a flash-attn path in transformers: both are refused, naming eager as the fix
+    (before: a raw transformers ValueError for sdpa, and flash-attn's kernels forecast for a model that never runs
+    them)."""
+    for impl in ("sdpa", "flash_attention_2"):
+        with pytest.raises(ModelError, match=f"attn_implementation='{impl}': transformers has no .* path for "
+                                             "BloomForCausalLM .* it runs attn_implementation=eager. Fix: "
+                                             "attn_implementation=eager"):
+            neusight.trace(_NO_SDPA["bloom"], batch_size=1, seq_len=16, attn_implementation=impl,
+                           dtype="bfloat16", device="a100-sxm4-40gb")
+
+
 def test_checkpointed_layers_recompute_attention_with_the_gpus_backend():
     """The recomputation of a checkpointed layer takes the same scaled_dot_product_attention backend as its forward
     on the GPU forecast (it took the GPU-less memory-efficient kernel before)."""

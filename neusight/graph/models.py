@@ -495,11 +495,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
                          "text models (input_ids) and image models (pixel_values) are supported, audio and other "
                          "inputs are not. Trace it as an nn.Module with input_shapes=[...] instead")
     notes: list[str] = []
-    try:
-        with torch.device("meta"):
-            module = cls._from_config(config, attn_implementation=_hf_attention(attn), dtype=dtype)
-    except Exception as e:  # transformers raises many types for an unusable config
-        raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
+    module = _build_hf(cls, config, name, attn, dtype)
     _strays_to_meta(module, dtype)
     is_seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     if model_type == "switch_transformers":
@@ -549,6 +545,56 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
                         "of its output stands in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+
+
+def _build_hf(cls: Any, config: Any, name: str, attn: str, dtype: torch.dtype) -> nn.Module:
+    """``cls`` built from ``config`` on the meta device for the attention implementation ``attn``, as transformers
+    admits it: a class without an SDPA path (``_supports_sdpa`` False: Gemma 2, gpt-oss, ...) refuses ``sdpa`` with
+    the implementations it has, and one without a flash-attn path refuses ``flash_attention_2`` / ``_3`` (a class
+    with neither, for them all but ``eager``). flash-attn is not installed here, so a flash-attn run is built for
+    SDPA (:func:`_hf_attention`), whose calls the tracer runs as flash-attn's kernel; a class with flash-attn but no
+    SDPA path is built eager and then switched to :data:`FLASH_VIA_SDPA` (transformers picks the attention function
+    per call from ``config._attn_implementation``)."""
+    sdpa = bool(getattr(cls, "_supports_sdpa", False))
+    flash = bool(getattr(cls, "_supports_flash_attn", False))
+    wanted = "sdpa" if attn == "sdpa" else "flash-attn" if attn.startswith("flash_attention") else None
+    if wanted and not (sdpa if wanted == "sdpa" else flash):
+        has = ["eager"] + (["sdpa"] if sdpa else []) + (["flash_attention_2", "flash_attention_3"] if flash else [])
+        raise ModelError(f"attn_implementation={attn!r}: transformers has no {wanted} path for {cls.__name__} (model "
+                         f"{name!r}); it runs attn_implementation={' | '.join(has)}. Fix: attn_implementation="
+                         f"{has[-1]}")
+    switch = wanted == "flash-attn" and not sdpa
+    try:
+        with torch.device("meta"):
+            module = cls._from_config(config, attn_implementation="eager" if switch else _hf_attention(attn),
+                                      dtype=dtype)
+    except Exception as e:  # transformers raises many types for an unusable config
+        raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
+    if switch:
+        _register_flash_via_sdpa()
+        module.config._attn_implementation = FLASH_VIA_SDPA
+    return module
+
+
+# The attention function of a model built for flash-attn whose class has no SDPA path (Gemma 2, gpt-oss): SDPA's,
+# with SDPA's masks, called without the arguments only flash-attn's kernels take (Gemma 2's logit soft-capping, the
+# attention sinks of gpt-oss), which change no kernel's shape; the tracer runs its calls as flash-attn's kernel.
+FLASH_VIA_SDPA = "neusight_flash_via_sdpa"
+
+
+def _register_flash_via_sdpa() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
+        kwargs.pop("softcap", None)
+        kwargs.pop("s_aux", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(FLASH_VIA_SDPA, attention)
+    AttentionMaskInterface.register(FLASH_VIA_SDPA, sdpa_mask)
 
 
 def _strays_to_meta(module: nn.Module, dtype: torch.dtype) -> None:
@@ -617,11 +663,7 @@ def _hf_vision(name: str, model_type: str, config: Any, head: str | None, archit
     if hasattr(config, "image_size"):
         config.image_size = side
     cls = _hf_class(config, model_type, head, architectures, transformers)
-    try:
-        with torch.device("meta"):
-            module = cls._from_config(config, attn_implementation=_hf_attention(attn), dtype=dtype)
-    except Exception as e:  # transformers raises many types for an unusable config
-        raise ModelError(f"could not build {cls.__name__} from {name!r}: {type(e).__name__}: {e}") from None
+    module = _build_hf(cls, config, name, attn, dtype)
     channels = int(config.num_channels)
 
     def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
