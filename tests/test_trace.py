@@ -684,6 +684,54 @@ def test_attention_implementations_a_model_lacks_are_refused_with_the_ones_it_ha
                            dtype="bfloat16", device="a100-sxm4-40gb")
 
 
+
+@pytest.mark.parametrize("queries,keys,window", [(64, 64, 16), (64, 64, 64), (1, 300, 128), (40, 300, 128),
+                                                 (200, 300, 128), (7, 9, 3)])
+def test_band_keys_do_the_sliding_windows_work(queries, keys, window):
+    """A causal attention of the last ``queries`` of ``keys`` positions within a sliding window (each query sees
+    itself and window - 1 keys before it) is forecast as a non-causal one of every query over as many keys as the
+    band holds per query: the same number of query-key pairs, to rounding; None where the window holds them all."""
+    from neusight.graph.tracer import _band_keys
+
+    pairs = sum(min(p + 1, window) for p in range(keys - queries, keys))
+    got = _band_keys(queries, keys, window)
+    if keys <= window:
+        assert got is None
+    else:
+        assert abs(got * queries - pairs) <= queries / 2
+
+
+def test_flash_attn_limits_sliding_window_layers_to_their_band():
+    """With flash-attn (transformers passes each layer's sliding window, flash-attn's window_size), a sliding layer's
+    attention kernel does the band's work, forward, backward and in recomputations (whole layers and selective);
+    full-attention layers stay causal; SDPA computes the masked square as PyTorch does; a note says which."""
+    cfg = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=16,
+               layer_types=["sliding_attention", "full_attention"])
+    run = dict(batch_size=2, seq_len=64, dtype="bfloat16", device="h100-sxm5-80gb", mode="training")
+    square = 4 * 2 * 4 * 16 * 64 * 64                        # 4 B H D S^2: both GEMMs of every query-key pair
+    band = 4 * 2 * 4 * 16 * (136 + 48 * 16)                  # query p sees min(p + 1, 16) keys
+    fwd = "aten._scaled_dot_product_flash_attention.default"
+    bwd = "aten._scaled_dot_product_flash_attention_backward.default"
+    for gc in (False, True, "selective"):
+        g = neusight.trace(cfg, attn_implementation="flash_attention_2", gradient_checkpointing=gc, **run)
+        k = g.kernels
+        per_layer = k[k["aten_op"].isin([fwd, bwd])].groupby(["aten_op", "module"])["flops"].agg(["sum", "count"])
+        layers = sorted(per_layer.loc[fwd].index)
+        assert len(layers) == 2
+        sliding, full = (per_layer.loc[fwd].loc[x] for x in layers)
+        runs = 2 if gc else 1                                   # recomputed in the backward pass
+        assert sliding["count"] == full["count"] == runs
+        assert abs(sliding["sum"] / runs - band) <= 0.01 * band and full["sum"] / runs == square / 2
+        assert per_layer.loc[bwd, "sum"].sort_values().tolist() == pytest.approx(
+            [2.5 * sliding["sum"] / runs, 2.5 * square / 2], rel=0.01)
+        assert any("sliding-window attention" in n and "16 keys" in n for n in g.notes)
+    g = neusight.trace(cfg, attn_implementation="sdpa", **run)
+    cudnn = g.kernels[g.kernels["aten_op"] == "aten._scaled_dot_product_cudnn_attention.default"]
+    assert sorted(cudnn["flops"]) == [square / 2, square]       # the sliding layer's mask: the whole square
+    assert not any("sliding-window attention" in n for n in g.notes)
+
+
 def test_checkpointed_layers_recompute_attention_with_the_gpus_backend():
     """The recomputation of a checkpointed layer takes the same scaled_dot_product_attention backend as its forward
     on the GPU forecast (it took the GPU-less memory-efficient kernel before)."""

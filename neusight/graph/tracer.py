@@ -59,6 +59,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adamw-fused", "adam-fused")
 SDPA_MARK = "scaled_dot_product_attention on"   # in the note of a trace whose attention backend depends on the GPU
 SDPA_NOTE = SDPA_MARK + " {device} as PyTorch dispatches it: {how}"
 FLASH_ATTN_NOTE = SDPA_MARK + " {device} as transformers' flash-attn integration runs it: {how}"
+WINDOW_NOTE = ("sliding-window attention: flash-attn's kernel computes each query over its window of {windows} keys "
+               "only (window_size), as one kernel doing that band's work; scaled_dot_product_attention "
+               "(attn_implementation='sdpa') computes the whole masked square")
 SDPA_BACKENDS = {
     "flash": "flash attention (FP16 / BF16 on compute capability 8.0+ or ROCm's AOTriton GPUs, no mask; "
              "grouped-query keys and values read as they are)",
@@ -267,6 +270,10 @@ def _metas(obj: Any) -> Any:
     return obj
 
 
+# the sliding window of the attention function call under way (``_CudaPaths._windowed``), None outside them
+_WINDOW: list[int | None] = [None]
+
+
 class _CudaPaths(TorchFunctionMode):
     """Route functions whose meta/CPU implementation differs from the CUDA one to the CUDA kernels (of ``device``
     where PyTorch picks them by the GPU: scaled_dot_product_attention's backend)."""
@@ -278,6 +285,48 @@ class _CudaPaths(TorchFunctionMode):
         self.flash_attn = attn_implementation if attn_implementation in FLASH_ATTN_IMPLEMENTATIONS else None
         self.sdpa: set[str] = set()    # the backends its scaled_dot_product_attention calls took (SDPA_BACKENDS)
         self.region: Any = None        # the recorder's fused_region, for attention over an FP8 KV cache
+        self.windows: set[int] = set()   # the sliding windows flash-attn's kernels were limited to
+        self._patches: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Any:
+        # flash-attn runs: transformers hands its attention function the layer's sliding window, which flash-attn's
+        # kernel takes (window_size) and scaled_dot_product_attention does not: the model's attention functions are
+        # wrapped to pass it on to _flash_attn (through _WINDOW: a recomputation's mode may run a function that an
+        # outer mode wrapped)
+        if self.flash_attn:
+            from unittest import mock
+
+            from neusight.graph.models import FLASH_VIA_SDPA
+
+            try:
+                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+                mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+            except (ImportError, AttributeError):
+                mapping = {}
+            self._patches = contextlib.ExitStack()
+            for name in ("sdpa", FLASH_VIA_SDPA):
+                if name in mapping:
+                    self._patches.enter_context(mock.patch.dict(mapping, {name: self._windowed(mapping[name])}))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        if self._patches is not None:
+            self._patches.close()
+            self._patches = None
+        return out
+
+    def _windowed(self, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def attention(*args: Any, **kwargs: Any) -> Any:
+            before, window = _WINDOW[0], kwargs.get("sliding_window")
+            _WINDOW[0] = int(window) if isinstance(window, int) and not isinstance(window, bool) and window > 0 \
+                else None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _WINDOW[0] = before
+        return attention
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -295,7 +344,8 @@ class _CudaPaths(TorchFunctionMode):
                 return self._fp8_kv_attention(*args, **kwargs)
             if self.flash_attn:
                 self.sdpa.add(self.flash_attn)
-                return _flash_attn(self.device, self.flash_attn, *args, **kwargs)
+                return _flash_attn(self.device, self.flash_attn, *args, window=_WINDOW[0], seen=self.windows,
+                                   **kwargs)
             backend = _sdpa_backend(self.device, *args, **kwargs)
             self.sdpa.add(backend)
             return _sdpa(backend, *args, **kwargs)
@@ -495,12 +545,15 @@ FLASH_ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False) -> torch.Tensor:
+                enable_gqa: bool = False, window: int | None = None, seen: set[int] | None = None) -> torch.Tensor:
     """A scaled_dot_product_attention call of a model built for sdpa, run as flash-attn's kernel, as transformers'
     flash_attention_2 / _3 integration runs the same attention: causal by flag (a mask of several queries is the
     causal one; a padding mask would be unpadded into sequences, of which the traced inputs have none). flash-attn 2
     runs FP16 / BF16 on NVIDIA compute capability 8.0+ and on AMD MI200 / MI300 (its ROCm build); flash-attn 3 on
-    Hopper (9.0); anything else is an InputError, as flash-attn refuses it."""
+    Hopper (9.0); anything else is an InputError, as flash-attn refuses it. A layer's sliding ``window`` (the
+    ``sliding_window`` transformers passes, flash-attn's ``window_size``: each query attends to itself and the
+    ``window`` - 1 keys before it) limits the kernel's work to that band where the keys outnumber the window
+    (:func:`_band_attention`); the windows so applied are added to ``seen``."""
     name = implementation.replace("flash_attention_", "flash-attn ")
     if q.dtype not in FLASH_DTYPES:
         raise InputError(f"attn_implementation={implementation!r}: {name} runs FP16 / BF16 only, and the attention "
@@ -518,7 +571,48 @@ def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tens
             raise InputError(f"attn_implementation={implementation!r}: {name} runs on {where}; {device.key} is "
                              f"{device.compute_capability}. Fix: attn_implementation='sdpa' (PyTorch's own kernels)")
     causal = bool(is_causal) or (attn_mask is not None and q.shape[-2] > 1)
+    keys = _band_keys(q.shape[-2], k.shape[-2], window) if causal and window else None
+    if keys is not None:
+        if seen is not None:
+            seen.add(window)
+        return _BandAttention.apply(q, k, v, keys, dropout_p, scale)
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, causal, False, scale=scale)[0]
+
+
+def _band_keys(queries: int, keys: int, window: int) -> int | None:
+    """The keys per query of a non-causal attention as large as causal attention of ``queries`` (the last of
+    ``keys`` positions) within a sliding ``window`` (query at position p attends keys p - window + 1 .. p); None
+    where the window holds every key a query sees."""
+    if keys <= window:
+        return None
+    first = keys - queries + 1            # the first query's keys in full causal attention (positions are 0-based)
+    ramp = max(0, min(keys, window) - first + 1)     # queries still filling the window: first .. window keys
+    area = ramp * (first + first + ramp - 1) // 2 + (queries - ramp) * window
+    return max(1, round(area / queries))
+
+
+class _BandAttention(torch.autograd.Function):
+    """flash-attn's kernel over a sliding window, forward and backward: one non-causal kernel of every query over
+    as many keys as the band holds per query (:func:`_band_keys`), which does the band's work; the keys' and
+    values' gradients come back whole, as the kernel writes them."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int, dropout_p: float,
+                scale: float | None) -> torch.Tensor:
+        kb, vb = k[:, :, :keys], v[:, :, :keys]
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, kb, vb, dropout_p, False, False, scale=scale)
+        ctx.save_for_backward(q, kb, vb, out, lse, seed, offset)
+        ctx.rest = (cq, ck, mq, mk, dropout_p, scale, k.shape, v.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        q, kb, vb, out, lse, seed, offset = ctx.saved_tensors
+        cq, ck, mq, mk, dropout_p, scale, k_shape, v_shape = ctx.rest
+        dq, _, _ = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, kb, vb, out, lse, cq, ck, mq, mk, dropout_p, False, seed, offset, scale=scale)
+        return dq, kb.new_empty(k_shape), vb.new_empty(v_shape), None, None, None
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -1048,6 +1142,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     if device is not None and paths.sdpa:
         how = "; ".join(SDPA_BACKENDS[b] for b in sorted(paths.sdpa))
         notes += ((FLASH_ATTN_NOTE if paths.flash_attn else SDPA_NOTE).format(device=device.key, how=how),)
+    if paths.windows:
+        notes += (WINDOW_NOTE.format(windows=" / ".join(f"{w:,}" for w in sorted(paths.windows))),)
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
