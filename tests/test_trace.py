@@ -811,6 +811,25 @@ def test_bad_run_parameters(kw, err):
         neusight.trace("gpt2", **kw)
 
 
+
+@pytest.mark.parametrize("model,kw,fragment", [
+    ("gpt2", dict(lora_targets=["c_attn"]), r"lora_targets=\['c_attn'\] .* lora_rank is not set.*Fix: lora_rank="),
+    ("gpt2", dict(memory_format="channels_last"), "channels_last.*GPT2LMHeadModel.*has none.*Fix: leave memory_format"),
+    ("gpt2", dict(moe_kernels="grouped"), "moe_kernels='grouped' .*GPT2LMHeadModel.*has none.*Fix: leave moe_kernels"),
+    (dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+          vocab_size=128), dict(moe_kernels="loop"), "moe_kernels='loop' .*LlamaForCausalLM.*has none"),
+])
+def test_options_that_would_change_nothing_are_refused(model, kw, fragment):
+    """An option the model gives nothing to act on (LoRA targets without a rank, a channels-last layout without a 4-D
+    tensor, experts kernels without routed experts) is refused with the fix, not silently ignored; where it applies
+    it still works."""
+    with pytest.raises(InputError, match=fragment):
+        neusight.trace(model, batch_size=1, seq_len=8, **kw)
+    assert neusight.trace("vit-base", batch_size=1, memory_format="channels_last").memory_format == "channels_last"
+    g = neusight.trace(ROUTED_MOE["mixtral"], batch_size=1, seq_len=8, moe_kernels="loop")
+    assert any("mixture of experts" in n for n in g.notes)
+
+
 def test_dtype_spellings_name_the_same_precision():
     for name, want in (("bf16", "bfloat16"), ("half", "float16"), ("torch.float16", "float16"), ("fp32", "float32"),
                        (torch.bfloat16, "bfloat16")):

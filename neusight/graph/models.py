@@ -498,6 +498,7 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     module = _build_hf(cls, config, name, attn, dtype)
     _strays_to_meta(module, dtype)
     is_seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    chosen = False    # whether moe_kernels chose the kernels of some experts layer
     if model_type == "switch_transformers":
         from neusight.graph.moe import fix_switch_capacity
 
@@ -506,10 +507,16 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         from neusight.graph.moe import (fix_llama4_experts, fix_routed_experts, fix_size_list_gates,
                                         fix_zero_compute_experts)
 
-        for routed in (fix_llama4_experts(module, moe_kernels), fix_routed_experts(module, moe_kernels, grouped_gemm),
-                       fix_size_list_gates(module), fix_zero_compute_experts(module)):
+        kernels_notes = [fix_llama4_experts(module, moe_kernels), fix_routed_experts(module, moe_kernels, grouped_gemm)]
+        chosen = any(kernels_notes)
+        for routed in kernels_notes + [fix_size_list_gates(module), fix_zero_compute_experts(module)]:
             if routed:
                 notes.append(routed)
+    if moe_kernels != "auto" and not chosen:
+        raise InputError(f"moe_kernels={moe_kernels!r} chooses the kernels of top-k routed experts layers (Mixtral, "
+                         f"Qwen-MoE, DeepSeek, gpt-oss, Llama 4, ...); {type(module).__name__} (model {name!r}) has "
+                         "none" + (": Switch Transformers' experts run as transformers runs them"
+                                   if model_type == "switch_transformers" else "") + ". Fix: leave moe_kernels out")
     max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if model_type in ("t5", "switch_transformers") or not (isinstance(max_len, int) and max_len > 0):
         max_len = None  # relative position buckets (or XLNet's -1: no limit): any length

@@ -1000,6 +1000,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         raise InputError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number. Fix: e.g. clip_grad_norm=1.0")
     module = built.module
     adapted: list[str] = []
+    if lora_targets is not None and lora_rank is None:
+        raise InputError(f"lora_targets={list(lora_targets)} names LoRA's target projections, and lora_rank is not "
+                         "set: no adapters are added. Fix: lora_rank=<rank> (e.g. 16) as well, or leave lora_targets "
+                         "out")
     if lora_rank is not None:
         if tensor_parallel != 1 or expert_parallel != 1:
             what = f"tensor parallelism (tp={tensor_parallel})" if tensor_parallel != 1 else \
@@ -1037,6 +1041,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     module.train(training)
     args, kwargs = built.make_inputs(batch_size, seq_len)
     if memory_format == "channels_last":
+        tensors = list(module.parameters()) + list(module.buffers()) + list(args) + list(kwargs.values())
+        if not any(isinstance(t, torch.Tensor) and t.dim() in (4, 5) for t in tensors):
+            raise InputError(f"memory_format='channels_last' lays out 4-D (and 5-D) tensors, convolutions' weights "
+                             f"and images, as NHWC; {built.name} ({type(module).__name__}) has none. Fix: leave "
+                             "memory_format out (contiguous)")
         args, kwargs = _to_channels_last(module, args, kwargs)
     if kv_cache:
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0,
