@@ -224,7 +224,8 @@ def generation_ranking_table(forecasts: list[GenerationForecast],
                                "per output token ms": f.time_per_output_token_ms,
                                "generated tokens/s": f.tokens_per_s}
         if f.memory_peak_bytes is not None:
-            row["memory GiB"] = f"{f.memory_peak_bytes / 2**30:,.1f} of {f.device.memory_gib:g}"
+            row["memory per GPU GiB" if f.tp > 1 else "memory GiB"] = (f"{f.memory_peak_bytes / 2**30:,.1f} of "
+                                                                      f"{f.device.memory_gib:g}")
             row["fits"] = "yes" if f.memory_fits else "no"
         if cost is not None:
             row[f"USD per {cost['per']}"] = cost["usd"]

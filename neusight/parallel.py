@@ -742,6 +742,30 @@ class ParallelPrediction:
         return "\n".join(lines)
 
 
+
+def parallel_ranking_table(preds: list[ParallelPrediction],
+                           costs: list[dict[str, Any] | None] | None = None) -> pd.DataFrame:
+    """Forecasts of one multi-GPU run on several GPU types as a table, fastest first: rank, GPU, ms, time vs
+    fastest, the whole run's throughput, the memory peak of its busiest GPU against the GPU's memory and whether it
+    fits (with a memory forecast), the cost (``costs``: per forecast, None or ``{"usd": .., "per": "1M tokens"}``,
+    all the run's GPUs paid) and whether the predictor was trained on the GPU."""
+    from neusight.api import ranked
+
+    rows = []
+    for p, cost in zip(preds, costs or [None] * len(preds)):
+        unit = p.per_gpu.throughput[1]     # tokens, images or samples
+        per_step = p.batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
+        row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms, unit: per_step / max(p.latency_ms, 1e-12) * 1e3}
+        if p.memory_peak_bytes is not None:
+            row["memory per GPU GiB"] = f"{p.memory_peak_bytes / 2**30:,.1f} of {p.device.memory_gib:g}"
+            row["fits"] = "yes" if p.memory_fits else "no"
+        if cost is not None:
+            row[f"USD per {cost['per']}"] = cost["usd"]
+        row["predictor trained on it"] = "yes" if p.device.key in tuple(p.per_gpu.predictor_devices) else "no"
+        rows.append(row)
+    return ranked(rows, "ms")
+
+
 def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len: int | None = None,
                      mode: str = "training", *, dp: int = 1, tp: int = 1, pp: int = 1, microbatches: int = 1,
                      head: str | None = None, optimizer: str | None = None, predictor: Any = None,

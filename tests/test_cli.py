@@ -114,8 +114,9 @@ BAD = {
                                "gpu_hour_usd=-2 is not a positive price"),
     "predict-prices-not-one-per-gpu": (("neusight-predict", "model=gpt2", "device=[t4,l4]", "gpu_hour_usd=[1,2,3]"),
                                        "3 price(s) for 2 device(s)"),
-    "predict-rank-all-on-several-gpus": (("neusight-predict", "model=gpt2", "device=all", "tp=2"),
-                                         "device=all ranks single-GPU forecasts, not multi-GPU runs"),
+    "predict-rank-all-searches-on-several-gpus": (
+        ("neusight-predict", "model=gpt2", "device=all", "tp=2", "find_max_batch=true"),
+        "device=all with find_max_batch on several GPUs (dp, tp, pp or zero) is not available"),
     "predict-rank-all-no-gpu-can": (("neusight-predict", "model=gpt2", "device=all", "fp8=true", "dtype=bfloat16",
                                      "seq_len=16"), "GPT2LMHeadModel has none that qualify"),
     "predict-plan-with-a-fixed-layout": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "tp=2"),
@@ -278,6 +279,66 @@ def test_device_all_leaves_out_the_gpus_that_cannot_run_it(tmp_path):
     left = r.stdout.split("left out (")[1]
     assert left.startswith(f"{len(list_devices()) - len(fp8)}): fp8=True needs FP8 tensor cores:")
     assert all(k in left for k in list_devices() if k not in fp8)
+
+
+
+_TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("run", [("mode=training", "batch_size=8", "seq_len=64", "dp=2", "tp=2"),
+                                 ("batch_size=2", "seq_len=32", "new_tokens=4", "tp=2", "dtype=bfloat16",
+                                  "attn_implementation=flash_attention_2")])
+def test_device_all_ranks_multi_gpu_runs_and_leaves_out_gpus_that_cannot(tmp_path, run):
+    """device=all with dp / tp (a step, or generate() split over GPUs): every GPU type of the library ranked for the
+    same layout, fastest first, with the memory of one GPU and the price of all of them; GPUs that cannot run it
+    (flash-attn 2 on older ones) left out with the reason, not stopping the rest (before: refused)."""
+    from neusight import list_devices
+    from neusight.devices import load_device
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(_TINY_LLAMA))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=all", *run, "gpu_hour_usd=2",
+                        "json=all.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    generation = "new_tokens=4" in run
+    data = {d["device"]: d for d in json.loads((tmp_path / "all.json").read_text())}
+    key = "total_ms" if generation else "latency_ms"
+    rows = _ranked_rows(r.stdout)
+    order = [row[1] for row in rows]
+    assert sorted(order) == sorted(data) and [data[k][key] for k in order] == sorted(data[k][key] for k in order)
+    assert all(data[k]["gpus"] == (2 if generation else 4) for k in order)
+    assert ("tensor parallel over 2 GPUs of each type" if generation else
+            "on 4 GPUs of each type (dp 2, tp 2, pp 1") in r.stdout
+    assert "memory per GPU GiB" in r.stdout and f"fastest: {order[0]}" in r.stdout
+    # flash-attn 2 runs on NVIDIA compute capability 8.0+ and AMD's MI200 / MI300 (not the MI100)
+    cannot = sorted(k for k in list_devices() if generation and (k == "mi100" or load_device(k).vendor == "nvidia"
+                                                                  and load_device(k).cc < 8.0))
+    assert sorted(set(list_devices()) - set(order)) == cannot
+    if cannot:
+        assert "left out (" in r.stdout and all(k in r.stdout.split("left out (")[1] for k in cannot)
+
+
+
+def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):
+    """A dp / tp run on a list of GPU types ends with one table of them side by side: the total and its parts, the
+    throughput, the speed-up and cost against the first, one GPU's memory, as the JSON records say."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(_TINY_LLAMA))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=[l4,h100-sxm5-80gb]", "mode=training",
+                        "batch_size=4", "seq_len=32", "dp=2", "tp=2", "gpu_hour_usd=[1,3]", "json=two.json",
+                        f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    records = json.loads((tmp_path / "two.json").read_text())
+    table = r.stdout.split("side by side (parts of the total; memory: one GPU's):\n")[1].splitlines()
+    assert table[0].split() == ["l4", "h100-sxm5-80gb"]
+    rows = {ln.rsplit(None, 2)[0].strip(): ln.split()[-2:] for ln in table[1:]}
+    assert rows["total ms"] == [f"{d['latency_ms']:,.2f}" for d in records]
+    assert rows["tp_comm ms"] == [f"{d['tp_comm_ms']:,.2f}" for d in records]
+    speed = records[0]["latency_ms"] / records[1]["latency_ms"]
+    assert rows["speed-up vs l4"] == ["1.00x", f"{speed:.2f}x"]
+    assert rows["memory peak GiB"] == [f"{d['memory_peak_bytes'] / 2**30:.1f}" for d in records]
 
 
 def test_device_all_ranks_generation_by_its_total_time(tmp_path):

@@ -694,9 +694,11 @@ def _check_counts(cfg: PredictConfig) -> None:
         if getattr(cfg, k) and cfg.gpus is None and cfg.dp == 1:
             raise InputError(f"{k}=true overlaps the data-parallel replicas' collectives with the compute; dp=1 has "
                              "none. Fix: dp > 1 (or gpus=N to plan), or leave it out")
-    if names_all(cfg.device) and _multi_gpu(cfg):
-        raise InputError(f"device={cfg.device} ranks single-GPU forecasts, not multi-GPU runs. Fix: name the GPUs "
-                         "to compare, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
+    if names_all(cfg.device) and _multi_gpu(cfg) and searches:
+        raise InputError(f"device={cfg.device} with {searches[0]} on several GPUs (dp, tp, pp or zero) is not "
+                         "available: the ranking of multi-GPU runs has no search column. Fix: name the GPUs to "
+                         "search, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb], or leave the search out")
 
 
 def _generation(cfg: PredictConfig) -> float:
@@ -731,7 +733,16 @@ def _generation(cfg: PredictConfig) -> float:
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
                                             **kw)
     else:
-        forecasts = [predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, **kw) for dev in devices]
+        forecasts = []
+        for dev in devices:
+            try:
+                forecasts.append(predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, **kw))
+            except InputError as e:
+                if not ranking:
+                    raise
+                skipped[dev.key] = str(e)
+        if not forecasts:
+            raise InputError(f"no GPU of the library can run this: {next(iter(skipped.values()))}")
     rows, costs = [], []
     for i, f in enumerate(forecasts):
         costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
@@ -749,7 +760,8 @@ def _generation(cfg: PredictConfig) -> float:
 
         f = forecasts[0]
         run = (f"{f.model}: generate(), batch {f.batch_size}, prompt {f.prompt_len}, {f.new_tokens} new tokens, "
-               f"{'static' if cfg.static_cache else 'dynamic'} KV cache")
+               f"{'static' if cfg.static_cache else 'dynamic'} KV cache"
+               + (f", tensor parallel over {f.tp} GPUs of each type" if f.tp > 1 else ""))
         print(ranking_text(generation_ranking_table(forecasts, costs), "total ms", run, skipped))
     elif len(rows) > 1:
         import pandas as pd
@@ -810,6 +822,7 @@ def _finish_plans(cfg: PredictConfig, plans: list, records: list[dict[str, Any]]
 
 def _parallel(cfg: PredictConfig) -> float:
     """A multi-GPU forecast per GPU type of ``cfg.device`` (neusight.parallel); JSON of the parts on request."""
+    from neusight.api import names_all
     from neusight.errors import InputError
     from neusight.parallel import predict_parallel
     from neusight.util import atomic_write_text
@@ -830,22 +843,37 @@ def _parallel(cfg: PredictConfig) -> float:
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
-    for i, (dev, price) in enumerate(zip(_gpus(cfg), _prices(cfg))):
-        p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp,
-                             microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer, megatron=cfg.megatron,
-                             predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
-                             image_size=cfg.image_size, dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32,
-                             host_us=cfg.host_us, amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg),
-                             vpp=cfg.vpp, sp=cfg.sp, overlap_grad_reduce=cfg.overlap_grad_reduce,
-                             overlap_param_gather=cfg.overlap_param_gather,
-                             gpus_per_node=cfg.gpus_per_node,
-                             internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
-                             **_step_options(cfg))
-        print(("\n" if i else "") + p.summary())
+    ranking = names_all(cfg.device)   # every GPU type of the library, ranked: the GPUs that cannot run it left out
+    preds, costs, skipped = [], [], {}
+    for dev, price in zip(_gpus(cfg), _prices(cfg)):
+        try:
+            p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp,
+                                 pp=cfg.pp, microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer,
+                                 megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
+                                 attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
+                                 dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
+                                 kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp, sp=cfg.sp,
+                                 overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
+                                 internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
+                                 **_step_options(cfg))
+        except InputError as e:
+            if not ranking:
+                raise
+            skipped[dev.key] = str(e)
+            continue
         gpus = p.parallelism.gpus
         unit = p.per_gpu.throughput[1]   # tokens, images or samples: what one GPU's step processes
         per_step = p.batch_size * (p.seq_len if unit == "tokens/s" else 1)
         cost = _cost(per_step / max(p.latency_ms, 1e-12) * 1e3, unit, price, gpus)
+        preds.append(p)
+        costs.append(cost)
+        records.append({"device": p.device.key, "gpus": gpus, "latency_ms": p.latency_ms,
+                        **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
+                        "memory_fits": p.memory_fits, **({"cost": cost} if cost is not None else {})})
+        if ranking:
+            continue
+        print(("\n" if len(preds) > 1 else "") + p.summary())
         if cost is not None:
             print(_cost_text(cost))
         if _wants_run(cfg):
@@ -853,9 +881,26 @@ def _parallel(cfg: PredictConfig) -> float:
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
         _memory_searches(cfg, p.device)
-        records.append({"device": p.device.key, "gpus": gpus, "latency_ms": p.latency_ms,
-                        **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
-                        "memory_fits": p.memory_fits, **({"cost": cost} if cost is not None else {})})
+    if not ranking and len(preds) > 1:
+        rows = []
+        for p, cost in zip(preds, costs):
+            unit = p.per_gpu.throughput[1]
+            per_step = p.batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
+            rows.append({"label": p.device.key, "latency_ms": p.latency_ms, "cost": cost,
+                         "phases": {k: v for k, v in p.parts.items() if any(q.parts.get(k, 0) > 0 for q in preds)},
+                         "throughput": per_step / max(p.latency_ms, 1e-12) * 1e3, "throughput_unit": unit,
+                         "memory_peak_gib": None if p.memory_peak_bytes is None else p.memory_peak_bytes / 2**30,
+                         "fits": p.memory_fits})
+        print("\nside by side (parts of the total; memory: one GPU's):\n" + comparison_table(rows).to_string())
+    if ranking:
+        from neusight.parallel import parallel_ranking_table
+
+        if not preds:
+            raise InputError(f"no GPU of the library can run this: {next(iter(skipped.values()))}")
+        first = preds[0].summary().splitlines()[0]
+        run = first[:first.index(" on ")] + f" on {preds[0].parallelism.gpus} GPUs of each type" \
+            + first[first.index(" (dp "):]
+        print(ranking_text(parallel_ranking_table(preds, costs), "ms", run, skipped))
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
     return float(records[0]["latency_ms"])
