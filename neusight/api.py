@@ -636,12 +636,13 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     tf32_mode(tf32)   # a bad switch fails before the (slower) trace
     check_host_us(host_us)
     predictors = {d.key: load_predictor(predictor, d) for d in devs}   # per vendor unless given one
-    graphs: dict[tuple[bool, str], Graph] = {}
+    graphs: dict[tuple, Graph] = {}
     preds: list[Prediction] = []
     errors: dict[str, InputError] = {}
     for dev in devs:
         try:
-            path = trace_key(graphs, dev, trace_kwargs.get("dtype", "float32"))
+            path = trace_key(graphs, dev, trace_kwargs.get("dtype", "float32"),
+                             trace_kwargs.get("attn_implementation", "eager"))
             if path not in graphs:
                 graphs[path] = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, device=dev,
                                      **trace_kwargs)

@@ -636,6 +636,20 @@ def test_flash_attention_2_runs_flash_attns_kernel_where_flash_attn_runs():
 
 
 
+
+def test_gpus_sharing_a_trace_are_each_refused_where_flash_attn_3_does_not_run():
+    """GPUs on one software path share a trace; flash-attn 3 runs on Hopper only, while a B200 takes an H100's SDPA
+    backends: after an H100's trace it is still refused with the reason (before: forecast from the H100's trace as
+    flash-attn 3's Hopper kernel)."""
+    run = dict(batch_size=2, seq_len=64, attn_implementation="flash_attention_3", dtype="bfloat16", memory=False)
+    left_out: dict[str, str] = {}
+    preds = neusight.predict_many(_GQA_LM, ["h100-sxm5-80gb", "b200", "h200"], left_out=left_out, **run)
+    assert [p.device.key for p in preds] == ["h100-sxm5-80gb", "h200"]
+    assert list(left_out) == ["b200"] and "flash-attn 3 runs on Hopper GPUs" in left_out["b200"]
+    with pytest.raises(InputError, match="flash-attn 3 runs on Hopper GPUs .* b200 is 10.0"):
+        neusight.predict_many(_GQA_LM, ["h100-sxm5-80gb", "b200"], **run)
+
+
 # transformers' classes without an SDPA path: Gemma 2 (logit soft-capping) and gpt-oss (attention sinks) run eager or
 # flash-attn; BLOOM (ALiBi) runs eager only
 _NO_SDPA = {

@@ -703,21 +703,26 @@ def sdpa_path(device: Any) -> str:
     return "flash" if device.cc >= FLASH_MIN_CC else "no-flash"
 
 
-def software_path(device: Any, dtype: Any) -> tuple[bool, str]:
+def software_path(device: Any, dtype: Any, attn_implementation: str = "eager") -> tuple:
     """What the software stack decides by the GPU for a model of ``dtype``: whether routed experts run as one
-    grouped GEMM (:func:`neusight.graph.moe.grouped_gemm_runs`) and the attention backends (:func:`sdpa_path`).
-    Traces for GPUs with the same path are the same."""
+    grouped GEMM (:func:`neusight.graph.moe.grouped_gemm_runs`) and the attention backends (:func:`sdpa_path`);
+    under ``attn_implementation="flash_attention_3"`` also whether flash-attn 3 runs (Hopper only, fewer GPUs than
+    share its SDPA backends: a B200's trace is refused where an H100's is not). Traces for GPUs with the same path
+    are the same."""
     from neusight.graph.moe import grouped_gemm_runs
 
-    return grouped_gemm_runs(device, model_dtype(dtype)), sdpa_path(device)
+    path: tuple = (grouped_gemm_runs(device, model_dtype(dtype)), sdpa_path(device))
+    if attn_implementation == "flash_attention_3":
+        path += (device is not None and device.vendor == "nvidia" and int(device.cc) == 9,)
+    return path
 
 
-def trace_key(graphs: dict, device: Any, dtype: Any) -> tuple[bool, str]:
+def trace_key(graphs: dict, device: Any, dtype: Any, attn_implementation: str = "eager") -> tuple:
     """The key in ``graphs`` (traces by :func:`software_path`, first one first) whose trace ``device`` uses: its own
     path, or the first trace's when that one took no GPU-specific path (:func:`depends_on_gpu`)."""
     if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
         return next(iter(graphs))
-    return software_path(device, dtype)
+    return software_path(device, dtype, attn_implementation)
 
 
 def notes_on(notes: tuple[str, ...], device: Any) -> tuple[str, ...]:
