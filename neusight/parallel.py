@@ -724,6 +724,13 @@ class ParallelPrediction:
         peak = self.memory_peak_bytes
         return None if peak is None else peak <= self.device.memory_bytes
 
+    @property
+    def throughput(self) -> tuple[float, str]:
+        """The whole run's (rate, unit): the global batch's tokens (sequence models) or samples per second."""
+        unit = self.per_gpu.throughput[1]     # tokens, images or samples
+        per_step = self.batch_size * (self.seq_len if unit == "tokens/s" and self.seq_len else 1)
+        return per_step / max(self.latency_ms, 1e-12) * 1e3, unit
+
     def summary(self) -> str:
         par = self.parallelism
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}"
@@ -753,9 +760,8 @@ def parallel_ranking_table(preds: list[ParallelPrediction],
 
     rows = []
     for p, cost in zip(preds, costs or [None] * len(preds)):
-        unit = p.per_gpu.throughput[1]     # tokens, images or samples
-        per_step = p.batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
-        row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms, unit: per_step / max(p.latency_ms, 1e-12) * 1e3}
+        rate, unit = p.throughput
+        row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms, unit: rate}
         if p.memory_peak_bytes is not None:
             row["memory per GPU GiB"] = f"{p.memory_peak_bytes / 2**30:,.1f} of {p.device.memory_gib:g}"
             row["fits"] = "yes" if p.memory_fits else "no"

@@ -863,9 +863,7 @@ def _parallel(cfg: PredictConfig) -> float:
             skipped[dev.key] = str(e)
             continue
         gpus = p.parallelism.gpus
-        unit = p.per_gpu.throughput[1]   # tokens, images or samples: what one GPU's step processes
-        per_step = p.batch_size * (p.seq_len if unit == "tokens/s" else 1)
-        cost = _cost(per_step / max(p.latency_ms, 1e-12) * 1e3, unit, price, gpus)
+        cost = _cost(*p.throughput, price, gpus)
         preds.append(p)
         costs.append(cost)
         records.append({"device": p.device.key, "gpus": gpus, "latency_ms": p.latency_ms,
@@ -884,11 +882,10 @@ def _parallel(cfg: PredictConfig) -> float:
     if not ranking and len(preds) > 1:
         rows = []
         for p, cost in zip(preds, costs):
-            unit = p.per_gpu.throughput[1]
-            per_step = p.batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
+            rate, unit = p.throughput
             rows.append({"label": p.device.key, "latency_ms": p.latency_ms, "cost": cost,
                          "phases": {k: v for k, v in p.parts.items() if any(q.parts.get(k, 0) > 0 for q in preds)},
-                         "throughput": per_step / max(p.latency_ms, 1e-12) * 1e3, "throughput_unit": unit,
+                         "throughput": rate, "throughput_unit": unit,
                          "memory_peak_gib": None if p.memory_peak_bytes is None else p.memory_peak_bytes / 2**30,
                          "fits": p.memory_fits})
         print("\nside by side (parts of the total; memory: one GPU's):\n" + comparison_table(rows).to_string())
