@@ -553,7 +553,7 @@ def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tens
     Hopper (9.0); anything else is an InputError, as flash-attn refuses it. A layer's sliding ``window`` (the
     ``sliding_window`` transformers passes, flash-attn's ``window_size``: each query attends to itself and the
     ``window`` - 1 keys before it) limits the kernel's work to that band where the keys outnumber the window
-    (:func:`_band_attention`); the windows so applied are added to ``seen``."""
+    (:func:`_band_keys`, :class:`_BandAttention`); the windows so applied are added to ``seen``."""
     name = implementation.replace("flash_attention_", "flash-attn ")
     if q.dtype not in FLASH_DTYPES:
         raise InputError(f"attn_implementation={implementation!r}: {name} runs FP16 / BF16 only, and the attention "
