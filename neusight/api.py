@@ -652,15 +652,25 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
             if left_out is None:
                 raise
             errors[dev.key] = e
-            left_out[dev.key] = str(e).split(". Fix:")[0]
+            left_out[dev.key] = left_out_reason(e)
             continue
         if memory:
             p.memory = estimate_memory(g, dev, fused=fused)
         preds.append(p)
     if not preds:
-        # no GPU can run it: the error that names no GPU (the model's, which holds on every GPU), else the first
-        raise next((e for key, e in errors.items() if not _names(str(e), key)), next(iter(errors.values())))
+        raise unrunnable_error(errors)
     return preds
+
+
+def left_out_reason(error: InputError) -> str:
+    """Why a GPU is left out of a ranking: its error without the fix."""
+    return str(error).split(". Fix:")[0]
+
+
+def unrunnable_error(errors: dict[str, InputError]) -> InputError:
+    """The error to raise when no GPU of ``errors`` (device key -> its error) can run a run: the one that names no
+    GPU (the model's, which holds on every GPU), else the first."""
+    return next((e for key, e in errors.items() if not _names(str(e), key)), next(iter(errors.values())))
 
 
 ALL_DEVICES = "all"   # devices="all" / device=all: every GPU of the spec library

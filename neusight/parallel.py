@@ -731,16 +731,19 @@ class ParallelPrediction:
         per_step = self.batch_size * (self.seq_len if unit == "tokens/s" and self.seq_len else 1)
         return per_step / max(self.latency_ms, 1e-12) * 1e3, unit
 
-    def summary(self) -> str:
+    def run_line(self, on: str) -> str:
+        """What ran ``on`` which GPUs ("8 x NVIDIA H100 ..."): the model, mode, batch, sequence and layout."""
         par = self.parallelism
-        lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}"
-                 + (f", seq {self.seq_len}" if self.seq_len else "")
-                 + f" on {par.gpus} x {self.device.name} (dp {par.dp}, "
-                   + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}{' with sp' if par.sp else ''}, "
-                   + f"pp {par.pp}, "
-                   + (f"interleaved: {par.vpp} chunks per GPU, " if par.vpp > 1 else "")
-                   + f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)",
-                 f"total: {self.latency_ms:,.2f} ms"]
+        return (f"{self.model}: {self.mode}, global batch {self.batch_size}"
+                + (f", seq {self.seq_len}" if self.seq_len else "")
+                + f" on {on} (dp {par.dp}, "
+                + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}{' with sp' if par.sp else ''}, "
+                + f"pp {par.pp}, "
+                + (f"interleaved: {par.vpp} chunks per GPU, " if par.vpp > 1 else "")
+                + f"{par.microbatches} micro-batch{'es' if par.microbatches > 1 else ''} per replica)")
+
+    def summary(self) -> str:
+        lines = [self.run_line(f"{self.parallelism.gpus} x {self.device.name}"), f"total: {self.latency_ms:,.2f} ms"]
         lines.append("parts: " + " | ".join(f"{k} {v:,.2f} ms" for k, v in self.parts.items() if v > 0))
         if self.memory_breakdown is not None:
             lines.append(f"memory per GPU (first stage, approximate): {self.memory_peak_bytes / 2**30:,.1f} GiB of "

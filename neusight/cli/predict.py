@@ -703,7 +703,7 @@ def _check_counts(cfg: PredictConfig) -> None:
 
 def _generation(cfg: PredictConfig) -> float:
     """``new_tokens=N``: generate() of N tokens after a ``seq_len``-token prompt on every GPU of ``cfg.device``."""
-    from neusight.api import names_all
+    from neusight.api import left_out_reason, names_all, unrunnable_error
     from neusight.errors import InputError
     from neusight.generation import predict_generation, predict_generation_many
     from neusight.util import atomic_write_text
@@ -733,16 +733,16 @@ def _generation(cfg: PredictConfig) -> float:
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
                                             **kw)
     else:
-        forecasts = []
+        forecasts, errors = [], {}
         for dev in devices:
             try:
                 forecasts.append(predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, **kw))
             except InputError as e:
                 if not ranking:
                     raise
-                skipped[dev.key] = str(e)
+                errors[dev.key], skipped[dev.key] = e, left_out_reason(e)
         if not forecasts:
-            raise InputError(f"no GPU of the library can run this: {next(iter(skipped.values()))}")
+            raise unrunnable_error(errors)
     rows, costs = [], []
     for i, f in enumerate(forecasts):
         costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
@@ -822,7 +822,7 @@ def _finish_plans(cfg: PredictConfig, plans: list, records: list[dict[str, Any]]
 
 def _parallel(cfg: PredictConfig) -> float:
     """A multi-GPU forecast per GPU type of ``cfg.device`` (neusight.parallel); JSON of the parts on request."""
-    from neusight.api import names_all
+    from neusight.api import left_out_reason, names_all, unrunnable_error
     from neusight.errors import InputError
     from neusight.parallel import predict_parallel
     from neusight.util import atomic_write_text
@@ -844,7 +844,7 @@ def _parallel(cfg: PredictConfig) -> float:
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     ranking = names_all(cfg.device)   # every GPU type of the library, ranked: the GPUs that cannot run it left out
-    preds, costs, skipped = [], [], {}
+    preds, costs, skipped, errors = [], [], {}, {}
     for dev, price in zip(_gpus(cfg), _prices(cfg)):
         try:
             p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp,
@@ -860,7 +860,7 @@ def _parallel(cfg: PredictConfig) -> float:
         except InputError as e:
             if not ranking:
                 raise
-            skipped[dev.key] = str(e)
+            errors[dev.key], skipped[dev.key] = e, left_out_reason(e)
             continue
         gpus = p.parallelism.gpus
         cost = _cost(*p.throughput, price, gpus)
@@ -893,10 +893,8 @@ def _parallel(cfg: PredictConfig) -> float:
         from neusight.parallel import parallel_ranking_table
 
         if not preds:
-            raise InputError(f"no GPU of the library can run this: {next(iter(skipped.values()))}")
-        first = preds[0].summary().splitlines()[0]
-        run = first[:first.index(" on ")] + f" on {preds[0].parallelism.gpus} GPUs of each type" \
-            + first[first.index(" (dp "):]
+            raise unrunnable_error(errors)
+        run = preds[0].run_line(f"{preds[0].parallelism.gpus} GPUs of each type")
         print(ranking_text(parallel_ranking_table(preds, costs), "ms", run, skipped))
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))

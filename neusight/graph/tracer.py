@@ -563,9 +563,7 @@ def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tens
         raise InputError(f"attn_implementation={implementation!r}: {name} takes head dims up to {FLASH_MAX_HEAD_DIM}, "
                          f"this model's are {q.shape[-1]}. Fix: attn_implementation='sdpa'")
     if device is not None:
-        runs = (sdpa_path(device) in ("cudnn", "flash", "rocm") if implementation.endswith("2")
-                else device.vendor == "nvidia" and int(device.cc) == 9)
-        if not runs:
+        if not flash_attn_runs(device, implementation):
             where = ("NVIDIA compute capability 8.0+ and AMD MI200 / MI300" if implementation.endswith("2")
                      else "Hopper GPUs (compute capability 9.0)")
             raise InputError(f"attn_implementation={implementation!r}: {name} runs on {where}; {device.key} is "
@@ -577,6 +575,14 @@ def _flash_attn(device: Any, implementation: str, q: torch.Tensor, k: torch.Tens
             seen.add(window)
         return _BandAttention.apply(q, k, v, keys, dropout_p, scale)
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, causal, False, scale=scale)[0]
+
+
+def flash_attn_runs(device: Any, implementation: str) -> bool:
+    """Whether flash-attn's ``implementation`` (flash_attention_2 / _3) runs on ``device``: flash-attn 2 on NVIDIA
+    compute capability 8.0+ and AMD MI200 / MI300 (its ROCm build), flash-attn 3 on Hopper (9.0)."""
+    if implementation.endswith("2"):
+        return sdpa_path(device) in ("cudnn", "flash", "rocm")
+    return device.vendor == "nvidia" and int(device.cc) == 9
 
 
 def _band_keys(queries: int, keys: int, window: int) -> int | None:
@@ -706,14 +712,13 @@ def sdpa_path(device: Any) -> str:
 def software_path(device: Any, dtype: Any, attn_implementation: str = "eager") -> tuple:
     """What the software stack decides by the GPU for a model of ``dtype``: whether routed experts run as one
     grouped GEMM (:func:`neusight.graph.moe.grouped_gemm_runs`) and the attention backends (:func:`sdpa_path`);
-    under ``attn_implementation="flash_attention_3"`` also whether flash-attn 3 runs (Hopper only, fewer GPUs than
-    share its SDPA backends: a B200's trace is refused where an H100's is not). Traces for GPUs with the same path
-    are the same."""
+    under flash-attn also whether it runs (:func:`flash_attn_runs`: flash-attn 3 on fewer GPUs than share its SDPA
+    backends, a B200's trace refused where an H100's is not). Traces for GPUs with the same path are the same."""
     from neusight.graph.moe import grouped_gemm_runs
 
     path: tuple = (grouped_gemm_runs(device, model_dtype(dtype)), sdpa_path(device))
-    if attn_implementation == "flash_attention_3":
-        path += (device is not None and device.vendor == "nvidia" and int(device.cc) == 9,)
+    if attn_implementation in FLASH_ATTN_IMPLEMENTATIONS:
+        path += (device is not None and flash_attn_runs(device, attn_implementation),)
     return path
 
 
