@@ -74,6 +74,8 @@ class Device:
     infinity_cache_mib: float | None = None  # AMD memory-side cache
     interconnect_group: int | None = None  # GPUs interconnect_gbps joins (an NVLink bridge: 2, an Infinity Fabric
     #                                        hive: 4); beyond them PCIe. None: every GPU of a node (NVSwitch, a mesh)
+    nvls: bool = False  # the node's NVSwitches reduce and multicast in the switch (NVLink SHARP: HGX / DGX H100, H200,
+    #                     B200), which NCCL's NVLS all-reduce uses
 
     @property
     def peak_fp32_flops(self) -> float:

@@ -99,7 +99,7 @@ def _check_run(batch_size: Any, prompt_len: Any, new_tokens: Any, static_cache: 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
                        *, predictor: Any = None, tp: int = 1, static_cache: bool = False,
-                       host_us: float | None = None, **trace_kwargs: Any) -> GenerationForecast:
+                       host_us: float | None = None, nvls: bool = True, **trace_kwargs: Any) -> GenerationForecast:
     """Forecast ``generate()`` of ``new_tokens`` tokens after a ``prompt_len``-token prompt (see the module
     docstring). ``trace_kwargs`` go to :func:`neusight.trace` (``dtype=``, ``amp=``, ``attn_implementation=``...).
     ``static_cache`` writes each decode step's keys and values in place (:func:`neusight.trace`), as compiled
@@ -107,7 +107,8 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     ``tp`` > 1 splits the model over that many GPUs (:func:`neusight.parallel.predict_parallel`: each GPU's share of
     every layer, its share of the KV cache's heads, and two all-reduces of the new tokens' activations per layer).
     ``host_us``: the host's time per kernel launch (:func:`neusight.api.host_waits_ms`), which bounds a decode step
-    of short kernels; None: not modelled.
+    of short kernels; None: not modelled. ``nvls``: with ``tp`` > 1, the all-reduces may run as NCCL's NVLS where
+    the GPUs' NVSwitches have NVLink SHARP (:func:`neusight.parallel.predict_parallel`); one GPU has none.
 
     >>> f = predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=32, new_tokens=16)
     >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
@@ -120,6 +121,9 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     device = load_device(device)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise InputError(f"tp={tp!r} is not a positive integer. Fix: tp=1 (one GPU) or the GPUs to split the model over")
+    if not isinstance(nvls, bool):
+        raise InputError(f"nvls={nvls!r} is not true or false. Fix: nvls=false (NCCL without NVLink SHARP) or leave "
+                         "it out")
     if tp == 1:
         return predict_generation_many(model, [device], batch_size, prompt_len, new_tokens, predictor=predictor,
                                        static_cache=static_cache, host_us=host_us, kv_cache_dtype=kv_dtype,
@@ -129,7 +133,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         from neusight.parallel import predict_parallel
 
         return [predict_parallel(model, devices[0], batch_size, seq, "inference", tp=tp, predictor=predictor,
-                                 memory=memory, host_us=host_us, **kw, **trace_kwargs)]
+                                 memory=memory, host_us=host_us, nvls=nvls, **kw, **trace_kwargs)]
 
     return _generate([device], batch_size, prompt_len, new_tokens, static_cache, tp, forecast, kv_dtype=kv_dtype)[0]
 

@@ -59,13 +59,14 @@ reduce-scatter half of that, an all-to-all (n - 1) / n x b, a point-to-point tra
 one direction of the device's ``interconnect_gbps`` (NVLink / Infinity Fabric, else PCIe). All-reduces, all-gathers
 and reduce-scatters run with the algorithm and protocol NCCL's own cost model picks (:func:`nccl_collective`;
 :data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction of a microsecond over
-NVLink, LL128 or Simple for large ones; all-reduces over several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`);
+NVLink, LL128 or Simple for large ones; all-reduces over several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`;
+all-reduces inside a node of NVSwitches with NVLink SHARP, ``Device.nvls``, also as NVLS, :data:`NCCL_NVLS_EFFICIENCY`);
 all-to-alls and point-to-point transfers cost HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a
 group whose GPUs sit on several nodes crosses them over its GPUs' network links (``internode_gbps`` each, or a
 share of a node's ``nics_per_node`` such ports; a ring's or tree's channels spread over the links of the group's
 GPUs on a node, up to the node's own links; one GPU's all-to-all or point-to-point transfers go through its own
 link), its ring steps and tree hops between nodes at the network's latency (:class:`Links`, :class:`LinkPath`).
-NCCL's NVLink SHARP (NVLS) and CollNet algorithms are not modelled.
+NCCL's NVLS across nodes (NVLS_TREE), NVLS all-gathers and reduce-scatters and CollNet are not modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -146,6 +147,16 @@ NCCL_TREE_CORRECTION = {
 # Intel hosts, 3 us under Simple), since every step of such a ring waits on a network transfer somewhere.
 NCCL_RING_PLATEAU = (1.9, 1.4)
 NCCL_NET_OVERHEAD_US = 1.0
+# NVLS (NVLink SHARP; all-reduces inside one node whose NVSwitches reduce and multicast, Device.nvls): each GPU
+# reads its 1 / n of the buffer already summed by the switch (sending its whole buffer to the switch, receiving
+# 1 / n) and writes the sum once for the switch to copy to every GPU (sending 1 / n, receiving the whole buffer),
+# so each link carries (1 + 1 / n) x the bytes each way, against a ring's 2 (n - 1) / n: fewer from 4 GPUs on.
+# NCCL's model of it: Simple protocol only, one latency (NCCL_NVLS_LATENCY_US: 23-25 us in NCCL 2.19-2.28), the
+# bandwidth times an efficiency per architecture (NCCL_NVLS_EFFICIENCY: Hopper 0.85, Blackwell 0.74) and
+# (channels - 1) / channels of its NCCL_NVLS_CHANNELS channels, one of which synchronises.
+NCCL_NVLS_LATENCY_US = 25.0
+NCCL_NVLS_EFFICIENCY = {9: 0.85, 10: 0.74}
+NCCL_NVLS_CHANNELS = 16
 
 _OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
 # the inside of a split MLP: GPT-2 / BERT / OPT activations, a Llama-style MLP's gate x up product (on its module)
@@ -208,7 +219,8 @@ class Parallelism:
 class LinkPath:
     """The links one group's collectives cross: ``gbps`` (bidirectional GB/s per GPU) of the slowest, the kind of
     link between its GPUs inside a node (``"nvlink"``: NVLink or Infinity Fabric; ``"pcie"``) and how many nodes
-    its GPUs sit on (a ring step from one node to the next crosses the network). Across nodes, ``rails`` of the
+    its GPUs sit on (a ring step from one node to the next crosses the network); ``nvls``: its GPUs are joined by
+    NVSwitches that reduce and multicast (NVLink SHARP, inside one node). Across nodes, ``rails`` of the
     group's GPUs sit on each node, each with a network link of its own (``gbps``), and ``inside_gbps`` joins them
     inside a node: NCCL spreads a ring's or a tree's channels over those network links, one per channel, so such a
     collective crosses nodes at ``rails`` x ``gbps`` together, up to ``inside_gbps`` (:attr:`ring_gbps`), while
@@ -219,6 +231,7 @@ class LinkPath:
     nodes: int = 1
     rails: int = 1
     inside_gbps: float = 0.0     # 0: as gbps
+    nvls: bool = False           # joined by NVSwitches with NVLink SHARP inside one node (NCCL's NVLS all-reduce)
 
     @property
     def ring_gbps(self) -> float:
@@ -230,10 +243,13 @@ class LinkPath:
     @classmethod
     def of(cls, device: Device, gbps: "float | LinkPath | None" = None) -> "LinkPath":
         """``gbps`` as a path: a LinkPath as it is; a number (None: the device's ``interconnect_gbps``) as links of
-        that speed inside one node, NVLink-class when the device has such links (faster than its PCIe)."""
+        that speed inside one node, NVLink-class when the device has such links (faster than its PCIe), through
+        NVLink SHARP switches where the device has them (``Device.nvls``)."""
         if isinstance(gbps, LinkPath):
             return gbps
-        return cls(float(device.interconnect_gbps if gbps is None else gbps), _link_kind(device), 1)
+        kind = _link_kind(device)
+        return cls(float(device.interconnect_gbps if gbps is None else gbps), kind, 1,
+                   nvls=device.nvls and kind == "nvlink")
 
 
 def _link_kind(device: Device) -> str:
@@ -254,7 +270,10 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
 
     >>> h100 = load_device("h100-sxm5-80gb")
     >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 8, h100) for b in (2**17, 2**22, 2**30))]
-    [(17.5, 'ring LL'), (62.8, 'ring LL128'), (5275.6, 'ring Simple')]
+    [(17.5, 'ring LL'), (41.4, 'NVLS Simple'), (4235.8, 'NVLS Simple')]
+    >>> ring_only = LinkPath(900, "nvlink", 1)              # 8 H100s without NVLink SHARP (NCCL_NVLS_ENABLE=0)
+    >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 8, h100, ring_only) for b in (2**22, 2**30))]
+    [(62.8, 'ring LL128'), (5275.6, 'ring Simple')]
     >>> over_8_nodes = LinkPath(100, "nvlink", 8, rails=8, inside_gbps=900)   # 64 GPUs, 400 Gb/s InfiniBand each
     >>> [(round(ms * 1e3, 1), p) for ms, p in (nccl_collective(b, 64, h100, over_8_nodes) for b in (2**17, 2**30))]
     [(52.0, 'tree LL'), (7455.0, 'ring Simple')]
@@ -281,6 +300,10 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
         best = min(best, (latency_us * 1e-3 + moved / (full * share) * 1e3, f"ring {p.name}"))
     if passes != 2:
         return best
+    if path.nvls and nodes == 1:
+        share = _nvls_efficiency(device) * (NCCL_NVLS_CHANNELS - 1) / NCCL_NVLS_CHANNELS
+        if share > 0:
+            best = min(best, (NCCL_NVLS_LATENCY_US * 1e-3 + (1 + 1 / n) * nbytes / (full * share) * 1e3, "NVLS Simple"))
     # trees (all-reduce)
     per_node = max(1, n // nodes)
     size = math.log2(max(nbytes, 64) / 64)
@@ -299,7 +322,7 @@ def collective_call(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     (:func:`nccl_collective`; ``passes`` 2 an all-reduce, 1 an all-gather or reduce-scatter of ``nbytes`` in all).
 
     >>> collective_call(2**30, 8, load_device("h100-sxm5-80gb"))
-    "1,024.0 MiB over 8 GPUs, 5.28 ms as NCCL's ring Simple"
+    "1,024.0 MiB over 8 GPUs, 4.24 ms as NCCL's NVLS Simple"
     """
     ms, how = nccl_collective(nbytes, n, device, gbps, passes)
     return f"{nbytes / 2**20:,.1f} MiB over {n} GPUs, {_duration(ms)} as NCCL's {how}"
@@ -324,6 +347,15 @@ def network_share_gbps(internode_gbps: float, nics_per_node: int | None, gpus_pe
 def _enabled(protocols: tuple[Protocol, ...], path: LinkPath) -> list[Protocol]:
     """The ``protocols`` NCCL enables by default over ``path``: LL128 only over NVLink-class links."""
     return [p for p in protocols if p.name != "LL128" or path.kind == "nvlink"]
+
+
+def _nvls_efficiency(device: Device) -> float:
+    """NCCL's NVLS efficiency for ``device``'s architecture (:data:`NCCL_NVLS_EFFICIENCY`; later ones as the
+    latest, 0 before Hopper)."""
+    major = int(device.cc)
+    if major < min(NCCL_NVLS_EFFICIENCY):
+        return 0.0
+    return NCCL_NVLS_EFFICIENCY.get(major, NCCL_NVLS_EFFICIENCY[max(NCCL_NVLS_EFFICIENCY)])
 
 
 def _tree_correction(protocol: str, size: float) -> float:
@@ -393,10 +425,12 @@ class Links:
 
     @classmethod
     def of(cls, par: "Parallelism", device: Device, gpus_per_node: int = GPUS_PER_NODE,
-           internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None) -> "Links":
+           internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None, nvls: bool = True) -> "Links":
         """``internode_gbps``: each network port's bidirectional GB/s; ``nics_per_node``: a node's ports (None: one
         per GPU, as DGX / HGX have). With fewer ports than GPUs, a node's GPUs share them: each GPU's share is
-        ``internode_gbps`` x ports / GPUs (every GPU of a node crosses at once in the collectives modelled)."""
+        ``internode_gbps`` x ports / GPUs (every GPU of a node crosses at once in the collectives modelled).
+        ``nvls``: a group inside one node may all-reduce through NVLink SHARP where the device's switches have it
+        (``Device.nvls``; False: as NCCL runs with ``NCCL_NVLS_ENABLE=0``)."""
         for name, v in (("gpus_per_node", gpus_per_node), ("internode_gbps", internode_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or \
                     (name == "gpus_per_node" and not isinstance(v, int)):
@@ -421,7 +455,7 @@ class Links:
             kind = _link_kind(device) if inside else "pcie"
             nodes = min(members, math.ceil(span / gpus_per_node))      # the nodes its GPUs sit on
             if span <= gpus_per_node:
-                return LinkPath(link, kind, nodes)
+                return LinkPath(link, kind, nodes, nvls=nvls and device.nvls and kind == "nvlink")
             # beyond a node the network, each of the group's GPUs on a node with a link of its own (DGX / HGX: one
             # NIC per GPU)
             return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link)
@@ -782,7 +816,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      zero: int = 0, ep: int = 1, gpus_per_node: int = GPUS_PER_NODE,
                      internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None,
                      cache: dict | None = None, host_us: float | None = None, vpp: int = 1, sp: bool = False,
-                     overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                     overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, nvls: bool = True,
                      **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
 
@@ -809,6 +843,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     modelled).
     ``gpus_per_node``, ``internode_gbps``, ``nics_per_node``: the nodes the GPUs sit on, each network port's
     bidirectional GB/s and a node's ports (None: one per GPU), from which each group's links follow (:class:`Links`).
+    ``nvls``: all-reduces inside a node may run as NCCL's NVLS where the GPUs' NVSwitches have NVLink SHARP
+    (``Device.nvls``: HGX H100, H200, B200; :data:`NCCL_NVLS_EFFICIENCY`); False forecasts NCCL with
+    ``NCCL_NVLS_ENABLE=0`` (rings and trees only).
     ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
@@ -844,9 +881,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if overlap_param_gather and not zero:
         raise InputError("overlap_param_gather=true overlaps ZeRO's parameter all-gathers with the compute; zero=0 "
                          "gathers none. Fix: zero=1, 2 or 3 (with dp > 1), or leave overlap_param_gather out")
+    if not isinstance(nvls, bool):
+        raise InputError(f"nvls={nvls!r} is not true or false. Fix: nvls=false (NCCL without NVLink SHARP, as "
+                         "NCCL_NVLS_ENABLE=0 runs it) or leave it out")
     par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp)
     device = load_device(device)
-    links = Links.of(par, device, gpus_per_node, internode_gbps, nics_per_node)
+    links = Links.of(par, device, gpus_per_node, internode_gbps, nics_per_node, nvls)
     if batch_size % (dp * microbatches):
         raise InputError(f"batch_size={batch_size} does not split into dp={dp} replicas x {microbatches} "
                          f"micro-batches. Fix: a batch_size that is a multiple of {dp * microbatches}")
@@ -1047,6 +1087,13 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      + ")" if crossing else "no collective group runs slower for it (each "
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
+    reducing = [name for name, f in field_of.items() if (f == "tp" or f == "dp" and training)
+                and getattr(links, f).nodes == 1 and getattr(links, f).kind == "nvlink"]
+    if device.nvls and reducing:
+        notes += (f"the {_joined(reducing)} all-reduces run inside a node whose NVSwitches sum and multicast "
+                  + ("(NVLink SHARP): NCCL's NVLS algorithm where its cost model finds it faster than a ring "
+                     "(nvls=false: without it, as NCCL_NVLS_ENABLE=0)" if nvls else
+                     "(NVLink SHARP), not used here (nvls=false: rings and trees only, as NCCL_NVLS_ENABLE=0)"),)
     if tp > 1 and act_bytes > 0:
         notes += (f"each tensor-parallel all-reduce (two per block in the forward pass"
                   f"{', two in the backward' if training else ''}"

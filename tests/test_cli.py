@@ -98,6 +98,8 @@ BAD = {
                                            "overlap_param_gather=true"), "zero=0 gathers none"),
     "predict-more-ports-than-gpus": (("neusight-predict", "model=gpt2", "device=h100-sxm5-80gb", "mode=training",
                                       "dp=16", "nics_per_node=16"), "nics_per_node=16 is more than gpus_per_node=8"),
+    "predict-nvls-off-on-one-gpu": (("neusight-predict", "model=gpt2", "device=h100-sxm5-80gb", "nvls=false"),
+                                    "a run with dp=1 and tp=1 has none"),
     "predict-lora-without-targets": (("neusight-predict", "model=resnet18", "device=t4", "mode=training", "lora_rank=4"),
                                      "lora_targets"),
     "predict-sequence-length-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "seq_len=128"),

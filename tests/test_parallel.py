@@ -55,25 +55,88 @@ def test_collectives_follow_the_ring_formulas():
 def test_collectives_take_the_protocol_nccls_cost_model_finds_fastest():
     """NCCL's LL protocol for small messages (a decode step's all-reduce: tens of microseconds, where a ring of
     Simple steps would take 70 us on 8 GPUs), LL128 in between over NVLink, Simple for large ones; never LL128 over
-    PCIe; the time grows with the bytes and with the GPUs, and is the least of the protocols' times."""
+    PCIe; the time grows with the bytes and with the GPUs, and is the least of the protocols' times. Rings only:
+    the H100s' links here without NVLink SHARP (NVLS: the next test)."""
     h100, l4 = load_device("h100-sxm5-80gb"), load_device("l4")
     sizes = [2.0**e for e in range(3, 33)]
+    rings = {h100: LinkPath(900.0), l4: None}
     for dev in (h100, l4):
         for n in (2, 4, 8):
             for passes in (1, 2):
-                times = [nccl_collective(b, n, dev, passes=passes) for b in sizes]
+                times = [nccl_collective(b, n, dev, rings[dev], passes=passes) for b in sizes]
                 assert all(a[0] < b[0] for a, b in zip(times, times[1:]))              # monotone in bytes
                 assert times[0][1] == "ring LL" and times[-1][1] == "ring Simple"
                 assert dev is h100 or all("LL128" not in p for _, p in times)          # PCIe: no LL128
-        assert all(nccl_collective(b, 4, dev)[0] < nccl_collective(b, 8, dev)[0] for b in sizes)
-    assert {p for _, p in (nccl_collective(b, 8, h100) for b in sizes)} == {"ring LL", "ring LL128", "ring Simple"}
+        assert all(nccl_collective(b, 4, dev, rings[dev])[0] < nccl_collective(b, 8, dev, rings[dev])[0]
+                   for b in sizes)
+    assert {p for _, p in (nccl_collective(b, 8, h100, rings[h100]) for b in sizes)} == {"ring LL", "ring LL128",
+                                                                                         "ring Simple"}
     decode = allreduce_ms(8 * 8192 * 2, 8, h100)     # Llama-3-70B's hidden state, batch 8, BF16: 128 KiB
     assert 0.010 < decode < 0.020
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
     for b in sizes:
         as_simple = (simple.base_us + 14 * simple.step_us["nvlink"]) * 1e-3 + 1.75 * b / 360e9 * 1e3
         assert allreduce_ms(b, 8, h100) <= as_simple + 1e-12
-    assert LinkPath.of(h100) == LinkPath(900.0, "nvlink", 1) and LinkPath.of(l4, 32) == LinkPath(32.0, "pcie", 1)
+    assert LinkPath.of(h100) == LinkPath(900.0, "nvlink", 1, nvls=True)
+    assert LinkPath.of(l4, 32) == LinkPath(32.0, "pcie", 1)
+
+
+def test_all_reduces_inside_an_nvlink_sharp_node_take_nvls_where_it_is_faster():
+    """On GPUs whose NVSwitches reduce and multicast (HGX H100, B200: ``nvls`` in their specs), an all-reduce inside
+    a node may run as NCCL's NVLS: each link carries (1 + 1/n) x the bytes each way instead of a ring's
+    2 (n - 1) / n, at NCCL's efficiency for the architecture (Hopper 0.85, Blackwell 0.74) x 15/16 of its 16
+    channels, after one 25 us latency. So it wins large and medium all-reduces over 8 GPUs, never small ones (the
+    ring's LL steps are faster) nor any over 2 GPUs (it moves more bytes than the ring there); it is never slower
+    than the rings, since NCCL takes the faster; all-gathers, reduce-scatters, other GPUs and groups across nodes
+    have none."""
+    from neusight.parallel import Links
+
+    h100, b200, a100 = load_device("h100-sxm5-80gb"), load_device("b200"), load_device("a100-sxm4-80gb")
+    sizes = [2.0**e for e in range(3, 34)]
+    # 1 GiB over 8 H100s: 25 us + 9/8 of it at 0.85 x 15/16 of the ring's 360 GB/s (0.8 x 450 GB/s one way):
+    # a bus bandwidth of 444 GB/s (2 x 7/8 x bytes / time) where the ring reaches 358
+    for dev, eff, gbps in ((h100, 0.85, 360e9), (b200, 0.74, 720e9)):
+        ms, how = nccl_collective(2**30, 8, dev)
+        assert how == "NVLS Simple"
+        assert ms == pytest.approx(0.025 + 9 / 8 * 2**30 / (gbps * eff * 15 / 16) * 1e3)
+    assert 2 * 7 / 8 * 2**30 / nccl_collective(2**30, 8, h100)[0] / 1e6 == pytest.approx(444, abs=1)
+    ring_only = LinkPath(900.0)
+    for n in (2, 4, 8):
+        runs = [nccl_collective(b, n, h100) for b in sizes]
+        assert all(a[0] < b[0] for a, b in zip(runs, runs[1:]))                        # monotone in bytes
+        for b, (ms, how) in zip(sizes, runs):
+            ring_ms, ring_how = nccl_collective(b, n, h100, ring_only)
+            assert ms <= ring_ms and (how == ring_how or how == "NVLS Simple" and ms < ring_ms)
+        assert runs[0][1] == "ring LL" and ("NVLS Simple" in {h for _, h in runs}) == (n > 2)
+        assert all(nccl_collective(b, n, h100, passes=1)[1].startswith("ring") for b in sizes)
+    assert nccl_collective(2**17, 8, h100)[1] == "ring LL"      # a decode step's all-reduce
+    assert nccl_collective(2**22, 8, h100)[1] == "NVLS Simple"   # 4 MiB: 41 us, the ring's LL128 63 us
+    assert all(not nccl_collective(b, 8, a100)[1].startswith("NVLS") for b in sizes)
+    # which groups: inside one node of NVLink-SHARP GPUs unless switched off; not across nodes nor over PCIe
+    assert Links.of(Parallelism(dp=8), h100).dp.nvls and Links.of(Parallelism(tp=4, dp=2), h100).tp.nvls
+    assert not Links.of(Parallelism(dp=8), h100, nvls=False).dp.nvls
+    assert not Links.of(Parallelism(dp=16), h100).dp.nvls and Links.of(Parallelism(tp=8, dp=2), h100).tp.nvls
+    assert not any(Links.of(Parallelism(dp=8), load_device(k)).dp.nvls for k in ("a100-sxm4-80gb", "h100-pcie"))
+
+
+def test_nvls_shortens_a_tensor_parallel_step_on_h100_and_can_be_switched_off():
+    """GPT-2 split over 4 H100s: its 6 MiB tensor-parallel all-reduces run as NVLS (43 us) rather than as rings;
+    nvls=False forecasts the rings, every kernel the same; a note says which; a bad value is refused."""
+    h100, cache = load_device("h100-sxm5-80gb"), {}
+    on, off = (predict_parallel("gpt2", h100, batch_size=8, seq_len=256, tp=4, memory=False, cache=cache, nvls=v)
+               for v in (True, False))
+    assert on.parts["tp_comm"] < off.parts["tp_comm"]
+    assert on.latency_ms - off.latency_ms == pytest.approx(on.parts["tp_comm"] - off.parts["tp_comm"])
+    assert {k: v for k, v in on.parts.items() if k != "tp_comm"} == {k: v for k, v in off.parts.items()
+                                                                     if k != "tp_comm"}
+    note = lambda p: next(n for n in p.notes if n.startswith("each tensor-parallel all-reduce"))  # noqa: E731
+    assert "as NCCL's NVLS Simple" in note(on) and "as NCCL's ring" in note(off)
+    assert any("NCCL's NVLS algorithm where its cost model finds it faster" in n for n in on.notes)
+    assert any("not used here (nvls=false" in n for n in off.notes)
+    a100 = predict_parallel("gpt2", "a100-sxm4-80gb", batch_size=8, seq_len=256, tp=4, memory=False, cache=cache)
+    assert not any("NVLink SHARP" in n for n in a100.notes)
+    with pytest.raises(InputError, match="nvls='yes' is not true or false"):
+        predict_parallel("gpt2", h100, batch_size=8, seq_len=256, tp=2, nvls="yes")
 
 
 def test_all_reduces_over_many_nodes_take_nccls_tree_where_it_is_faster():
@@ -457,8 +520,9 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     h100 = load_device("h100-sxm5-80gb")
     links = Links.of(Parallelism(dp=4, tp=4), h100)
     across = LinkPath(100, "nvlink", 2, rails=2, inside_gbps=900)
-    assert (links.tp, links.dp, links.nodes) == (LinkPath(900), across, 2) and across.ring_gbps == 200
-    nvlink = LinkPath(900, "nvlink", 1)
+    in_node = LinkPath(900, nvls=True)                  # H100 SXM's NVSwitches: NVLink SHARP inside a node
+    assert (links.tp, links.dp, links.nodes) == (in_node, across, 2) and across.ring_gbps == 200
+    nvlink = LinkPath(900, "nvlink", 1, nvls=True)
     assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1)
     assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2, 1, 900)
     assert Links.of(Parallelism(dp=16), h100).dp.ring_gbps == 800                       # 8 NICs per node

@@ -87,6 +87,8 @@ class PredictConfig:
     internode_gbps: float = 100.0        # per-GPU network link between nodes, bidirectional GB/s (400 Gb/s IB = 100)
     nics_per_node: Optional[int] = None  # network ports per node, internode_gbps each, shared by its GPUs; null = one
     #                                      per GPU (DGX / HGX)
+    nvls: bool = True                    # all-reduces in a node as NCCL's NVLS where the GPUs' NVSwitches have NVLink
+    #                                      SHARP (HGX H100 / H200 / B200); false: as NCCL_NVLS_ENABLE=0
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
@@ -694,6 +696,9 @@ def _check_counts(cfg: PredictConfig) -> None:
         if getattr(cfg, k) and cfg.gpus is None and cfg.dp == 1:
             raise InputError(f"{k}=true overlaps the data-parallel replicas' collectives with the compute; dp=1 has "
                              "none. Fix: dp > 1 (or gpus=N to plan), or leave it out")
+    if not cfg.nvls and cfg.gpus is None and max(cfg.dp, cfg.tp) == 1:
+        raise InputError("nvls=false forecasts NCCL's all-reduces without NVLink SHARP; a run with dp=1 and tp=1 has "
+                         "none. Fix: dp > 1 or tp > 1 (or gpus=N to plan), or leave nvls out")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
     if names_all(cfg.device) and _multi_gpu(cfg) and searches:
         raise InputError(f"device={cfg.device} with {searches[0]} on several GPUs (dp, tp, pp or zero) is not "
@@ -725,7 +730,8 @@ def _generation(cfg: PredictConfig) -> float:
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
               amp=cfg.amp, head=cfg.head, attn_implementation=cfg.attn_implementation, fp8=cfg.fp8,
               weight_quant=cfg.weight_quant, static_cache=cfg.static_cache, host_us=cfg.host_us,
-              **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype else {}))
+              **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype else {}),
+              **({"nvls": cfg.nvls} if cfg.tp > 1 or cfg.gpus is not None else {}))
     if cfg.gpus is not None:
         return _plan_generation(cfg, devices, list(prices.values()), kw)
     skipped: dict[str, str] = {}
@@ -856,7 +862,7 @@ def _parallel(cfg: PredictConfig) -> float:
                                  overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
-                                 **_step_options(cfg))
+                                 nvls=cfg.nvls, **_step_options(cfg))
         except InputError as e:
             if not ranking:
                 raise
@@ -936,7 +942,7 @@ def _plan(cfg: PredictConfig) -> float:
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
                                  amp=cfg.amp, kv_cache=cfg.kv_cache, gpus_per_node=cfg.gpus_per_node,
-                                 internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
+                                 internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node, nvls=cfg.nvls,
                                  overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather,
                                  **_step_options(cfg))
