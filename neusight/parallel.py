@@ -60,13 +60,14 @@ one direction of the device's ``interconnect_gbps`` (NVLink / Infinity Fabric, e
 and reduce-scatters run with the algorithm and protocol NCCL's own cost model picks (:func:`nccl_collective`;
 :data:`NCCL_PROTOCOLS`: LL for small messages, whose latency per ring step is a fraction of a microsecond over
 NVLink, LL128 or Simple for large ones; all-reduces over several nodes also as a tree, :data:`NCCL_TREE_PROTOCOLS`;
-all-reduces inside a node of NVSwitches with NVLink SHARP, ``Device.nvls``, also as NVLS, :data:`NCCL_NVLS_EFFICIENCY`);
+all-reduces over nodes of NVSwitches with NVLink SHARP, ``Device.nvls``, also as NVLS or, across nodes, NVLS_TREE:
+:data:`NCCL_NVLS_EFFICIENCY`);
 all-to-alls and point-to-point transfers cost HOP_LATENCY_S per exchange. Beyond one node (``gpus_per_node``, 8) a
 group whose GPUs sit on several nodes crosses them over its GPUs' network links (``internode_gbps`` each, or a
 share of a node's ``nics_per_node`` such ports; a ring's or tree's channels spread over the links of the group's
 GPUs on a node, up to the node's own links; one GPU's all-to-all or point-to-point transfers go through its own
 link), its ring steps and tree hops between nodes at the network's latency (:class:`Links`, :class:`LinkPath`).
-NCCL's NVLS across nodes (NVLS_TREE), NVLS all-gathers and reduce-scatters and CollNet are not modelled.
+NCCL's NVLS all-gathers and reduce-scatters and CollNet are not modelled.
 
 NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
 characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
@@ -157,6 +158,12 @@ NCCL_NET_OVERHEAD_US = 1.0
 NCCL_NVLS_LATENCY_US = 25.0
 NCCL_NVLS_EFFICIENCY = {9: 0.85, 10: 0.74}
 NCCL_NVLS_CHANNELS = 16
+# NVLS_TREE (all-reduces over several nodes of such GPUs, k of the group's GPUs on each): NVLS inside each node, and
+# each GPU's 1 / k of the node's sum all-reduced across the nodes through its own network port over NCCL's double
+# binary tree, which carries that 1 / k once each way with two nodes and twice on more (a node is an inner node of
+# one of the two trees); the NVLink and network parts pipelined, so the slower one sets the time. Latency: NVLS's,
+# plus each of 2 log2(nodes) tree hops at NCCL_NVLS_TREE_HOP_US (NCCL's network latency of NVLS_TREE).
+NCCL_NVLS_TREE_HOP_US = 20.9
 
 _OPTION = re.compile(r"^(?:dp(?P<dp>\d+)|tp(?P<tp>\d+)|pp(?P<pp>\d+)(?:_(?P<mb>\d+))?)$")
 # the inside of a split MLP: GPT-2 / BERT / OPT activations, a Llama-style MLP's gate x up product (on its module)
@@ -219,8 +226,8 @@ class Parallelism:
 class LinkPath:
     """The links one group's collectives cross: ``gbps`` (bidirectional GB/s per GPU) of the slowest, the kind of
     link between its GPUs inside a node (``"nvlink"``: NVLink or Infinity Fabric; ``"pcie"``) and how many nodes
-    its GPUs sit on (a ring step from one node to the next crosses the network); ``nvls``: its GPUs are joined by
-    NVSwitches that reduce and multicast (NVLink SHARP, inside one node). Across nodes, ``rails`` of the
+    its GPUs sit on (a ring step from one node to the next crosses the network); ``nvls``: its GPUs on a node are
+    joined by NVSwitches that reduce and multicast (NVLink SHARP). Across nodes, ``rails`` of the
     group's GPUs sit on each node, each with a network link of its own (``gbps``), and ``inside_gbps`` joins them
     inside a node: NCCL spreads a ring's or a tree's channels over those network links, one per channel, so such a
     collective crosses nodes at ``rails`` x ``gbps`` together, up to ``inside_gbps`` (:attr:`ring_gbps`), while
@@ -231,7 +238,7 @@ class LinkPath:
     nodes: int = 1
     rails: int = 1
     inside_gbps: float = 0.0     # 0: as gbps
-    nvls: bool = False           # joined by NVSwitches with NVLink SHARP inside one node (NCCL's NVLS all-reduce)
+    nvls: bool = False           # each node's GPUs joined by NVSwitches with NVLink SHARP (NCCL's NVLS, NVLS_TREE)
 
     @property
     def ring_gbps(self) -> float:
@@ -300,10 +307,15 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
         best = min(best, (latency_us * 1e-3 + moved / (full * share) * 1e3, f"ring {p.name}"))
     if passes != 2:
         return best
-    if path.nvls and nodes == 1:
-        share = _nvls_efficiency(device) * (NCCL_NVLS_CHANNELS - 1) / NCCL_NVLS_CHANNELS
-        if share > 0:
-            best = min(best, (NCCL_NVLS_LATENCY_US * 1e-3 + (1 + 1 / n) * nbytes / (full * share) * 1e3, "NVLS Simple"))
+    share = _nvls_efficiency(device) * (NCCL_NVLS_CHANNELS - 1) / NCCL_NVLS_CHANNELS if path.nvls else 0.0
+    if share > 0 and nodes == 1:
+        best = min(best, (NCCL_NVLS_LATENCY_US * 1e-3 + (1 + 1 / n) * nbytes / (full * share) * 1e3, "NVLS Simple"))
+    if share > 0 and nodes > 1 and path.rails > 1:
+        k = path.rails
+        switch = (1 + 1 / k) * nbytes / (path.inside_gbps / 2 * 1e9 * LINK_EFFICIENCY * share)
+        network = (1 if nodes <= 2 else 2) * nbytes / k / _link_bytes_per_s(device, path)
+        latency_us = NCCL_NVLS_LATENCY_US + 2 * int(math.log2(nodes)) * NCCL_NVLS_TREE_HOP_US
+        best = min(best, (latency_us * 1e-3 + max(switch, network) * 1e3, "NVLS_TREE Simple"))
     # trees (all-reduce)
     per_node = max(1, n // nodes)
     size = math.log2(max(nbytes, 64) / 64)
@@ -458,7 +470,8 @@ class Links:
                 return LinkPath(link, kind, nodes, nvls=nvls and device.nvls and kind == "nvlink")
             # beyond a node the network, each of the group's GPUs on a node with a link of its own (DGX / HGX: one
             # NIC per GPU)
-            return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link)
+            return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link,
+                            nvls=nvls and device.nvls and kind == "nvlink")
 
         spans = cls.spans(par)
         return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.dp),
@@ -1088,11 +1101,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      "stays within a node, or the network is as fast as the GPUs' own links)")
                   + "; ranks ordered tensor-parallel innermost, pipeline stages outermost",)
     reducing = [name for name, f in field_of.items() if (f == "tp" or f == "dp" and training)
-                and getattr(links, f).nodes == 1 and getattr(links, f).kind == "nvlink"]
+                and (path := getattr(links, f)).kind == "nvlink" and (path.nodes == 1 or path.rails > 1)]
     if device.nvls and reducing:
-        notes += (f"the {_joined(reducing)} all-reduces run inside a node whose NVSwitches sum and multicast "
-                  + ("(NVLink SHARP): NCCL's NVLS algorithm where its cost model finds it faster than a ring "
-                     "(nvls=false: without it, as NCCL_NVLS_ENABLE=0)" if nvls else
+        notes += (f"the {_joined(reducing)} all-reduces run over nodes whose NVSwitches sum and multicast "
+                  + ("(NVLink SHARP): NCCL's NVLS algorithm (NVLS_TREE across nodes) where its cost model finds it "
+                     "faster than a ring or tree (nvls=false: without it, as NCCL_NVLS_ENABLE=0)" if nvls else
                      "(NVLink SHARP), not used here (nvls=false: rings and trees only, as NCCL_NVLS_ENABLE=0)"),)
     if tp > 1 and act_bytes > 0:
         notes += (f"each tensor-parallel all-reduce (two per block in the forward pass"

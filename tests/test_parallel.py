@@ -112,11 +112,48 @@ def test_all_reduces_inside_an_nvlink_sharp_node_take_nvls_where_it_is_faster():
     assert nccl_collective(2**17, 8, h100)[1] == "ring LL"      # a decode step's all-reduce
     assert nccl_collective(2**22, 8, h100)[1] == "NVLS Simple"   # 4 MiB: 41 us, the ring's LL128 63 us
     assert all(not nccl_collective(b, 8, a100)[1].startswith("NVLS") for b in sizes)
-    # which groups: inside one node of NVLink-SHARP GPUs unless switched off; not across nodes nor over PCIe
+    # which groups: on nodes of NVLink-SHARP GPUs unless switched off; not over PCIe nor on other GPUs
     assert Links.of(Parallelism(dp=8), h100).dp.nvls and Links.of(Parallelism(tp=4, dp=2), h100).tp.nvls
     assert not Links.of(Parallelism(dp=8), h100, nvls=False).dp.nvls
-    assert not Links.of(Parallelism(dp=16), h100).dp.nvls and Links.of(Parallelism(tp=8, dp=2), h100).tp.nvls
+    assert Links.of(Parallelism(dp=16), h100).dp.nvls and Links.of(Parallelism(tp=8, dp=2), h100).tp.nvls
     assert not any(Links.of(Parallelism(dp=8), load_device(k)).dp.nvls for k in ("a100-sxm4-80gb", "h100-pcie"))
+
+
+def test_all_reduces_across_nvlink_sharp_nodes_take_nvls_tree_where_it_is_faster():
+    """Over several nodes of H100s, NCCL's NVLS_TREE: NVLS inside each node, and each GPU's 1 / k of the node's sum
+    (k of the group's GPUs per node) over its own network port in a tree between the nodes: once each way over
+    two nodes, twice over more; the NVLink and network parts pipelined (the slower sets the time), after NVLS's
+    25 us and 2 log2(nodes) tree hops of 20.9 us. It wins large all-reduces over 2 nodes of 8; a group with one GPU
+    per node has no NVLS; it never makes an all-reduce slower; all-gathers have none."""
+    from neusight.parallel import Links
+
+    h100 = load_device("h100-sxm5-80gb")
+    sizes = [2.0**e for e in range(3, 34)]
+    two = Links.of(Parallelism(dp=16), h100).dp                  # 2 nodes, 8 GPUs each, 100 GB/s ports
+    # 1 GiB: NVLink carries 9/8 of it at 0.85 x 15/16 x 360 GB/s (4.21 ms), each port 1/8 of it at 40 GB/s (3.36
+    # ms): NVLink sets the time; a bus bandwidth of 2 x 15/16 x 2^30 B / 4.28 ms = 471 GB/s (rings: 309)
+    ms, how = nccl_collective(2**30, 16, h100, two)
+    switch = 9 / 8 * 2**30 / (360e9 * 0.85 * 15 / 16) * 1e3
+    assert how == "NVLS_TREE Simple" and ms == pytest.approx((25 + 2 * 20.9) * 1e-3 + switch)
+    assert 2**30 / 8 / 40e9 * 1e3 < switch
+    assert 2 * 15 / 16 * 2**30 / ms / 1e6 == pytest.approx(471, abs=1)
+    off = nccl_collective(2**30, 16, h100, Links.of(Parallelism(dp=16), h100, nvls=False).dp)
+    assert off[1] == "ring Simple" and 2 * 15 / 16 * 2**30 / off[0] / 1e6 == pytest.approx(309, abs=1)
+    for nodes in (2, 4, 8):
+        path = Links.of(Parallelism(dp=8 * nodes), h100).dp
+        off = Links.of(Parallelism(dp=8 * nodes), h100, nvls=False).dp
+        runs = [nccl_collective(b, 8 * nodes, h100, path) for b in sizes]
+        assert all(a[0] < b[0] for a, b in zip(runs, runs[1:]))                        # monotone in bytes
+        for b, (ms, how) in zip(sizes, runs):
+            ring_ms, ring_how = nccl_collective(b, 8 * nodes, h100, off)
+            assert ms <= ring_ms and (how == ring_how or how == "NVLS_TREE Simple" and ms < ring_ms)
+        assert "NVLS_TREE Simple" in {h for _, h in runs}
+        assert all(nccl_collective(b, 8 * nodes, h100, path, passes=1)[1].startswith("ring") for b in sizes)
+    # over 8 nodes each port carries its share twice: the 8 GiB all-reduce goes back to the ring
+    assert nccl_collective(2**33, 64, h100, Links.of(Parallelism(dp=64), h100).dp)[1] == "ring Simple"
+    one_per_node = Links.of(Parallelism(dp=8, tp=8), h100).dp
+    assert one_per_node.rails == 1 and all(not nccl_collective(b, 8, h100, one_per_node)[1].startswith("NVLS")
+                                           for b in sizes)
 
 
 def test_nvls_shortens_a_tensor_parallel_step_on_h100_and_can_be_switched_off():
@@ -131,7 +168,7 @@ def test_nvls_shortens_a_tensor_parallel_step_on_h100_and_can_be_switched_off():
                                                                      if k != "tp_comm"}
     note = lambda p: next(n for n in p.notes if n.startswith("each tensor-parallel all-reduce"))  # noqa: E731
     assert "as NCCL's NVLS Simple" in note(on) and "as NCCL's ring" in note(off)
-    assert any("NCCL's NVLS algorithm where its cost model finds it faster" in n for n in on.notes)
+    assert any("NCCL's NVLS algorithm (NVLS_TREE across nodes) where its cost model" in n for n in on.notes)
     assert any("not used here (nvls=false" in n for n in off.notes)
     a100 = predict_parallel("gpt2", "a100-sxm4-80gb", batch_size=8, seq_len=256, tp=4, memory=False, cache=cache)
     assert not any("NVLink SHARP" in n for n in a100.notes)
@@ -514,17 +551,18 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     tp=4 the tensor-parallel groups stay in a node, the data-parallel ones span two with two GPUs on each; NCCL
     spreads their ring's channels over those two GPUs' network links (100 GB/s each), so the all-reduce crosses
     nodes at 200 GB/s instead of NVLink's 900. A group with one GPU per node has that GPU's link alone; one with
-    8 per node reaches 800."""
+    8 per node reaches 800. Rings and trees only here (nvls=False: H100 SXM's NVLink SHARP has tests of its own)."""
     from neusight.parallel import Links
 
     h100 = load_device("h100-sxm5-80gb")
-    links = Links.of(Parallelism(dp=4, tp=4), h100)
+    links = Links.of(Parallelism(dp=4, tp=4), h100, nvls=False)
     across = LinkPath(100, "nvlink", 2, rails=2, inside_gbps=900)
-    in_node = LinkPath(900, nvls=True)                  # H100 SXM's NVSwitches: NVLink SHARP inside a node
-    assert (links.tp, links.dp, links.nodes) == (in_node, across, 2) and across.ring_gbps == 200
+    assert (links.tp, links.dp, links.nodes) == (LinkPath(900), across, 2) and across.ring_gbps == 200
+    assert Links.of(Parallelism(dp=4, tp=4), h100).dp == LinkPath(100, "nvlink", 2, 2, 900, nvls=True)
     nvlink = LinkPath(900, "nvlink", 1, nvls=True)
     assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1)
-    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2, 1, 900)
+    assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2, 1, 900,
+                                                                                    nvls=True)
     assert Links.of(Parallelism(dp=16), h100).dp.ring_gbps == 800                       # 8 NICs per node
     assert Links.of(Parallelism(dp=8, tp=8), h100).dp.ring_gbps == 100                  # one GPU per node
     l4 = load_device("l4")
@@ -534,13 +572,13 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     # one GPU's own transfers (all-to-all, point to point) keep its link; rings and trees use the rails
     assert alltoall_ms(1e9, 4, h100, across) == alltoall_ms(1e9, 4, h100, LinkPath(100, "nvlink", 2))
     assert allreduce_ms(1e9, 4, h100, across) < allreduce_ms(1e9, 4, h100, LinkPath(100, "nvlink", 2))
-    kw = dict(batch_size=16, seq_len=128, mode="training", dp=4, tp=4, memory=False)
+    kw = dict(batch_size=16, seq_len=128, mode="training", dp=4, tp=4, memory=False, nvls=False)
     two = predict_parallel("gpt2", "h100-sxm5-80gb", **kw)
     one = predict_parallel("gpt2", "h100-sxm5-80gb", gpus_per_node=16, **kw)
     assert two.parts["tp_comm"] == one.parts["tp_comm"] and two.parts["compute"] == one.parts["compute"]
     grads = sum(t.numel * t.itemsize for t in two.per_gpu.graph.grads)
     assert two.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, across))
-    assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100))
+    assert one.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, h100, LinkPath(900)))
     # at 200 GB/s (100 one way, 80 % of it); NCCL counts 2 x nodes = 4 of the ring's 6 steps between nodes (the
     # network's latency per step) and 2 on NVLink inside a node, and its "plateau effect" takes 1.4 x that latency
     simple = next(p for p in NCCL_PROTOCOLS if p.name == "Simple")
