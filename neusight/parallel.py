@@ -69,8 +69,9 @@ GPUs on a node, up to the node's own links; one GPU's all-to-all or point-to-poi
 link), its ring steps and tree hops between nodes at the network's latency (:class:`Links`, :class:`LinkPath`).
 NCCL's NVLS all-gathers and reduce-scatters and CollNet are not modelled.
 
-NB: no multi-GPU measurement was available to check these forecasts; the collective model uses public NCCL
-characteristics, not numbers fitted to labels. Per-GPU kernels are the Hugging Face model's (eager), not
+NB: no multi-GPU step was measured to check these forecasts; the collective model uses public NCCL
+characteristics, not numbers fitted to labels, and was held against one published nccl-tests run only
+(docs/collectives.md, ``scripts/bench_collectives.py``). Per-GPU kernels are the Hugging Face model's (eager), not
 Megatron-LM's own fused kernels. Kernels go to the stage of the block the tracer attributes them to; backward
 kernels attributed outside any block (some of an encoder-decoder's) go to the last stage, which leans slow.
 """
