@@ -99,7 +99,8 @@ def _check_run(batch_size: Any, prompt_len: Any, new_tokens: Any, static_cache: 
 
 def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len: int = 128, new_tokens: int = 128,
                        *, predictor: Any = None, tp: int = 1, static_cache: bool = False,
-                       host_us: float | None = None, nvls: bool = True, **trace_kwargs: Any) -> GenerationForecast:
+                       host_us: float | None = None, nvls: bool = True, cache: dict | None = None,
+                       **trace_kwargs: Any) -> GenerationForecast:
     """Forecast ``generate()`` of ``new_tokens`` tokens after a ``prompt_len``-token prompt (see the module
     docstring). ``trace_kwargs`` go to :func:`neusight.trace` (``dtype=``, ``amp=``, ``attn_implementation=``...).
     ``static_cache`` writes each decode step's keys and values in place (:func:`neusight.trace`), as compiled
@@ -109,6 +110,8 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     ``host_us``: the host's time per kernel launch (:func:`neusight.api.host_waits_ms`), which bounds a decode step
     of short kernels; None: not modelled. ``nvls``: with ``tp`` > 1, the all-reduces may run as NCCL's NVLS where
     the GPUs' NVSwitches have NVLink SHARP (:func:`neusight.parallel.predict_parallel`); one GPU has none.
+    ``cache``: with ``tp`` > 1, a dict kept between calls on several GPUs: those on the same software path share the
+    steps' traces (:func:`neusight.parallel.predict_parallel`'s ``cache``).
 
     >>> f = predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=32, new_tokens=16)
     >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
@@ -133,7 +136,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
         from neusight.parallel import predict_parallel
 
         return [predict_parallel(model, devices[0], batch_size, seq, "inference", tp=tp, predictor=predictor,
-                                 memory=memory, host_us=host_us, nvls=nvls, **kw, **trace_kwargs)]
+                                 memory=memory, host_us=host_us, nvls=nvls, cache=cache, **kw, **trace_kwargs)]
 
     return _generate([device], batch_size, prompt_len, new_tokens, static_cache, tp, forecast, kv_dtype=kv_dtype)[0]
 

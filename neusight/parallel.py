@@ -852,7 +852,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     ``cache``: a dict the caller keeps between calls (:func:`neusight.plan.plan_parallel` does): the trace of one
     GPU's micro-batch, its forecast and its memory report are kept in it under everything they depend on, so
-    layouts with the same micro-batch size and ``tp`` (differing in ``dp``, ``pp``, ``zero`` or the links) reuse them.
+    layouts with the same micro-batch size and ``tp`` (differing in ``dp``, ``pp``, ``zero`` or the links) reuse them,
+    and other GPUs on the same software path (their attention backends and experts' kernels,
+    :func:`neusight.graph.tracer.trace_key`) reuse the trace, as :func:`neusight.api.predict_many` does.
     ``host_us``: the host's time per kernel launch on each GPU (:func:`neusight.api.host_waits_ms`; None: not
     modelled).
     ``gpus_per_node``, ``internode_gbps``, ``nics_per_node``: the nodes the GPUs sit on, each network port's
@@ -879,7 +881,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     (4, True, True)
     """
     from neusight.api import check_host_us, predict_graph
-    from neusight.graph.tracer import trace
+    from neusight.graph.tracer import trace, trace_key
 
     check_host_us(host_us)
     if not isinstance(overlap_grad_reduce, bool):
@@ -916,13 +918,21 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if megatron and training:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
-    key = (model if isinstance(model, str) else id(model), micro, seq_len, mode, head, optimizer, tp, ep, device,
-           id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor, fused, megatron,
-           repr(tf32), host_us, sp, repr(sorted(trace_kwargs.items())))
+    traced = (model if isinstance(model, str) else id(model), micro, seq_len, mode, head, optimizer, tp, ep,
+              repr(sorted(trace_kwargs.items())))
+    key = (*traced, device, id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor,
+           fused, megatron, repr(tf32), host_us, sp)
     kept = cache.get(key) if cache is not None else None
     if kept is None:
-        g = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
-                  tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
+        # one trace per software path (as predict_many shares them): GPUs whose attention backends and experts'
+        # kernels are the same run the same kernels; the forecast, its checks and the memory are per GPU
+        graphs = cache.setdefault(("traces", *traced), {}) if cache is not None else {}
+        path = trace_key(graphs, device, trace_kwargs.get("dtype", "float32"),
+                         trace_kwargs.get("attn_implementation", "eager"))
+        if path not in graphs:
+            graphs[path] = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
+                                 tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
+        g = graphs[path]
         kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32,
                                                  host_us=host_us, sequence_parallel=tp if sp else 1)}
         if cache is not None:

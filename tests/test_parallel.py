@@ -207,6 +207,37 @@ def test_all_reduces_over_many_nodes_take_nccls_tree_where_it_is_faster():
     assert want < (6.6 + 110 * 1.0 + 16 * 2.7) * 1e-3
 
 
+def test_gpus_on_one_software_path_share_a_multi_gpu_trace():
+    """With a cache kept across GPUs (as a multi-GPU ranking keeps one), GPUs whose software takes the same path
+    share one trace of a GPU's micro-batch, as predict_many shares them: eager FP32 attention is the same kernels on
+    every GPU (one trace); SDPA in FP16 picks its backend by the GPU (a T4 has no flash attention): one trace per
+    path. Each
+    forecast is the one the GPU gets alone, notes included, and a GPU that cannot run the trace is refused as
+    alone (FP8 on an A100 after an H100)."""
+    from neusight.graph.tracer import software_path
+
+    kw = dict(batch_size=8, seq_len=128, tp=2, memory=False)
+    gpus = ("a100-80gb-pcie", "t4", "h100-sxm5-80gb", "a100-sxm4-80gb")
+    sdpa = dict(dtype="float16", attn_implementation="sdpa")
+    paths = {software_path(load_device(k), "float16", "sdpa") for k in gpus}
+    assert 2 <= len(paths) < len(gpus)
+    for extra, n_traces in ((dict(), 1), (sdpa, len(paths))):
+        cache: dict = {}
+        shared = [predict_parallel("gpt2", k, cache=cache, **kw, **extra) for k in gpus]
+        traces = [v for key, v in cache.items() if key[0] == "traces"]
+        assert len(traces) == 1 and len(traces[0]) == n_traces
+        alone = [predict_parallel("gpt2", k, **kw, **extra) for k in gpus]
+        assert [(p.latency_ms, p.parts, p.notes) for p in shared] == [(p.latency_ms, p.parts, p.notes) for p in alone]
+    cache = {}
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    fp8 = dict(kw, dtype="bfloat16", fp8=True, cache=cache)
+    assert predict_parallel(llama, "h100-sxm5-80gb", **fp8).latency_ms > 0
+    with pytest.raises(InputError, match="fp8=True needs FP8 tensor cores; a100-80gb-pcie"):
+        predict_parallel(llama, "a100-80gb-pcie", **fp8)
+    assert [len(v) for key, v in cache.items() if key[0] == "traces"] == [1]   # refused on the H100's trace
+
+
 def test_a_forecast_names_the_algorithm_and_protocol_of_its_collectives():
     h100 = load_device("h100-sxm5-80gb")
     p = predict_parallel("gpt2", h100, batch_size=8, seq_len=256, mode="training", dp=2, tp=2, memory=False)

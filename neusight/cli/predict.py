@@ -739,10 +739,10 @@ def _generation(cfg: PredictConfig) -> float:
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
                                             **kw)
     else:
-        forecasts, errors = [], {}
+        forecasts, errors, shared = [], {}, {}
         for dev in devices:
             try:
-                forecasts.append(predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, **kw))
+                forecasts.append(predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **kw))
             except InputError as e:
                 if not ranking:
                     raise
@@ -851,6 +851,7 @@ def _parallel(cfg: PredictConfig) -> float:
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     ranking = names_all(cfg.device)   # every GPU type of the library, ranked: the GPUs that cannot run it left out
     preds, costs, skipped, errors = [], [], {}, {}
+    shared: dict = {}   # one trace per software path, the GPUs on it sharing it (predict_parallel's cache)
     for dev, price in zip(_gpus(cfg), _prices(cfg)):
         try:
             p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp,
@@ -862,7 +863,7 @@ def _parallel(cfg: PredictConfig) -> float:
                                  overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
-                                 nvls=cfg.nvls, **_step_options(cfg))
+                                 nvls=cfg.nvls, cache=shared, **_step_options(cfg))
         except InputError as e:
             if not ranking:
                 raise
