@@ -442,8 +442,8 @@ class Links:
         """``internode_gbps``: each network port's bidirectional GB/s; ``nics_per_node``: a node's ports (None: one
         per GPU, as DGX / HGX have). With fewer ports than GPUs, a node's GPUs share them: each GPU's share is
         ``internode_gbps`` x ports / GPUs (every GPU of a node crosses at once in the collectives modelled).
-        ``nvls``: a group inside one node may all-reduce through NVLink SHARP where the device's switches have it
-        (``Device.nvls``; False: as NCCL runs with ``NCCL_NVLS_ENABLE=0``)."""
+        ``nvls``: a group may all-reduce through NVLink SHARP where the device's switches have it (``Device.nvls``:
+        NVLS inside one node, NVLS_TREE across nodes; False: as NCCL runs with ``NCCL_NVLS_ENABLE=0``)."""
         for name, v in (("gpus_per_node", gpus_per_node), ("internode_gbps", internode_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or \
                     (name == "gpus_per_node" and not isinstance(v, int)):
@@ -859,9 +859,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     modelled).
     ``gpus_per_node``, ``internode_gbps``, ``nics_per_node``: the nodes the GPUs sit on, each network port's
     bidirectional GB/s and a node's ports (None: one per GPU), from which each group's links follow (:class:`Links`).
-    ``nvls``: all-reduces inside a node may run as NCCL's NVLS where the GPUs' NVSwitches have NVLink SHARP
-    (``Device.nvls``: HGX H100, H200, B200; :data:`NCCL_NVLS_EFFICIENCY`); False forecasts NCCL with
-    ``NCCL_NVLS_ENABLE=0`` (rings and trees only).
+    ``nvls``: all-reduces may run as NCCL's NVLS (inside a node) or NVLS_TREE (across nodes) where the GPUs'
+    NVSwitches have NVLink SHARP (``Device.nvls``: HGX H100, H200, B200; :data:`NCCL_NVLS_EFFICIENCY`); False
+    forecasts NCCL with ``NCCL_NVLS_ENABLE=0`` (rings and trees only).
     ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.

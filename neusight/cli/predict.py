@@ -87,8 +87,8 @@ class PredictConfig:
     internode_gbps: float = 100.0        # per-GPU network link between nodes, bidirectional GB/s (400 Gb/s IB = 100)
     nics_per_node: Optional[int] = None  # network ports per node, internode_gbps each, shared by its GPUs; null = one
     #                                      per GPU (DGX / HGX)
-    nvls: bool = True                    # all-reduces in a node as NCCL's NVLS where the GPUs' NVSwitches have NVLink
-    #                                      SHARP (HGX H100 / H200 / B200); false: as NCCL_NVLS_ENABLE=0
+    nvls: bool = True                    # all-reduces as NCCL's NVLS / NVLS_TREE where the GPUs' NVSwitches have
+    #                                      NVLink SHARP (HGX H100 / H200 / B200); false: as NCCL_NVLS_ENABLE=0
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
     memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
