@@ -641,8 +641,7 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     errors: dict[str, InputError] = {}
     for dev in devs:
         try:
-            path = trace_key(graphs, dev, trace_kwargs.get("dtype", "float32"),
-                             trace_kwargs.get("attn_implementation", "eager"))
+            path = trace_key(graphs, dev, trace_kwargs)
             if path not in graphs:
                 graphs[path] = trace(model, batch_size, seq_len, mode, head=head, optimizer=optimizer, device=dev,
                                      **trace_kwargs)

@@ -75,7 +75,7 @@ class Device:
     interconnect_group: int | None = None  # GPUs interconnect_gbps joins (an NVLink bridge: 2, an Infinity Fabric
     #                                        hive: 4); beyond them PCIe. None: every GPU of a node (NVSwitch, a mesh)
     nvls: bool = False  # the node's NVSwitches reduce and multicast in the switch (NVLink SHARP: HGX / DGX H100, H200,
-    #                     B200), which NCCL's NVLS all-reduce uses
+    #                     B200), which NCCL's NVLS and NVLS_TREE all-reduces use
 
     @property
     def peak_fp32_flops(self) -> float:

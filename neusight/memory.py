@@ -556,8 +556,7 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
         if n not in cache:
             kw = shape(n)
             graphs = traces.setdefault(tuple(sorted(kw.items())), {}) if traces is not None else {}
-            path = trace_key(graphs, device, trace_kwargs.get("dtype", "float32"),
-                             trace_kwargs.get("attn_implementation", "eager"))
+            path = trace_key(graphs, device, trace_kwargs)
             g = graphs.get(path)
             if g is None:
                 g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)

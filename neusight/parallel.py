@@ -256,8 +256,12 @@ class LinkPath:
         if isinstance(gbps, LinkPath):
             return gbps
         kind = _link_kind(device)
-        return cls(float(device.interconnect_gbps if gbps is None else gbps), kind, 1,
-                   nvls=device.nvls and kind == "nvlink")
+        return cls(float(device.interconnect_gbps if gbps is None else gbps), kind, 1, nvls=_sharp(device, kind))
+
+
+def _sharp(device: Device, kind: str) -> bool:
+    """Whether a group's NVLink-class links on ``device`` go through NVSwitches with NVLink SHARP (``Device.nvls``)."""
+    return device.nvls and kind == "nvlink"
 
 
 def _link_kind(device: Device) -> str:
@@ -309,14 +313,13 @@ def nccl_collective(nbytes: float, n: int, device: Device, gbps: "float | LinkPa
     if passes != 2:
         return best
     share = _nvls_efficiency(device) * (NCCL_NVLS_CHANNELS - 1) / NCCL_NVLS_CHANNELS if path.nvls else 0.0
-    if share > 0 and nodes == 1:
-        best = min(best, (NCCL_NVLS_LATENCY_US * 1e-3 + (1 + 1 / n) * nbytes / (full * share) * 1e3, "NVLS Simple"))
-    if share > 0 and nodes > 1 and path.rails > 1:
-        k = path.rails
-        switch = (1 + 1 / k) * nbytes / (path.inside_gbps / 2 * 1e9 * LINK_EFFICIENCY * share)
-        network = (1 if nodes <= 2 else 2) * nbytes / k / _link_bytes_per_s(device, path)
+    if share > 0 and (nodes == 1 or path.rails > 1):    # NVLS in one node; NVLS_TREE with k GPUs on each of several
+        k = n if nodes == 1 else path.rails
+        switch = (1 + 1 / k) * nbytes / (_link_bytes_per_s(device, path.inside_gbps or path.gbps) * share)
+        network = 0.0 if nodes == 1 else (1 if nodes <= 2 else 2) * nbytes / k / _link_bytes_per_s(device, path)
         latency_us = NCCL_NVLS_LATENCY_US + 2 * int(math.log2(nodes)) * NCCL_NVLS_TREE_HOP_US
-        best = min(best, (latency_us * 1e-3 + max(switch, network) * 1e3, "NVLS_TREE Simple"))
+        best = min(best, (latency_us * 1e-3 + max(switch, network) * 1e3,
+                          "NVLS Simple" if nodes == 1 else "NVLS_TREE Simple"))
     # trees (all-reduce)
     per_node = max(1, n // nodes)
     size = math.log2(max(nbytes, 64) / 64)
@@ -467,12 +470,12 @@ class Links:
             link = intra if inside else min(intra, device.pcie_gbps)
             kind = _link_kind(device) if inside else "pcie"
             nodes = min(members, math.ceil(span / gpus_per_node))      # the nodes its GPUs sit on
+            sharp = nvls and _sharp(device, kind)
             if span <= gpus_per_node:
-                return LinkPath(link, kind, nodes, nvls=nvls and device.nvls and kind == "nvlink")
+                return LinkPath(link, kind, nodes, nvls=sharp)
             # beyond a node the network, each of the group's GPUs on a node with a link of its own (DGX / HGX: one
             # NIC per GPU)
-            return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link,
-                            nvls=nvls and device.nvls and kind == "nvlink")
+            return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link, nvls=sharp)
 
         spans = cls.spans(par)
         return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.dp),
@@ -927,8 +930,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         # one trace per software path (as predict_many shares them): GPUs whose attention backends and experts'
         # kernels are the same run the same kernels; the forecast, its checks and the memory are per GPU
         graphs = cache.setdefault(("traces", *traced), {}) if cache is not None else {}
-        path = trace_key(graphs, device, trace_kwargs.get("dtype", "float32"),
-                         trace_kwargs.get("attn_implementation", "eager"))
+        path = trace_key(graphs, device, trace_kwargs)
         if path not in graphs:
             graphs[path] = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
                                  tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)

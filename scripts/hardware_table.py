@@ -97,7 +97,7 @@ def forecast() -> pd.DataFrame:
         graphs: dict[tuple, object] = {}
         for key in GPUS:
             dev = load_device(key)
-            path = trace_key(graphs, dev, kw.get("dtype", "float32"), kw.get("attn_implementation", "eager"))
+            path = trace_key(graphs, dev, kw)
             try:
                 if path not in graphs:
                     graphs[path] = trace(model, device=dev, **kw)

@@ -722,12 +722,14 @@ def software_path(device: Any, dtype: Any, attn_implementation: str = "eager") -
     return path
 
 
-def trace_key(graphs: dict, device: Any, dtype: Any, attn_implementation: str = "eager") -> tuple:
+def trace_key(graphs: dict, device: Any, trace_kwargs: dict) -> tuple:
     """The key in ``graphs`` (traces by :func:`software_path`, first one first) whose trace ``device`` uses: its own
-    path, or the first trace's when that one took no GPU-specific path (:func:`depends_on_gpu`)."""
+    path (from the ``dtype`` and ``attn_implementation`` of the trace's ``trace_kwargs``), or the first trace's when
+    that one took no GPU-specific path (:func:`depends_on_gpu`)."""
     if graphs and not depends_on_gpu(next(iter(graphs.values())).notes):
         return next(iter(graphs))
-    return software_path(device, dtype, attn_implementation)
+    return software_path(device, trace_kwargs.get("dtype", "float32"),
+                         trace_kwargs.get("attn_implementation", "eager"))
 
 
 def notes_on(notes: tuple[str, ...], device: Any) -> tuple[str, ...]:
