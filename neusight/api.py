@@ -452,7 +452,7 @@ def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.S
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
                   calibrated: bool = True, fused: bool = False, megatron: bool = False, tf32: Any = None,
-                  host_us: float | None = None, sequence_parallel: int = 1) -> Prediction:
+                  host_us: float | None = None, sequence_parallel: int = 1, context_parallel: int = 1) -> Prediction:
     """Predict an already traced graph on ``device``.
 
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
@@ -463,7 +463,9 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     modelled, as the predictor's end-to-end labels were GPU-bound): each kernel's ``latency_ms`` then includes the
     GPU's wait for its launch (``host_wait_ms``; ``gpu_ms`` is its time on the GPU);
     ``sequence_parallel`` the GPUs of a tensor-parallel group that split the blocks' whole-width kernels by tokens
-    (:func:`neusight.parallel.split_sequence`; 1: none).
+    (:func:`neusight.parallel.split_sequence`; 1: none); ``context_parallel`` the GPUs that split each sequence
+    (``g`` being one GPU's part of it), whose attention runs as a ring: the kernels of its other steps are added
+    (:func:`neusight.parallel.split_context`; 1: none).
     """
     check_host_us(host_us)
     if fused and megatron:
@@ -480,6 +482,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         from neusight.parallel import split_sequence
 
         k = split_sequence(k, sequence_parallel)
+    if context_parallel != 1:
+        from neusight.parallel import split_context
+
+        k = split_context(k, context_parallel)
     if k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str).str.startswith("float8").any():
         from neusight.graph.fp8 import check_fp8_device
 
@@ -513,6 +519,10 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         kernels["gpu_ms"] = kernels["latency_ms"]
         kernels["host_wait_ms"] = host_waits_ms(kernels["gpu_ms"].to_numpy(float), host_us)
         kernels["latency_ms"] = kernels["gpu_ms"] + kernels["host_wait_ms"]
+    if context_parallel != 1:
+        from neusight.parallel import context_steps
+
+        kernels = context_steps(kernels)
     phases = {p: float(kernels.loc[kernels["phase"] == p, "latency_ms"].sum()) for p in PHASES
               if (kernels["phase"] == p).any()}
     notes = notes_on(g.notes, device) + ((FUSED_NOTE,) if fused else ())

@@ -1,6 +1,7 @@
-"""Multi-GPU forecasts: Megatron-style data (DP), tensor (TP) and pipeline (PP) parallelism over one GPU type.
+"""Multi-GPU forecasts: Megatron-style data (DP), tensor (TP), pipeline (PP), expert (EP) and context (CP)
+parallelism over one GPU type.
 
-A step on ``dp x tp x pp`` GPUs is composed from single-GPU forecasts of what one GPU runs, plus the
+A step on ``dp x cp x tp x pp`` GPUs is composed from single-GPU forecasts of what one GPU runs, plus the
 communication between GPUs over the device's interconnect:
 
 1. TP: every transformer block is split as Megatron-LM splits it: the QKV and first MLP projections by output
@@ -52,6 +53,20 @@ communication between GPUs over the device's interconnect:
    call of an experts layer sends its token rows to the GPUs of their experts and gets the results back: two
    all-to-alls, two more in the backward pass. Routing is balanced, so a GPU's experts receive as many rows as its
    own tokens make. The experts' gradients are all-reduced over the dp / ep replicas holding the same experts.
+5. CP (context parallelism, as Megatron-LM's ``--context-parallel-size`` runs it with Transformer Engine's ring
+   attention, its default point-to-point exchange): each sequence of ``seq_len`` tokens is split over ``cp`` GPUs,
+   which trace and run every kernel on their seq_len / cp tokens (:func:`split_context`), except attention: a GPU's
+   queries attend to every GPU's keys and values, which travel round the ring, one chunk per step. With causal
+   attention each GPU holds two chunks of seq_len / (2 cp) tokens, chunks i and 2 cp - 1 - i (load balancing), so
+   every GPU does 1 / cp of the causal work: step 0 its own chunks, causal (the traced kernel); each of the other
+   cp - 1 steps a non-causal kernel of half a block: all its queries against the first half of the arriving keys,
+   or its second half of the queries against all of them (which one depends on the GPU; every step waits for the
+   slower). Without a causal mask (an encoder) every step is the whole block. Each step's transfer (the keys and
+   values; in the backward pass also their gradients) runs beside the previous step's kernel, and only what it
+   outlasts is charged (:func:`context_exchange_ms`). The weights' gradients are reduced over the dp x cp GPUs
+   that hold the same weights. Needs a fused attention (SDPA's kernels or flash-attn) without a mask or a sliding
+   window. The kernels that merge each step's partial outputs (a few elementwise passes over the queries' output
+   per step) and the key / value buffers of the ring are not modelled.
 
 Collectives are ring algorithms (all-reduces over several nodes may be trees, below): an all-reduce of ``b`` bytes
 over ``n`` GPUs moves 2 (n - 1) / n x b per GPU in each direction in 2 (n - 1) steps, an all-gather or
@@ -91,10 +106,13 @@ from torch import nn
 from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
+from neusight.graph.records import TensorMeta
+from neusight.kernels.base import ATTENTION_BWD_KERNEL, FUSED_ATTENTION
 
 __all__ = ["Parallelism", "Links", "LinkPath", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
-           "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "allreduce_ms", "allgather_ms",
-           "alltoall_ms", "p2p_ms", "nccl_collective", "NCCL_PROTOCOLS", "NCCL_TREE_PROTOCOLS"]
+           "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "split_context",
+           "context_exchange_ms", "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms", "nccl_collective",
+           "NCCL_PROTOCOLS", "NCCL_TREE_PROTOCOLS"]
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); an all-to-all
 # exchange or a point-to-point transfer costs a few microseconds of launch and synchronisation. Public
@@ -178,7 +196,9 @@ class Parallelism:
     """How many GPUs split the step, and how: ``dp x tp x pp`` GPUs, ``microbatches`` per replica; ``ep`` of the
     ``dp`` replicas share each mixture-of-experts layer's experts (expert parallelism); ``vpp`` model chunks per
     pipeline GPU (Megatron-LM's interleaved schedule; 1: plain 1F1B); ``sp``: Megatron-LM's sequence parallelism
-    within the ``tp`` GPUs of a tensor-parallel group (module docstring, item 1)."""
+    within the ``tp`` GPUs of a tensor-parallel group (module docstring, item 1); ``cp``: context parallelism, each
+    sequence split over ``cp`` GPUs that run its attention as a ring (module docstring, item 5), so ``dp x cp x tp
+    x pp`` GPUs in all, and the weights' gradients are reduced over ``dp x cp`` of them (:attr:`replicas`)."""
 
     dp: int = 1
     tp: int = 1
@@ -187,9 +207,10 @@ class Parallelism:
     ep: int = 1
     vpp: int = 1
     sp: bool = False
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "microbatches", "ep", "vpp"):
+        for name in ("dp", "tp", "pp", "microbatches", "ep", "vpp", "cp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"{name}={v!r} must be a positive integer. Fix: e.g. {name}=1")
@@ -208,9 +229,19 @@ class Parallelism:
                              f"{self.microbatches}), as Megatron-LM's interleaved schedule does. Fix: vpp=1, or "
                              "pp >= 2 with microbatches a multiple of pp")
 
+        if self.cp > 1 and self.ep > 1:
+            raise InputError(f"cp={self.cp} with ep={self.ep} is not modelled (context-parallel GPUs would share the "
+                             "expert-parallel groups). Fix: leave one of them out")
+
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """The GPUs of a group that holds the same weights and reduces their gradients: ``dp x cp`` (a sequence's
+        context-parallel GPUs hold the same weights and compute gradients from their parts of it)."""
+        return self.dp * self.cp
 
     @classmethod
     def from_option(cls, option: str) -> "Parallelism":
@@ -430,14 +461,16 @@ INTERNODE_GBPS = 100.0
 class Links:
     """The :class:`LinkPath` (bidirectional GB/s per GPU, kind of link inside a node, nodes spanned) that each kind of
     group's collectives run over, from where its GPUs sit: ranks ordered as Megatron-LM orders them
-    (tensor-parallel innermost, then data-parallel, pipeline stages outermost; expert-parallel groups are runs of
-    ``ep`` data-parallel ranks), ``gpus_per_node`` consecutive ranks per node."""
+    (tensor-parallel innermost, then context-parallel, then data-parallel, pipeline stages outermost;
+    expert-parallel groups are runs of ``ep`` data-parallel ranks), ``gpus_per_node`` consecutive ranks per node.
+    ``dp`` is the path of the group that reduces the gradients: the ``dp x cp`` replicas of the weights."""
 
     tp: LinkPath
     dp: LinkPath
     ep: LinkPath
     pp: LinkPath
     nodes: int
+    cp: LinkPath = LinkPath(0.0)
 
     @classmethod
     def of(cls, par: "Parallelism", device: Device, gpus_per_node: int = GPUS_PER_NODE,
@@ -478,15 +511,15 @@ class Links:
             return LinkPath(min(link, float(internode_gbps)), kind, nodes, max(1, members // nodes), link, nvls=sharp)
 
         spans = cls.spans(par)
-        return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.dp),
+        return cls(tp=over(spans["tensor-parallel"], par.tp), dp=over(spans["data-parallel"], par.replicas),
                    ep=over(spans["expert-parallel"], par.ep), pp=over(spans["pipeline"], par.pp),
-                   nodes=math.ceil(par.gpus / gpus_per_node))
+                   nodes=math.ceil(par.gpus / gpus_per_node), cp=over(spans["context-parallel"], par.cp))
 
     @staticmethod
     def spans(par: "Parallelism") -> dict[str, int]:
         """How many consecutive ranks each kind of group's GPUs span (ranks ordered as in the class docstring)."""
-        return {"tensor-parallel": par.tp, "data-parallel": par.tp * par.dp, "expert-parallel": par.tp * par.ep,
-                "pipeline": par.gpus}
+        return {"tensor-parallel": par.tp, "context-parallel": par.tp * par.cp,
+                "data-parallel": par.tp * par.cp * par.dp, "expert-parallel": par.tp * par.ep, "pipeline": par.gpus}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -756,10 +789,13 @@ class ParallelPrediction:
     seq_len: int | None
     parallelism: Parallelism
     latency_ms: float
-    parts: dict[str, float]              # compute, tp_comm, ep_alltoall, pp_p2p, pp_bubble, dp_allreduce (the
-                                         # gradients' all-reduce, or reduce-scatter with ZeRO), dp_gather (ZeRO's
-                                         # parameter all-gathers), embedding_allreduce, optimizer (ms)
-    stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, p2p_ms,
+    parts: dict[str, float]              # compute, tp_comm, ep_alltoall, cp_comm (the context-parallel ring's
+                                         # exchanges outlasting their attention kernels), pp_p2p, pp_bubble,
+                                         # dp_allreduce (the gradients' all-reduce, or reduce-scatter with
+                                         # ZeRO), dp_gather (ZeRO's parameter all-gathers), embedding_allreduce,
+                                         # optimizer (ms)
+    stages: pd.DataFrame                 # per stage and micro-batch: forward_ms, backward_ms, tp_comm_ms, ep_comm_ms,
+    #                                      cp_comm_ms, p2p_ms,
     #                                      tp_overlap_ms (what Megatron-LM's overlap changed in tp_comm_ms)
     per_gpu: Any                         # the api.Prediction of one micro-batch on one GPU (all stages)
     roofline_ms: float = float("nan")    # the same composition with every kernel at its roofline
@@ -787,7 +823,7 @@ class ParallelPrediction:
         par = self.parallelism
         return (f"{self.model}: {self.mode}, global batch {self.batch_size}"
                 + (f", seq {self.seq_len}" if self.seq_len else "")
-                + f" on {on} (dp {par.dp}, "
+                + f" on {on} (dp {par.dp}, " + (f"cp {par.cp}, " if par.cp > 1 else "")
                 + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}{' with sp' if par.sp else ''}, "
                 + f"pp {par.pp}, "
                 + (f"interleaved: {par.vpp} chunks per GPU, " if par.vpp > 1 else "")
@@ -834,8 +870,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None,
                      cache: dict | None = None, host_us: float | None = None, vpp: int = 1, sp: bool = False,
                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, nvls: bool = True,
-                     **trace_kwargs: Any) -> ParallelPrediction:
-    """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x tp x pp`` GPUs of ``device``.
+                     cp: int = 1, **trace_kwargs: Any) -> ParallelPrediction:
+    """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x cp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
     = forward + backward (+ the gradient all-reduce when dp > 1, + ``optimizer`` if given); inference = forward.
@@ -868,6 +904,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ``vpp``: model chunks per pipeline GPU under Megatron-LM's interleaved schedule (module docstring, item 2; 1:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
+    ``cp``: context parallelism (module docstring, item 5): each sequence split over ``cp`` GPUs (``seq_len`` a
+    multiple of 2 x cp), its attention a ring of fused kernels (``attn_implementation`` sdpa or flash-attn), the
+    gradients reduced over ``dp x cp`` GPUs (and ZeRO sharding over as many); not with ``ep``, ``kv_cache`` or
+    ``megatron``.
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
     backward pass, block by block as their gradients are done (module docstring, item 3); plain data parallelism
     (no ZeRO, tp, pp, ep, not ``megatron``) by PyTorch DDP's buckets; only what outlasts the backward pass counts.
@@ -887,13 +927,14 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     from neusight.graph.tracer import trace, trace_key
 
     check_host_us(host_us)
+    par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp, cp)
     if not isinstance(overlap_grad_reduce, bool):
         raise InputError(f"overlap_grad_reduce={overlap_grad_reduce!r} is not true or false. Fix: "
                          "overlap_grad_reduce=true (the gradients' reduction beside the backward pass) or leave it out")
-    if overlap_grad_reduce and (dp == 1 or mode != "training"):
+    if overlap_grad_reduce and (par.replicas == 1 or mode != "training"):
         raise InputError("overlap_grad_reduce=true overlaps the data-parallel replicas' gradient reduction with the "
-                         f"backward pass; {'dp=1 has none' if dp == 1 else 'this run is inference'}. Fix: "
-                         f"{'dp > 1' if dp == 1 else 'mode=training'}, or leave overlap_grad_reduce out")
+                         f"backward pass; {'dp=1 has none' if par.replicas == 1 else 'this run is inference'}. Fix: "
+                         f"{'dp > 1' if par.replicas == 1 else 'mode=training'}, or leave overlap_grad_reduce out")
     if not isinstance(overlap_param_gather, bool):
         raise InputError(f"overlap_param_gather={overlap_param_gather!r} is not true or false. Fix: "
                          "overlap_param_gather=true (ZeRO's parameter gathers beside the compute) or leave it out")
@@ -903,7 +944,6 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if not isinstance(nvls, bool):
         raise InputError(f"nvls={nvls!r} is not true or false. Fix: nvls=false (NCCL without NVLink SHARP, as "
                          "NCCL_NVLS_ENABLE=0 runs it) or leave it out")
-    par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp)
     device = load_device(device)
     links = Links.of(par, device, gpus_per_node, internode_gbps, nics_per_node, nvls)
     if batch_size % (dp * microbatches):
@@ -921,7 +961,20 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if megatron and training:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
-    traced = (model if isinstance(model, str) else id(model), micro, seq_len, mode, head, optimizer, tp, ep,
+    if cp > 1:
+        if megatron:
+            raise InputError(f"cp={cp} with megatron=True is not modelled (Megatron-LM's kernels here are GPT-2's "
+                             "eager attention; its context parallelism runs Transformer Engine's). Fix: leave one of "
+                             "them out (cp with attn_implementation='sdpa' or 'flash_attention_2')")
+        if trace_kwargs.get("kv_cache") is not None:
+            raise InputError(f"cp={cp} with kv_cache={trace_kwargs['kv_cache']} (a generation step) is not modelled: "
+                             "context parallelism here splits a whole sequence's prompt or training step. Fix: cp=1")
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len % (2 * cp):
+            raise InputError(f"cp={cp} splits each sequence into {2 * cp} chunks (two per GPU, for causal load "
+                             f"balance); seq_len={seq_len!r} is not a multiple of {2 * cp}. Fix: a seq_len that "
+                             f"{2 * cp} divides")
+    local_seq = seq_len // cp if cp > 1 else seq_len
+    traced = (model if isinstance(model, str) else id(model), micro, local_seq, mode, head, optimizer, tp, ep, cp,
               repr(sorted(trace_kwargs.items())))
     key = (*traced, device, id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor,
            fused, megatron, repr(tf32), host_us, sp)
@@ -932,11 +985,14 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         graphs = cache.setdefault(("traces", *traced), {}) if cache is not None else {}
         path = trace_key(graphs, device, trace_kwargs)
         if path not in graphs:
-            graphs[path] = trace(model, micro, seq_len, mode, head=head, optimizer=optimizer if training else None,
-                                 tensor_parallel=tp, expert_parallel=ep, device=device, **trace_kwargs)
+            graphs[path] = trace(model, micro, local_seq, mode, head=head,
+                                 optimizer=optimizer if training else None, tensor_parallel=tp, expert_parallel=ep,
+                                 device=device, context_parallel=cp, **trace_kwargs)
         g = graphs[path]
+        check_context_parallel(g, cp)
         kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32,
-                                                 host_us=host_us, sequence_parallel=tp if sp else 1)}
+                                                 host_us=host_us, sequence_parallel=tp if sp else 1,
+                                                 context_parallel=cp)}
         if cache is not None:
             cache[key] = kept
     g, one = kept["graph"], kept["one"]
@@ -957,10 +1013,15 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
     ep_ms = _expert_alltoall_ms(g, index, n, par, training, device, links.ep)
     columns = g.tp_columns if megatron else ()    # Megatron-LM overlaps their backward collectives with GEMMs
+
+    def cp_ms(column: str) -> list[float]:         # each stage's exposed ring exchanges of one micro-batch
+        exposed = context_exchange_ms(k, cp, device, links.cp, column)
+        return [float(exposed[stage == s].sum()) for s in range(pp)]
+
     parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, links, ep_ms,
-                             columns, tokens)
+                             columns, tokens, cp_ms("latency_ms"))
     roofline, roof_stages = _compose(k, stage, blocks_per_stage, "roofline_ms", par, training, act_bytes, device,
-                                     links, ep_ms, columns, tokens)
+                                     links, ep_ms, columns, tokens, cp_ms("roofline_ms"))
     held, tied_bytes = _stage_parameters(g, index, n, pp)
     share = max(held)                                   # the busiest stage's parameters steps and all-reduces
     grad_bytes = sum(t.numel * t.itemsize for t in g.grads) * share
@@ -968,15 +1029,17 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     expert_share = _expert_parameter_share(g) if ep > 1 else 0.0
     units = _unit_parameter_bytes(g, index) if zero == 3 else []
 
+    rep = par.replicas      # the GPUs holding the same weights: dp x cp
+
     def sharded_ms(nbytes: float) -> float:   # ZeRO's reduce-scatter or all-gather: experts over dp / ep replicas
-        return (allgather_ms(nbytes * (1 - expert_share), dp, device, links.dp)
-                + allgather_ms(nbytes * expert_share, dp // ep, device, links.dp))
+        return (allgather_ms(nbytes * (1 - expert_share), rep, device, links.dp)
+                + allgather_ms(nbytes * expert_share, rep // ep, device, links.dp))
 
     def reduce_ms(nbytes: float) -> float:    # the gradients': ZeRO's reduce-scatter, else an all-reduce (the
         if zero:                               # experts' over the dp / ep replicas that hold the same experts)
             return sharded_ms(nbytes)
-        return (allreduce_ms(nbytes * (1 - expert_share), dp, device, links.dp)
-                + allreduce_ms(nbytes * expert_share, dp // ep, device, links.dp))
+        return (allreduce_ms(nbytes * (1 - expert_share), rep, device, links.dp)
+                + allreduce_ms(nbytes * expert_share, rep // ep, device, links.dp))
 
     if zero == 3:   # per block (and the rest): gather before forward and backward, reduce-scatter the gradients
         grad_share = grad_bytes / max(sum(units), 1.0)
@@ -1056,7 +1119,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         dp_roofline = dp_roofline if scattered is None else scattered
     parts["embedding_allreduce"] = allreduce_ms(tied_bytes, 2, device, links.pp) if training and pp > 1 else 0.0
     opt = k["phase"] == "optimizer"
-    shards = _zero_shards(dp, ep, expert_share)
+    shards = _zero_shards(rep, ep, expert_share)
     stepped = share / shards if zero else share           # with ZeRO each GPU steps its 1 / dp of the parameters
     parts["optimizer"] = float(k.loc[opt, "latency_ms"].sum()) * stepped
     opt_roofline = float(k.loc[opt, "roofline_ms"].sum()) * stepped
@@ -1090,8 +1153,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     notes = tuple(one.notes) + ((f"{par.gpus} GPUs over {device.interconnect_gbps:g} GB/s links "
                                  "(interconnect_gbps); collectives modelled, not measured",) if par.gpus > 1 else ())
     # each group's link against the same group inside one node, and against the GPUs' own links
-    field_of = {name: f for name, f, n in (("tensor-parallel", "tp", tp), ("data-parallel", "dp", dp),
-                                           ("expert-parallel", "ep", ep), ("pipeline", "pp", pp)) if n > 1}
+    field_of = {name: f for name, f, n in (("tensor-parallel", "tp", tp), ("data-parallel", "dp", rep),
+                                           ("context-parallel", "cp", cp), ("expert-parallel", "ep", ep),
+                                           ("pipeline", "pp", pp)) if n > 1}
     one_node = Links.of(par, device, par.gpus, internode_gbps)
     beyond = [name for name, f in field_of.items() if getattr(one_node, f).gbps < device.interconnect_gbps]
     if beyond:
@@ -1126,21 +1190,21 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   f"{'; with sp a reduce-scatter + all-gather, charged as the all-reduce' if sp else ''}"
                   f"): {collective_call(act_bytes, tp, device, links.tp)} "
                   f"(its cost model's fastest algorithm and protocol for that size)",)
-    if dp > 1 and training and not zero and ep == 1 and not overlap_grad_reduce:
-        notes += (f"the gradients' all-reduce: {collective_call(grad_bytes, dp, device, links.dp)}",)
-    if dp > 1 and training and zero and ep == 1:
+    if rep > 1 and training and not zero and ep == 1 and not overlap_grad_reduce:
+        notes += (f"the gradients' all-reduce: {collective_call(grad_bytes, rep, device, links.dp)}",)
+    if rep > 1 and training and zero and ep == 1:
         if zero == 3:
             unit = _median(units)
             what = f"{len(index)} transformer blocks and the rest" if index else "the whole model, one unit"
             notes += (f"ZeRO stage 3's collectives, per unit of parameters ({what}): the median unit's parameters "
                       "all-gathered twice a step, before its forward and "
-                      f"its backward pass, {collective_call(unit, dp, device, links.dp, 1)}; its gradients "
+                      f"its backward pass, {collective_call(unit, rep, device, links.dp, 1)}; its gradients "
                       "reduce-scattered once, "
-                      f"{collective_call(unit * grad_bytes / max(sum(units), 1.0), dp, device, links.dp, 1)}",)
+                      f"{collective_call(unit * grad_bytes / max(sum(units), 1.0), rep, device, links.dp, 1)}",)
         else:
             notes += (f"ZeRO stage {zero}'s collectives, one call each: the gradients' reduce-scatter, "
-                      f"{collective_call(grad_bytes, dp, device, links.dp, 1)}; the updated parameters' all-gather, "
-                      f"{collective_call(param_bytes, dp, device, links.dp, 1)}",)
+                      f"{collective_call(grad_bytes, rep, device, links.dp, 1)}; the updated parameters' all-gather, "
+                      f"{collective_call(param_bytes, rep, device, links.dp, 1)}",)
     if columns and training and tp > 1:
         change = par.microbatches * float(stages["tp_overlap_ms"].sum())
         notes += (f"Megatron-LM overlaps each column-parallel projection's backward "
@@ -1161,12 +1225,28 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"sequence parallelism: {n_sp} kernels of the blocks (layer norms, dropouts, residual adds) run on "
                   f"1/{tp} of the tokens per GPU and save 1/{tp} of their activations; all-reduces as reduce-scatter "
                   "+ all-gather of the same volume",)
+    if cp > 1:
+        calls = k[(k["cp_step"] == 0) & (k["cp_parent"] >= 0)]
+        fwd = calls[calls["kernel"] != ATTENTION_BWD_KERNEL]
+        _, _, d, lk = fwd["dims"].iloc[0]
+        chunk = 2 * fwd["dims"].iloc[0][0] * lk * d * _KV_ITEMSIZE.get(str(fwd["dtype"].iloc[0]), 2)
+        alone = (len(fwd) * (cp - 1) * p2p_ms(chunk, device, links.cp)
+                 + (len(calls) - len(fwd)) * (cp - 1) * p2p_ms(2 * chunk, device, links.cp))
+        notes += (f"context parallelism: each sequence of {seq_len:,} tokens split over {cp} GPUs, "
+                  f"{local_seq:,} tokens each (two chunks of {local_seq // 2:,}, for causal load balance); each of "
+                  f"its {len(calls)} attention calls a ring of {cp} steps, the GPU's own chunks first, then "
+                  f"{cp - 1} of the other GPUs' keys and values ({chunk / 2**20:,.1f} MiB a step, "
+                  f"{_duration(p2p_ms(chunk, device, links.cp))}; twice as much with their gradients in the backward "
+                  f"pass), each received beside the previous step's kernel: {alone:,.1f} ms of transfers per "
+                  f"micro-batch, {stages['cp_comm_ms'].max():,.1f} ms of them exposed (cp_comm); the gradients "
+                  f"reduced over dp x cp = {rep} GPUs. The kernels merging each step's partial outputs and the "
+                  "ring's key / value buffers are not modelled",)
     if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
                   "options hide nothing here" + (" (without ZeRO its gradients' all-reduce overlaps the backward "
                                                  "pass by buckets, as PyTorch DDP runs it)" if zero else ""),)
-    if (training and dp > 1 and not zero and not megatron and not overlap_grad_reduce and tp == 1 and pp == 1
+    if (training and rep > 1 and not zero and not megatron and not overlap_grad_reduce and tp == 1 and pp == 1
             and ep == 1):
         notes += ("the gradients' all-reduce runs after the backward pass here (Megatron-LM's default); PyTorch DDP "
                   "runs it beside the backward pass by buckets: overlap_grad_reduce=true forecasts that",)
@@ -1174,7 +1254,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"the gradients' all-reduce overlaps the backward pass as PyTorch DDP runs it (overlap_grad_reduce): "
                   f"{n_buckets} bucket{'s' if n_buckets != 1 else ''} (the first of 1 MiB, then 25 MiB each) in "
                   f"the order their gradients are ready, one collective at a time (the median bucket: "
-                  f"{collective_call(_median(bucket_bytes), dp, device, links.dp)}): "
+                  f"{collective_call(_median(bucket_bytes), rep, device, links.dp)}): "
                   f"{alone:,.1f} ms of it alone, "
                   f"{parts['dp_allreduce']:,.1f} ms left exposed after the last backward kernel (kernels sharing the "
                   "GPU with it are not slowed in the forecast). Not included: DDP's two elementwise kernels per "
@@ -1190,9 +1270,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   "(kernels sharing the GPU with it are not slowed in the forecast)",)
     if zero:
         what = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and weights")[zero - 1]
-        notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {dp} "
-                  + (f"data-parallel replicas (the experts' over the {dp // ep} holding the same experts)"
-                     if ep > 1 else "data-parallel replicas")
+        notes += (f"ZeRO stage {zero}{' (FSDP full sharding)' if zero == 3 else ''}: {what} sharded over the {rep} "
+                  + (f"data-parallel replicas (the experts' over the {rep // ep} holding the same experts)"
+                     if ep > 1 else "data-parallel replicas" + (" (dp x cp)" if cp > 1 else ""))
                   + ("" if overlap_grad_reduce and overlap_param_gather else
                      "; its parameter all-gathers are not overlapped with compute (an upper bound on their time)"
                      if overlap_grad_reduce else
@@ -1204,8 +1284,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   + ("each block's prefetched while the block before it runs, in the forward and the backward pass"
                      if zero == 3 else "each block's during the next step's forward pass, before the block runs")
                   + f": {gather_alone:,.1f} ms of them alone, {parts['dp_gather']:,.1f} ms left exposed",)
-    return ParallelPrediction(g.model, device, mode, batch_size, g.seq_len, par, sum(parts.values()), parts, stages,
-                              one, roofline_ms, notes, breakdown)
+    return ParallelPrediction(g.model, device, mode, batch_size, seq_len if cp > 1 else g.seq_len, par,
+                              sum(parts.values()), parts, stages, one, roofline_ms, notes, breakdown)
 
 
 def _joined(names: list[str]) -> str:
@@ -1219,7 +1299,7 @@ def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
                          "sharded), 2 (and gradients) or 3 (and weights: FSDP's full sharding)")
     if not zero:
         return
-    if par.dp == 1:
+    if par.replicas == 1:
         raise InputError(f"zero={zero} shards over data-parallel replicas; dp=1 has none. Fix: dp > 1, or zero=0")
     if not training:
         raise InputError(f"zero={zero} shards a training step's state; this run is inference. Fix: mode='training', "
@@ -1275,11 +1355,12 @@ def _unit_parameter_bytes(g: Any, index: dict[str, float]) -> list[float]:
 def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], column: str, par: Parallelism,
              training: bool, act_bytes: float, device: Device, links: Links | None = None,
              ep_ms: list[float] | None = None, async_columns: tuple[str, ...] = (),
-             tokens: float = 0.0) -> tuple[dict[str, float], pd.DataFrame]:
+             tokens: float = 0.0, cp_ms: list[float] | None = None) -> tuple[dict[str, float], pd.DataFrame]:
     """Per-stage times of one micro-batch (kernel ``column`` summed) and the step's parts under the schedule;
-    ``ep_ms``: each stage's expert-parallel all-to-alls of one micro-batch; ``async_columns``: the column-parallel
-    projections whose backward collectives overlap their GEMMs as Megatron-LM runs them (:func:`async_tp_delta_ms`),
-    ``tokens`` the rows of a block's activation."""
+    ``ep_ms``: each stage's expert-parallel all-to-alls of one micro-batch; ``cp_ms``: each stage's exposed
+    context-parallel exchanges of one micro-batch (:func:`context_exchange_ms`); ``async_columns``: the
+    column-parallel projections whose backward collectives overlap their GEMMs as Megatron-LM runs them
+    (:func:`async_tp_delta_ms`), ``tokens`` the rows of a block's activation."""
     rows = []
     ar_ms = allreduce_ms(act_bytes, par.tp, device, links and links.tp)
     delta = (async_tp_delta_ms(k, async_columns, stage, par.pp, column, ar_ms / 2, tokens, par.sp)
@@ -1293,13 +1374,14 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
                      "backward_ms": float(mine.loc[mine["phase"] == "backward", column].sum()),
                      "tp_comm_ms": max(0.0, tp_calls * ar_ms + delta[s]),
                      "ep_comm_ms": ep_ms[s] if ep_ms else 0.0,
+                     "cp_comm_ms": cp_ms[s] if cp_ms else 0.0,
                      # chunk boundaries a micro-batch crosses leaving this GPU: vpp (the last GPU: vpp - 1)
                      "p2p_ms": (2 if training else 1) * p2p_ms(act_bytes / (par.tp if par.sp else 1), device,
                                                                 links and links.pp)
                      * (par.vpp - (s == par.pp - 1)),
                      "tp_overlap_ms": delta[s]})     # what the overlap changed in tp_comm_ms (negative: hidden)
     stages = pd.DataFrame(rows)
-    slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "p2p_ms"]].sum(axis=1)
+    slot = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "cp_comm_ms", "p2p_ms"]].sum(axis=1)
     slowest = stages.loc[int(slot.idxmax())]
     m = par.microbatches
     # 1F1B (and GPipe): the first micro-batch crosses every stage forward and back, the other m - 1 follow at
@@ -1307,10 +1389,11 @@ def _compose(k: pd.DataFrame, stage: pd.Series, blocks_per_stage: list[int], col
     # m micro-batches (compute, tensor-parallel all-reduces), every hand-off between stages, and the bubble: the
     # other stages' work while the first micro-batch fills and drains the pipeline ((pp - 1) slots when the
     # stages are balanced; with vpp chunks per GPU the pipeline fills chunk by chunk, (pp - 1) / vpp slots).
-    work = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms"]].sum(axis=1)
+    work = stages[["forward_ms", "backward_ms", "tp_comm_ms", "ep_comm_ms", "cp_comm_ms"]].sum(axis=1)
     parts = {"compute": m * float(slowest["forward_ms"] + slowest["backward_ms"]),
              "tp_comm": m * float(slowest["tp_comm_ms"]),
              "ep_alltoall": m * float(slowest["ep_comm_ms"]),
+             "cp_comm": m * float(slowest["cp_comm_ms"]),
              "pp_p2p": float(stages["p2p_ms"].sum() + (m - 1) * slowest["p2p_ms"]),
              "pp_bubble": float(work.sum() - work.loc[slowest.name]) / par.vpp}   # interleaved: 1 / vpp of it
     return parts, stages
@@ -1675,3 +1758,110 @@ def _activation_shape(k: pd.DataFrame, block: pd.Series) -> tuple[float, float]:
                          "the activation the GPUs exchange); this model has none. Fix: use dp only")
     _, tokens, hidden, _ = gemm.sort_values("op_index")["dims"].iloc[0]
     return float(tokens), float(hidden)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# context parallelism (module docstring, item 5)
+
+# bytes per element of an attention kernel's keys and values, by the kernel's math dtype
+_KV_ITEMSIZE = {"float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _attention_share(row: Any) -> float:
+    """The share of its whole (queries x keys) block a fused attention kernel row computes: 0.5 causal, 1 without a
+    mask (:func:`neusight.kernels.ops_gemm._attention`'s FLOPs), less over a sliding window's band."""
+    bh, lq, d, lk = row.dims
+    whole = 4.0 * bh * lq * lk * d * (2.5 if row.kernel == ATTENTION_BWD_KERNEL else 1.0)
+    return float(row.flops) / whole if whole > 0 else 0.0
+
+
+def check_context_parallel(g: Any, cp: int) -> None:
+    """Refuse context parallelism over ``cp`` GPUs for a trace ``g`` whose attention is not what ring attention
+    runs: fused kernels (SDPA's or flash-attn's) without an explicit mask, causal or over the whole block."""
+    if cp == 1:
+        return
+    k = g.kernels
+    attention = k["kernel"].isin(FUSED_ATTENTION)
+    if not attention.any():
+        raise InputError(f"cp={cp} runs each attention as a ring of fused attention kernels (Transformer Engine's "
+                         f"context parallelism); {g.model}'s trace has none (eager attention: a softmax between two "
+                         "GEMMs, or no attention at all). Fix: attn_implementation='sdpa' or 'flash_attention_2' "
+                         "(a transformer), or cp=1")
+    forward = ("aten._scaled_dot_product_efficient_attention.", "aten._scaled_dot_product_cudnn_attention.")
+    masked = sorted({r.module for r in g.ops if r.call.op.startswith(forward) and len(r.call.args) > 3
+                     and isinstance(r.call.args[3], TensorMeta)})
+    if masked:
+        raise InputError(f"cp={cp}: the attention of {masked[0]}{' and others' if len(masked) > 1 else ''} reads an "
+                         "explicit mask (a sliding window or chunked attention under SDPA), which the ring attention "
+                         "modelled here does not take (causal or no mask only). Fix: cp=1")
+    for row in k[attention].itertuples():
+        share = _attention_share(row)
+        if abs(share - 0.5) > 0.02 and abs(share - 1.0) > 0.02:
+            raise InputError(f"cp={cp}: the attention of {row.module} computes {share:.0%} of its block (a sliding "
+                             "window's band under flash-attn), which the ring attention modelled here does not "
+                             "take (causal or no mask only). Fix: cp=1")
+
+
+def split_context(k: pd.DataFrame, cp: int) -> pd.DataFrame:
+    """``k`` (the kernel table of one GPU's seq_len / ``cp`` tokens) with each fused attention kernel's ring steps
+    added after it (module docstring, item 5): the traced kernel is step 0 (the GPU's own chunks); steps 1 .. cp - 1
+    are, for a causal kernel, two candidate half blocks each, all the queries against half the keys and half the
+    queries against all the keys (the step takes the slower, :func:`context_steps`), without a mask the whole block
+    again. Every row gets ``cp_parent`` (the position of its attention kernel in ``k``, -1 for other kernels) and
+    ``cp_step``; bytes are split between the query side (q, the output, their gradients) and the key side (k, v,
+    their gradients) by their lengths."""
+    if cp == 1:
+        return k
+    k = k.reset_index(drop=True)
+    attention = k["kernel"].isin(FUSED_ATTENTION).to_numpy()
+    out = k.assign(cp_parent=[i if a else -1 for i, a in enumerate(attention)], cp_step=0, cp_order=k.index * 1.0)
+    added = []
+    for i in k.index[attention]:
+        row = k.loc[i]
+        bh, lq, d, lk = row["dims"]
+        q_bytes = float(row["bytes"]) * lq / (lq + lk)
+        kv_bytes = float(row["bytes"]) - q_bytes
+        causal = abs(_attention_share(row) - 0.5) <= 0.02
+        shapes = ([((bh, lq, d, max(1, lk // 2)), q_bytes + kv_bytes / 2), ((bh, max(1, lq // 2), d, lk),
+                                                                           q_bytes / 2 + kv_bytes)]
+                  if causal else [((bh, lq, d, lk), float(row["bytes"]))])
+        for step in range(1, cp):
+            for dims, nbytes in shapes:
+                added.append({**row.to_dict(), "dims": dims, "bytes": nbytes, "cp_parent": i, "cp_step": step,
+                              "cp_order": i + step / cp})
+    out = pd.concat([out, pd.DataFrame(added, columns=out.columns)], ignore_index=True)
+    return out.sort_values("cp_order", kind="stable").drop(columns="cp_order").reset_index(drop=True)
+
+
+def context_steps(kernels: pd.DataFrame) -> pd.DataFrame:
+    """A forecast kernel table of :func:`split_context` with each causal ring step's slower candidate kept: in every
+    step some GPUs of the ring run one half block and the others the other, and the step waits for all of them."""
+    if "cp_step" not in kernels or not (kernels["cp_step"] > 0).any():
+        return kernels
+    steps = kernels[kernels["cp_step"] > 0]
+    slower = steps.groupby(["cp_parent", "cp_step"])["latency_ms"].idxmax()
+    return kernels.drop(index=steps.index.difference(pd.Index(slower.to_numpy()))).reset_index(drop=True)
+
+
+def context_exchange_ms(kernels: pd.DataFrame, cp: int, device: Device, path: "LinkPath | None",
+                        column: str = "latency_ms") -> pd.Series:
+    """Per kernel of a forecast table (:func:`context_steps`), the exposed time of the ring's exchanges of its
+    attention call (on the step-0 row of each call, 0 elsewhere): each of the cp - 1 steps after the first first
+    receives the next chunk of keys and values (in the backward pass also the gradients of the keys and values,
+    twice the bytes) from a neighbour, point to point over the context-parallel group's links (``path``), while the
+    kernel of the step before runs: what the transfer outlasts of that kernel (``column`` times) is exposed."""
+    out = pd.Series(0.0, index=kernels.index)
+    if cp == 1 or "cp_step" not in kernels:
+        return out
+    first = kernels.index[(kernels["cp_step"] == 0) & (kernels["cp_parent"] >= 0)]
+    later = kernels[kernels["cp_step"] > 0].sort_values("cp_step")
+    times = later.groupby("cp_parent")[column].apply(list)
+    for i in first:
+        row = kernels.loc[i]
+        bh, _, d, lk = row["dims"]
+        itemsize = _KV_ITEMSIZE.get(str(row["dtype"]), 2)
+        sent = (4 if row["kernel"] == ATTENTION_BWD_KERNEL else 2) * bh * lk * d * itemsize
+        transfer = p2p_ms(float(sent), device, path)
+        beside = [float(row[column]), *times.get(row["cp_parent"], [])][:cp - 1]
+        out[i] = sum(max(0.0, transfer - t) for t in beside)
+    return out

@@ -49,7 +49,7 @@ __all__ = ["GenerationPlan", "ParallelPlan", "across", "plan_generation", "plan_
 
 log = logging.getLogger(__name__)
 
-COMM_PARTS = ("tp_comm", "ep_alltoall", "pp_p2p", "dp_allreduce", "dp_gather", "embedding_allreduce")
+COMM_PARTS = ("tp_comm", "ep_alltoall", "cp_comm", "pp_p2p", "dp_allreduce", "dp_gather", "embedding_allreduce")
 
 
 def _divisors(n: int) -> list[int]:

@@ -9,7 +9,8 @@ same batch (each split with data parallelism also with its collectives overlappe
 and its tp=8 split with sequence parallelism and selective or full recompute; then Mixtral 8x7B (seq
 2048, global batch 8, AdamW, BF16) on 8 80 GB GPUs, with and without expert parallelism, and planned on 8 H100s
 (every layout, expert-parallel degree, micro-batch count, ZeRO stage and recompute where needed searched);
-Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; and a plan
+Llama-2-70B (seq 4096, global batch 64, BF16, checkpointing) on 64 GPUs in 8 nodes; Llama-3.1-8B at 131,072 tokens
+(global batch 2, BF16) on 8 GPUs split by context and tensor parallelism; and a plan
 (``neusight.plan_parallel``: every layout searched) of GPT-2 Large (seq 1024, global batch 32) on 1-8 A100 80GB PCIe
 boards (NVLink bridges join pairs) and H100 SXMs, as a scaling table; and a serving plan
 (``neusight.plan_generation``) of Llama-3-70B generating for 16 concurrent sequences on 8 of either GPU; and ResNet-50
@@ -54,6 +55,12 @@ PLAN_GPUS = ("a100-80gb-pcie", "h100-sxm5-80gb")
 # serving: every dp x tp layout of 8 GPUs generating for SERVE_BATCH concurrent sequences
 SERVE, SERVE_BATCH, SERVE_PROMPT, SERVE_NEW = "llama-3-70b", 16, 512, 128
 SERVE_KW = dict(dtype="bfloat16", attn_implementation="sdpa", static_cache=True)
+# long context: each sequence split over cp GPUs (context parallelism) against data and tensor parallelism
+LONG, LONG_SEQ, LONG_BATCH = "llama-3.1-8b", 131072, 2
+LONG_GPUS = ("a100-sxm4-80gb", "h100-sxm5-80gb")
+LONG_SPLITS = [dict(dp=2, cp=4, zero=1), dict(cp=8, zero=1), dict(dp=2, cp=2, tp=2, sp=True, zero=1),
+               dict(dp=2, tp=4, sp=True, zero=1), dict(tp=8, sp=True)]
+LONG_KW = dict(dtype="bfloat16", attn_implementation="flash_attention_2", gradient_checkpointing=True)
 # a CNN as PyTorch DDP trains it: data parallelism, its gradient buckets' all-reduce beside the backward pass
 CNN, CNN_BATCH, CNN_GPUS = "resnet50", 256, ("a100-80gb-pcie", "h100-sxm5-80gb")
 
@@ -74,7 +81,8 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
                     if overlap and p.parallelism.dp > 1 else None)
             par = p.parallelism
             rows.append({"gpu": gpu, "dp x tp x pp (micro-batches)": f"{par.dp} x {par.tp} x {par.pp} ({par.microbatches})",
-                         "EP": par.ep, "ZeRO": split.get("zero", 0),
+                         "CP": par.cp, "SP": "yes" if par.sp else "no", "EP": par.ep,
+                         "ZeRO": split.get("zero", 0),
                          "GPUs": par.gpus, "nodes": -(-par.gpus // GPUS_PER_NODE), "step ms": p.latency_ms,
                          **{f"{k} ms": v for k, v in p.parts.items()},
                          "GiB per GPU": p.memory_peak_bytes / 2**30, "fits": "yes" if p.memory_fits else "no",
@@ -83,8 +91,10 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
                              "dp_gather ms exposed": over.parts["dp_gather"] if over else 0.0}
                             if overlap else {})})
     table = pd.DataFrame(rows)
-    unused = [c for c in table.columns if c.endswith(" ms") and not c.startswith("step ms") and not table[c].any()]
-    plain = [c for c, v in (("EP", 1), ("ZeRO", 0), ("nodes", 1)) if (table[c] == v).all()]
+    shown = {"cp_comm ms"} if (table["CP"] > 1).any() else set()     # zero or not, where context parallelism runs
+    unused = [c for c in table.columns if c.endswith(" ms") and not c.startswith("step ms") and not table[c].any()
+              and c not in shown]
+    plain = [c for c, v in (("CP", 1), ("SP", "no"), ("EP", 1), ("ZeRO", 0), ("nodes", 1)) if (table[c] == v).all()]
     return table.drop(columns=unused + plain)
 
 
@@ -118,6 +128,7 @@ def main() -> None:
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, overlap=True, dtype="bfloat16",
                  gradient_checkpointing=True)
     cnn = _table(CNN, CNN_GPUS, [dict(), dict(dp=8)], CNN_BATCH, None, overlap=True, optimizer="sgd")
+    long = _table(LONG, LONG_GPUS, LONG_SPLITS, LONG_BATCH, LONG_SEQ, **LONG_KW)
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
     scaling = scaling[["gpu", *[c for c in scaling.columns if c != "gpu"]]]
@@ -172,6 +183,16 @@ def main() -> None:
         "the others over NVLink. Last three columns as in the first table: the data-parallel collectives overlapped "
         "with the compute.", "",
         markdown_table(big, index=False), "",
+        f"## Long context: {LONG} at {LONG_SEQ:,} tokens on 8 GPUs", "",
+        f"{LONG}, sequence {LONG_SEQ:,}, global batch {LONG_BATCH}, one AdamW training step in BF16 with flash-attn 2 "
+        "and full activation recompute, on 8 GPUs: the two sequences split by context parallelism (CP: each "
+        "sequence over CP GPUs, its attention a ring as Megatron-LM / Transformer Engine run it, `cp=`; causal load "
+        "balance; each step's keys and values exchanged beside the step before, cp_comm: what the exchanges "
+        "outlast), by tensor parallelism with sequence parallelism (SP), or both; ZeRO 1 over the GPUs holding the "
+        "same weights (dp x cp). At this length every ring step's attention kernel outlasts its exchange, so "
+        "cp_comm is zero, and context parallelism's price is its smaller kernels; tensor parallelism's is its "
+        "all-reduces. The kernels merging each ring step's partial outputs are not modelled.", "",
+        markdown_table(long, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
         f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "
         "TF32 tensor cores as PyTorch runs them by default on these GPUs), on one GPU and as dp=8. Last three "

@@ -591,7 +591,7 @@ def test_groups_that_span_nodes_run_at_the_network_links():
     assert (links.tp, links.dp, links.nodes) == (LinkPath(900), across, 2) and across.ring_gbps == 200
     assert Links.of(Parallelism(dp=4, tp=4), h100).dp == LinkPath(100, "nvlink", 2, 2, 900, nvls=True)
     nvlink = LinkPath(900, "nvlink", 1, nvls=True)
-    assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1)
+    assert Links.of(Parallelism(dp=2, tp=4), h100) == Links(nvlink, nvlink, nvlink, nvlink, 1, nvlink)
     assert Links.of(Parallelism(dp=2, tp=4), h100, gpus_per_node=4).dp == LinkPath(100, "nvlink", 2, 1, 900,
                                                                                     nvls=True)
     assert Links.of(Parallelism(dp=16), h100).dp.ring_gbps == 800                       # 8 NICs per node

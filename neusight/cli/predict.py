@@ -70,6 +70,8 @@ class PredictConfig:
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     vpp: int = 1                         # interleaved model chunks per pipeline GPU (Megatron-LM's virtual stages)
     sp: bool = False                     # sequence parallelism in each tensor-parallel group (Megatron-LM; tp > 1)
+    cp: int = 1                          # context parallelism: each sequence split over cp GPUs, attention as a ring
+    #                                      (Megatron-LM / Transformer Engine; seq_len a multiple of 2 cp; sdpa / flash)
     overlap_grad_reduce: bool = False    # the dp gradients' all-reduce / reduce-scatter beside the backward pass,
     #                                      block by block (PyTorch DDP, FSDP, Megatron-LM --overlap-grad-reduce)
     overlap_param_gather: bool = False   # ZeRO's parameter all-gathers beside the compute (FSDP's prefetch; zero=1|2:
@@ -668,7 +670,7 @@ def _app(cfg: PredictConfig) -> float:
 
 def _multi_gpu(cfg: PredictConfig) -> bool:
     """A forecast on several GPUs (neusight.parallel) rather than one."""
-    return max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches) > 1 or bool(cfg.megatron) or bool(cfg.zero)
+    return max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, cfg.cp) > 1 or bool(cfg.megatron) or bool(cfg.zero)
 
 
 def _ep(cfg: PredictConfig) -> int:
@@ -684,7 +686,7 @@ def _check_counts(cfg: PredictConfig) -> None:
 
     # its own checks: positive integers, ep | dp, vpp with pp stages
     Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1,
-                cfg.sp if cfg.gpus is None else False)
+                cfg.sp if cfg.gpus is None else False, cfg.cp)
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -693,10 +695,10 @@ def _check_counts(cfg: PredictConfig) -> None:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
     _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
     for k in ("overlap_grad_reduce", "overlap_param_gather"):
-        if getattr(cfg, k) and cfg.gpus is None and cfg.dp == 1:
+        if getattr(cfg, k) and cfg.gpus is None and cfg.dp * cfg.cp == 1:
             raise InputError(f"{k}=true overlaps the data-parallel replicas' collectives with the compute; dp=1 has "
                              "none. Fix: dp > 1 (or gpus=N to plan), or leave it out")
-    if not cfg.nvls and cfg.gpus is None and max(cfg.dp, cfg.tp) == 1:
+    if not cfg.nvls and cfg.gpus is None and max(cfg.dp * cfg.cp, cfg.tp) == 1:
         raise InputError("nvls=false forecasts NCCL's all-reduces without NVLink SHARP; a run with dp=1 and tp=1 has "
                          "none. Fix: dp > 1 or tp > 1 (or gpus=N to plan), or leave nvls out")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
@@ -717,7 +719,7 @@ def _generation(cfg: PredictConfig) -> float:
     other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
     other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
-    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp")
+    other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp", "cp")
               if getattr(cfg, k) not in (1, None)]
     other += [f"{k}=true" for k in ("sp", "overlap_grad_reduce", "overlap_param_gather") if getattr(cfg, k)]
     if cfg.mode != "inference" or other:
@@ -846,6 +848,9 @@ def _parallel(cfg: PredictConfig) -> float:
     if searches and cfg.sp:
         raise InputError(f"{searches[0]} searches the memory of a tensor-parallel shard without sequence parallelism; "
                          "with sp=true it would overstate the activations. Fix: leave one of them out")
+    if searches and cfg.cp > 1:
+        raise InputError(f"{searches[0]} with cp={cfg.cp} is not available (the search traces whole sequences on "
+                         "each GPU). Fix: leave one of them out")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
@@ -860,7 +865,7 @@ def _parallel(cfg: PredictConfig) -> float:
                                  attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
                                  dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
                                  kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp, sp=cfg.sp,
-                                 overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 cp=cfg.cp, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
                                  nvls=cfg.nvls, cache=shared, **_step_options(cfg))
@@ -928,9 +933,10 @@ def _plan(cfg: PredictConfig) -> float:
                          "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
     other = [k for k in ("layers_csv", "plot", "timeline", "find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
     other += ["anchor_ms"] if cfg.anchor_ms is not None else []
+    other += [f"cp={cfg.cp}"] if cfg.cp > 1 else []
     if other:
         raise InputError(f"{other[0]} is not available with gpus={cfg.gpus} (a search over layouts). Fix: leave it "
-                         "out, or forecast one layout with dp= / tp= / pp=")
+                         "out, or forecast one layout with dp= / tp= / pp=" + (" / cp=" if cfg.cp > 1 else ""))
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     plans, records, best_rows = [], [], []
     for dev, price in zip(_gpus(cfg), _prices(cfg)):

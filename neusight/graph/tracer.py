@@ -824,7 +824,23 @@ def _layerdrop_off(module: torch.nn.Module, training: bool) -> Iterator[list[tup
             setattr(owner, attr, value)
 
 
-def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: str, optimizer: str | None) -> int | None:
+def _windowed_attention(built: BuiltModel) -> str | None:
+    """"sliding-window" or "chunked" where some attention layers of ``built`` see only a window or chunk of the
+    sequence (transformers' ``layer_types``; configs without them: a ``sliding_window`` in use), else None."""
+    config = getattr(built.module, "config", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if types:
+        return ("sliding-window" if "sliding_attention" in types else
+                "chunked" if "chunked_attention" in types else None)
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        return "sliding-window"
+    return None
+
+
+def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: str, optimizer: str | None,
+               parts: int = 1) -> int | None:
+    """The run's checked ``seq_len`` (its default where None); ``parts``: it is one GPU's part of sequences that many
+    times as long (context parallelism)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"batch_size={batch_size!r} is not a positive integer; use batch_size >= 1")
     if mode not in MODES:
@@ -836,9 +852,9 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
             seq_len = min(built.max_seq_len or 512, 512)
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise InputError(f"seq_len={seq_len!r} is not a positive integer; use seq_len >= 1")
-        if built.max_seq_len and seq_len > built.max_seq_len:
-            raise InputError(f"seq_len={seq_len} exceeds {built.name}'s maximum of {built.max_seq_len} positions; "
-                             f"use seq_len <= {built.max_seq_len}")
+        if built.max_seq_len and seq_len * parts > built.max_seq_len:
+            raise InputError(f"seq_len={seq_len * parts} exceeds {built.name}'s maximum of {built.max_seq_len} "
+                             f"positions; use seq_len <= {built.max_seq_len}")
     elif seq_len is not None:
         # the input has no sequence dimension: a CNN's or ViT's images, an nn.Module's fixed input_shapes
         takes = (f"{built.image_size}x{built.image_size} images (image_size= sets their side)" if built.image_size
@@ -857,7 +873,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           kv_cache: int | None = None, gradient_checkpointing: bool | int | str = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
           ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
-          kv_cache_dtype: str | None = None, memory_format: str = "contiguous", **unknown: Any) -> Graph:
+          kv_cache_dtype: str | None = None, memory_format: str = "contiguous", context_parallel: int = 1,
+          **unknown: Any) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -895,6 +912,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         Trace one GPU's share of a mixture-of-experts model whose experts are spread over this many GPUs
         (:func:`neusight.parallel.shard_expert_parallel`): each GPU holds 1 / expert_parallel of every experts layer's
         experts, which receive the token rows of all those GPUs (balanced routing); 1 = every expert.
+    context_parallel : int
+        ``seq_len`` is one GPU's part of sequences this many times as long (context parallelism,
+        :func:`neusight.parallel.predict_parallel`): the whole length is what the model's positions must hold; the
+        trace is the part's.
     lora_rank, lora_targets
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
@@ -990,7 +1011,14 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
                         input_shapes=input_shapes, dtype=torch_dtype, moe_kernels=moe_kernels,
                         grouped_gemm=grouped_gemm_runs(device, torch_dtype))
-    seq_len = _check_run(built, batch_size, seq_len, mode, optimizer)
+    if not isinstance(context_parallel, int) or isinstance(context_parallel, bool) or context_parallel < 1:
+        raise InputError(f"context_parallel={context_parallel!r} is not a positive integer. Fix: e.g. "
+                         "context_parallel=1 (the whole sequence)")
+    seq_len = _check_run(built, batch_size, seq_len, mode, optimizer, context_parallel)
+    if context_parallel > 1 and (windowed := _windowed_attention(built)):
+        raise InputError(f"cp={context_parallel}: {built.name} has {windowed} attention layers, which the ring "
+                         "attention modelled here does not take (causal or no mask over the whole sequence). Fix: "
+                         "cp=1")
     amp_t = amp_dtype(amp)
     _check_kv_cache(built, kv_cache, mode, seq_len)
     if not isinstance(static_cache, bool):

@@ -1,0 +1,175 @@
+"""Context parallelism (cp=): each sequence split over cp GPUs, attention as a ring of fused kernels; the ring's
+steps, its exchanges, the gradients' group, the layout of the GPUs and the bad inputs."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neusight.api import predict_graph
+from neusight.devices import load_device
+from neusight.errors import InputError
+from neusight.graph.tracer import trace
+from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, FUSED_ATTENTION
+from neusight.parallel import (LinkPath, Links, Parallelism, allreduce_ms, context_exchange_ms, context_steps, p2p_ms,
+                               predict_parallel, split_context)
+
+LLAMA = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+BERT = dict(model_type="bert", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=512, max_position_embeddings=1024)
+H100 = "h100-sxm5-80gb"
+KW = dict(attn_implementation="sdpa", dtype="bfloat16")
+
+
+def _attention_flops(k: pd.DataFrame, kernel: str) -> float:
+    return float(k.loc[k["kernel"] == kernel, "flops"].sum())
+
+
+@pytest.mark.parametrize("model, causal", [(LLAMA, True), (BERT, False)])
+def test_each_gpu_of_the_ring_does_one_cpth_of_the_sequences_attention(model, causal):
+    """Per GPU, the traced kernel of its own chunks plus one kernel per further step (one candidate of the two for
+    a causal kernel) do 1 / cp of the whole sequence's attention FLOPs, forward and backward: causal load balance
+    (two chunks per GPU) or, without a mask, cp whole blocks."""
+    cp, seq = 4, 512
+    whole = trace(model, 2, seq, "training", device=H100, **KW).kernels
+    part = trace(model, 2, seq // cp, "training", device=H100, context_parallel=cp, **KW).kernels
+    ring = split_context(part.reset_index(drop=True), cp)
+    steps = ring[ring["cp_step"] > 0]
+    # causal: two candidates per step (all queries x half the keys, half the queries x all the keys)
+    assert len(steps) == (2 if causal else 1) * (cp - 1) * int(part["kernel"].isin(FUSED_ATTENTION).sum())
+    one = ring[(ring["cp_step"] == 0) | ~ring.duplicated(["cp_parent", "cp_step"])]
+    for kernel in FUSED_ATTENTION:
+        assert _attention_flops(one, kernel) == pytest.approx(_attention_flops(whole, kernel) / cp, rel=1e-12)
+    if causal:   # both candidates of a step move the traced kernel's bytes in its q and k / v parts
+        parent = ring[ring["cp_parent"] >= 0].groupby("cp_parent")
+        for _, rows in parent:
+            first = rows[rows["cp_step"] == 0].iloc[0]
+            pair = rows[rows["cp_step"] == 1]
+            assert float(pair["bytes"].sum()) == pytest.approx(1.5 * float(first["bytes"]))
+            bh, lq, d, lk = first["dims"]
+            assert sorted(pair["dims"]) == sorted([(bh, lq, d, lk // 2), (bh, lq // 2, d, lk)])
+    # the other kernels are untouched, in their order, each attention step right after its kernel
+    assert ring[ring["cp_step"] == 0].drop(columns=["cp_parent", "cp_step"]).reset_index(drop=True).equals(part)
+    assert (ring["op_index"].diff().dropna() >= 0).all()
+
+
+def test_a_step_takes_the_slower_candidate_and_its_exchange_hides_behind_the_step_before():
+    h100 = load_device(H100)
+    dims = (4, 1024, 64, 1024)
+    k = pd.DataFrame({"kernel": [ATTENTION_KERNEL] * 5 + [ATTENTION_BWD_KERNEL], "dims": [dims] * 6,
+                      "dtype": ["bfloat16"] * 6, "cp_parent": [0, 0, 0, 0, 0, -1], "cp_step": [0, 1, 1, 2, 2, 0],
+                      "latency_ms": [0.02, 0.01, 0.03, 0.05, 0.04, 0.5], "roofline_ms": [0.01] * 6})
+    kept = context_steps(k)
+    assert kept["latency_ms"].tolist() == [0.02, 0.03, 0.05, 0.5]
+    sent = 2 * 4 * 1024 * 64 * 2                 # keys and values of the next chunk, BF16
+    transfer = p2p_ms(sent, h100, LinkPath(100.0))
+    exposed = context_exchange_ms(kept, 3, h100, LinkPath(100.0))
+    # two exchanges, beside the kernels of steps 0 and 1; nothing on other rows
+    assert exposed.iloc[0] == pytest.approx(max(0, transfer - 0.02) + max(0, transfer - 0.03))
+    assert exposed.iloc[1:].tolist() == [0.0, 0.0, 0.0]
+    assert context_exchange_ms(kept, 3, h100, LinkPath(1e6)).sum() == 0.0     # a fast link hides them all
+    assert context_exchange_ms(kept, 3, h100, LinkPath(100.0), "roofline_ms").iloc[0] == pytest.approx(
+        2 * (transfer - 0.01))
+
+
+def test_context_parallel_step_composes_ring_exchanges_and_reduces_gradients_over_dp_times_cp():
+    kw = dict(mode="training", **KW)
+    whole = predict_parallel(LLAMA, H100, 4, 1024, dp=2, **kw)
+    ring = predict_parallel(LLAMA, H100, 4, 1024, dp=2, cp=2, internode_gbps=1.0, gpus_per_node=2, **kw)
+    assert ring.parallelism.gpus == 4 and ring.seq_len == 1024 and whole.parts["cp_comm"] == 0
+    g = ring.per_gpu.graph
+    assert g.seq_len == 512 and g.batch_size == 2
+    # the weights' gradients: one all-reduce over dp x cp = 4 GPUs (dp across the 2 nodes here)
+    grads = sum(t.numel * t.itemsize for t in g.grads)
+    links = Links.of(ring.parallelism, load_device(H100), 2, 1.0)
+    assert ring.parts["dp_allreduce"] == pytest.approx(allreduce_ms(grads, 4, load_device(H100), links.dp))
+    # the context-parallel pair sits in one node (ranks: tp innermost, then cp), so its exchanges run over NVLink
+    assert links.cp.nodes == 1 and links.dp.nodes == 2
+    k = ring.per_gpu.kernels
+    exposed = context_exchange_ms(k, 2, load_device(H100), links.cp)
+    assert ring.parts["cp_comm"] == pytest.approx(float(exposed.sum()))
+    # one kept kernel per ring step: the forecast table has the trace's kernels and one more per attention kernel
+    assert len(k) == len(g.kernels) + int(g.kernels["kernel"].isin(FUSED_ATTENTION).sum())
+    # the activations are the part's: less than the whole sequence's on one replica
+    assert ring.memory_breakdown["activations"] < whole.memory_breakdown["activations"]
+    assert ring.memory_breakdown["weights"] == whole.memory_breakdown["weights"]
+    assert any("context parallelism" in n and "dp x cp = 4" in n for n in ring.notes)
+    assert "cp 2" in ring.summary()
+
+
+def test_slow_context_links_expose_the_exchanges():
+    """The same layout with the context-parallel pair across nodes (gpus_per_node=1) over a slow network: the
+    ring's exchanges outlast their kernels and are charged; within a node over NVLink less is."""
+    kw = dict(mode="training", cp=2, **KW)
+    near = predict_parallel(LLAMA, H100, 2, 2048, **kw)
+    far = predict_parallel(LLAMA, H100, 2, 2048, gpus_per_node=1, internode_gbps=0.5, **kw)
+    assert far.parts["cp_comm"] > near.parts["cp_comm"] >= 0
+    assert far.parts["compute"] == near.parts["compute"]
+    assert far.latency_ms > near.latency_ms
+
+
+def test_layouts_place_context_parallel_ranks_between_tensor_and_data_parallel_ones():
+    par = Parallelism(dp=2, tp=4, cp=2)
+    assert par.gpus == 16 and par.replicas == 4
+    assert Links.spans(par) == {"tensor-parallel": 4, "context-parallel": 8, "data-parallel": 16,
+                                "expert-parallel": 4, "pipeline": 16}
+    links = Links.of(par, load_device(H100), 8)
+    assert links.tp.nodes == 1 and links.cp.nodes == 1 and links.dp.nodes == 2
+    with pytest.raises(InputError, match="cp=0"):
+        Parallelism(cp=0)
+    with pytest.raises(InputError, match="cp=2 with ep=2"):
+        Parallelism(dp=2, ep=2, cp=2)
+
+
+@pytest.mark.parametrize("model, kw, fragment", [
+    (LLAMA, dict(seq_len=1004), "seq_len=1004 is not a multiple of 8"),
+    (LLAMA, dict(attn_implementation="eager"), "eager attention"),
+    (LLAMA, dict(kv_cache=128, mode="inference"), "kv_cache=128"),
+    ("gpt2", dict(seq_len=2048), "seq_len=2048 exceeds"),
+    (dict(LLAMA, model_type="mistral", sliding_window=64), dict(), "sliding-window attention layers"),
+    (dict(LLAMA, model_type="mistral", sliding_window=64), dict(attn_implementation="flash_attention_2"),
+     "sliding-window attention layers"),
+    (dict(LLAMA, model_type="mistral", sliding_window=None), dict(), None),
+    (dict(LLAMA, model_type="qwen2", sliding_window=64, use_sliding_window=False), dict(), None),
+    (LLAMA, dict(megatron=True), "megatron=True"),
+])
+def test_bad_context_parallel_runs_say_what_to_change(model, kw, fragment):
+    run = dict(mode="training", cp=4, seq_len=512, **KW)
+    run.update(kw)
+    if fragment is None:     # windows not in use: runs
+        assert predict_parallel(model, H100, 2, **run).parts["compute"] > 0
+        return
+    with pytest.raises(InputError, match=fragment):
+        predict_parallel(model, H100, 2, **run)
+
+
+def test_predict_graph_without_context_parallelism_is_unchanged():
+    g = trace(LLAMA, 2, 256, "training", device=H100, **KW)
+    assert split_context(g.kernels, 1) is g.kernels
+    one = predict_graph(g, H100)
+    assert "cp_step" not in one.kernels
+
+
+class _MaskedAttention(nn.Module):
+    """Attention through an explicit (causal) mask, as a model without is_causal runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_attention_through_an_explicit_mask_is_refused():
+    run = dict(mode="inference", input_shapes=[("seq", 64)], dtype="bfloat16")
+    assert predict_parallel(_MaskedAttention(), H100, 2, 256, **run).latency_ms > 0     # without cp: runs
+    with pytest.raises(InputError, match="explicit mask"):
+        predict_parallel(_MaskedAttention(), H100, 2, 256, cp=2, **run)
