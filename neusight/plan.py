@@ -5,7 +5,8 @@ and does it fit?". :func:`plan_parallel` answers it by forecasting every layout 
 :func:`neusight.parallel.predict_parallel` (whose model of the collectives, pipeline schedule and ZeRO it
 inherits; nothing is fitted here):
 
-- every ``dp x tp x pp`` with ``dp x tp x pp = gpus`` whose data-parallel replicas split the global batch;
+- every ``dp x tp x pp`` with ``dp x tp x pp = gpus`` whose data-parallel replicas split the global batch (with
+  ``cp`` given, of gpus / cp: each sequence over cp GPUs on every layout);
 - per layout, the micro-batch counts that split a replica's batch (gradient accumulation when ``pp = 1``, the
   pipeline's schedule otherwise, from ``pp`` micro-batches up: fewer only lengthen the bubble, as the first stage
   holds the activations of the whole replica batch / pp either way). With ``pp = 1`` more micro-batches only save
@@ -14,8 +15,8 @@ inherits; nothing is fitted here):
 - for a mixture-of-experts model, per layout with ``dp > 1``, every expert-parallel degree ``ep`` that divides both
   ``dp`` and every experts layer's experts (ep = 1 included: expert parallelism trades all-to-alls for memory and
   larger expert GEMMs), unless ``ep`` is given;
-- in training, per layout without pipeline stages and with ``dp > 1``, ZeRO stages 0-3 (1-3 trade collectives for
-  memory);
+- in training, per layout without pipeline stages and with ``dp > 1`` (or ``cp > 1``), ZeRO stages 0-3 (1-3 trade
+  collectives for memory);
 - in training, activation recompute where a micro-batch count does not fit without it (not where it fits:
   recompute only adds time), unless ``gradient_checkpointing`` is given: first Megatron-LM's selective
   recomputation (only the attention cores run again in the backward pass), then, where that does not fit either,
@@ -65,8 +66,8 @@ def layouts(gpus: int) -> list[tuple[int, int, int]]:
     return [(gpus // (tp * pp), tp, pp) for tp in _divisors(gpus) for pp in _divisors(gpus // tp)]
 
 
-def layout_label(dp: int, tp: int, pp: int) -> str:
-    return f"dp {dp} x tp {tp} x pp {pp}"
+def layout_label(dp: int, tp: int, pp: int, cp: int = 1) -> str:
+    return f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp} x pp {pp}"
 
 
 @dataclass
@@ -118,7 +119,7 @@ class ParallelPlan:
                  f"{len(self.skipped)} layout{'s' if len(self.skipped) != 1 else ''} left out) in "
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
-        hidden = ["layout"] + [k for k in ("ep", "vpp") if len(t) and (t[k] == 1).all()]   # ep: MoE, vpp: pp > 1
+        hidden = ["layout"] + [k for k in ("ep", "vpp", "cp") if len(t) and (t[k] == 1).all()]   # MoE; given
         hidden += ["sp"] if len(t) and (t["sp"] == "no").all() else []                    # sp: given, tp > 1
         lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
@@ -200,7 +201,7 @@ def _describe(row: pd.Series) -> str:
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
                   mode: str = "training", *, microbatches: int | None = None, zero: int | None = None,
-                  ep: int | None = None, vpp: int = 1, sp: bool = False, optimizer: str | None = "adamw",
+                  ep: int | None = None, vpp: int = 1, sp: bool = False, cp: int = 1, optimizer: str | None = "adamw",
                   usd_per_gpu_hour: float | None = None, **kwargs: Any) -> ParallelPlan:
     """Forecast every layout of ``gpus`` GPUs of ``device`` for one step of ``model`` at global ``batch_size``
     and rank them (module docstring: which candidates are tried).
@@ -225,6 +226,10 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         Megatron-LM's sequence parallelism on the layouts with tensor parallelism (``sp`` column). Not searched:
         the forecast has it save memory and time at no cost (the same collective volume), so it is on or off as
         given.
+    cp : int
+        Context parallelism on every layout (:func:`neusight.parallel.predict_parallel`'s ``cp``): each sequence over
+        ``cp`` GPUs, the layouts those of gpus / cp sequence groups (``cp`` column; ZeRO over dp x cp). Not
+        searched: plan with each value to compare them.
     overlap_grad_reduce, overlap_param_gather : bool, optional (in ``kwargs``)
         The gradients' reduction overlapped with the backward pass on the layouts with data-parallel replicas, ZeRO's
         parameter gathers with the compute on the candidates with a ZeRO stage
@@ -264,6 +269,9 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     if not isinstance(sp, bool):
         raise InputError(f"sp={sp!r} is not true or false. Fix: sp=true (sequence parallelism where tp > 1) or "
                          "sp=false")
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or gpus % cp:
+        raise InputError(f"cp={cp!r} is not a positive integer that divides gpus={gpus} (each sequence over cp of "
+                         "the GPUs). Fix: cp=1, or a divisor of gpus")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
@@ -300,7 +308,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         """The expert-parallel degrees tried on ``dp`` replicas."""
         if ep is not None:
             return [ep]
-        return [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
+        return [e for e in _divisors(dp) if experts % e == 0] if experts and cp == 1 else [1]
 
     def candidates(label: str, dp: int, tp: int, pp: int, m: int, stages: list[int], ckpt: Any) -> list[dict]:
         return [candidate(label, dp, tp, pp, m, z, ckpt, e, vpp if pp > 1 else 1) for e in degrees(dp)
@@ -310,14 +318,15 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                   v: int) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
-                             ep=e, vpp=v, sp=sp and tp > 1, optimizer=optimizer if training else None, cache=cache,
-                             overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp > 1,
+                             ep=e, vpp=v, sp=sp and tp > 1, cp=cp, optimizer=optimizer if training else None,
+                             cache=cache,
+                             overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp * cp > 1,
                              overlap_param_gather=overlap["overlap_param_gather"] and z > 0, **extra, **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
-        row = {"layout": label, "dp": dp, "tp": tp, "pp": pp, "ep": e, "vpp": v,
+        row = {"layout": label, "dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": e, "vpp": v,
                "sp": "yes" if sp and tp > 1 else "no", "micro-batches": m, "zero": z,
                "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing),
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
@@ -346,8 +355,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 return True
         return False
 
-    for dp, tp, pp in layouts(gpus):
-        label = layout_label(dp, tp, pp)
+    for dp, tp, pp in layouts(gpus // cp):
+        label = layout_label(dp, tp, pp, cp)
         if batch_size % dp:
             skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
             continue
@@ -363,7 +372,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         if replica % counts[0]:
             skipped[label] = f"microbatches={microbatches} does not split a replica's batch"
             continue
-        stages = ([zero] if zero is not None else [0, 1, 2, 3]) if training and dp > 1 and pp == 1 else [0]
+        stages = ([zero] if zero is not None else [0, 1, 2, 3]) if training and dp * cp > 1 and pp == 1 else [0]
         last_fit, recompute_fit = math.inf, False
         try:
             for m in counts:

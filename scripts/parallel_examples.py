@@ -123,7 +123,7 @@ def main() -> None:
     moe = _table(MOE, MOE_GPUS, MOE_SPLITS, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_plan = plan_parallel(MOE, MOE_PLAN_GPU, 8, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_best = moe_plan.table.drop(columns=["layout", "time vs best"])
-    moe_best = moe_best.drop(columns=[c for c, off in (("ep", 1), ("vpp", 1), ("sp", "no"))
+    moe_best = moe_best.drop(columns=[c for c, off in (("ep", 1), ("vpp", 1), ("cp", 1), ("sp", "no"))
                                       if (moe_best[c] == off).all()])                      # as the summary
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, overlap=True, dtype="bfloat16",
                  gradient_checkpointing=True)

@@ -130,8 +130,8 @@ BAD = {
     "predict-context-parallel-uneven-sequence": (("neusight-predict", "model=gpt2", "device=h100-sxm5-80gb", "cp=3",
                                                   "seq_len=256", "attn_implementation=sdpa"),
                                                  "seq_len=256 is not a multiple of 6"),
-    "predict-plan-with-context-parallelism": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "cp=2"),
-                                              "cp=2 is not available with gpus=4"),
+    "predict-plan-with-context-parallelism-not-dividing": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4",
+                                                            "cp=3"), "cp=3 is not a positive integer that divides"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }

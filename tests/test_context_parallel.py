@@ -173,3 +173,17 @@ def test_attention_through_an_explicit_mask_is_refused():
     assert predict_parallel(_MaskedAttention(), H100, 2, 256, **run).latency_ms > 0     # without cp: runs
     with pytest.raises(InputError, match="explicit mask"):
         predict_parallel(_MaskedAttention(), H100, 2, 256, cp=2, **run)
+
+
+def test_plans_apply_a_given_cp_to_every_layout_of_the_remaining_gpus():
+    from neusight.plan import layouts, plan_parallel
+
+    plan = plan_parallel(LLAMA, H100, 4, 2, 1024, cp=2, **KW)
+    t = plan.candidates
+    assert (t["cp"] == 2).all() and set(zip(t["dp"], t["tp"], t["pp"])) == set(layouts(2))
+    assert all(label.startswith(f"dp {dp} x cp 2 x ") for label, dp in zip(t["layout"], t["dp"]))
+    # ZeRO searched where dp x cp > 1 holds the same weights, pipelines excepted: every layout here without stages
+    assert set(t.loc[t["pp"] == 1, "zero"]) == {0, 1, 2, 3} and set(t.loc[t["pp"] > 1, "zero"]) == {0}
+    assert " cp " in plan.summary().splitlines()[2]        # the column shown
+    with pytest.raises(InputError, match="cp=3 is not a positive integer that divides gpus=4"):
+        plan_parallel(LLAMA, H100, 4, 2, 1024, cp=3, **KW)

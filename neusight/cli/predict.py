@@ -933,10 +933,9 @@ def _plan(cfg: PredictConfig) -> float:
                          "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
     other = [k for k in ("layers_csv", "plot", "timeline", "find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
     other += ["anchor_ms"] if cfg.anchor_ms is not None else []
-    other += [f"cp={cfg.cp}"] if cfg.cp > 1 else []
     if other:
         raise InputError(f"{other[0]} is not available with gpus={cfg.gpus} (a search over layouts). Fix: leave it "
-                         "out, or forecast one layout with dp= / tp= / pp=" + (" / cp=" if cfg.cp > 1 else ""))
+                         "out, or forecast one layout with dp= / tp= / pp=")
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     plans, records, best_rows = [], [], []
     for dev, price in zip(_gpus(cfg), _prices(cfg)):
@@ -944,7 +943,8 @@ def _plan(cfg: PredictConfig) -> float:
         for n in counts:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
-                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, optimizer=optimizer,
+                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, cp=cfg.cp,
+                                 optimizer=optimizer,
                                  usd_per_gpu_hour=price, head=cfg.head, megatron=cfg.megatron,
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
