@@ -61,12 +61,13 @@ communication between GPUs over the device's interconnect:
    every GPU does 1 / cp of the causal work: step 0 its own chunks, causal (the traced kernel); each of the other
    cp - 1 steps a non-causal kernel of half a block: all its queries against the first half of the arriving keys,
    or its second half of the queries against all of them (which one depends on the GPU; every step waits for the
-   slower). Without a causal mask (an encoder) every step is the whole block. Each step's transfer (the keys and
-   values; in the backward pass also their gradients) runs beside the previous step's kernel, and only what it
-   outlasts is charged (:func:`context_exchange_ms`). The weights' gradients are reduced over the dp x cp GPUs
-   that hold the same weights. Needs a fused attention (SDPA's kernels or flash-attn) without a mask or a sliding
-   window. The kernels that merge each step's partial outputs (a few elementwise passes over the queries' output
-   per step) and the key / value buffers of the ring are not modelled.
+   slower). Without a causal mask (an encoder) every step is the whole block. After each further step elementwise
+   kernels fold its partial results into the running ones: the output rescaled and added in the forward pass, the
+   gradients of the queries and of the keys and values accumulated in the backward pass. Each step's transfer (the
+   keys and values; in the backward pass also their gradients) runs beside the previous step's kernels, and only
+   what it outlasts is charged (:func:`context_exchange_ms`). The weights' gradients are reduced over the dp x cp
+   GPUs that hold the same weights. Needs a fused attention (SDPA's kernels or flash-attn) without a mask or a
+   sliding window. The ring's key / value buffers are not counted in the memory.
 
 Collectives are ring algorithms (all-reduces over several nodes may be trees, below): an all-reduce of ``b`` bytes
 over ``n`` GPUs moves 2 (n - 1) / n x b per GPU in each direction in 2 (n - 1) steps, an all-gather or
@@ -1237,10 +1238,11 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   f"its {len(calls)} attention calls a ring of {cp} steps, the GPU's own chunks first, then "
                   f"{cp - 1} of the other GPUs' keys and values ({chunk / 2**20:,.1f} MiB a step, "
                   f"{_duration(p2p_ms(chunk, device, links.cp))}; twice as much with their gradients in the backward "
-                  f"pass), each received beside the previous step's kernel: {alone:,.1f} ms of transfers per "
-                  f"micro-batch, {stages['cp_comm_ms'].max():,.1f} ms of them exposed (cp_comm); the gradients "
-                  f"reduced over dp x cp = {rep} GPUs. The kernels merging each step's partial outputs and the "
-                  "ring's key / value buffers are not modelled",)
+                  f"pass), each received beside the previous step's kernels: {alone:,.1f} ms of transfers per "
+                  f"micro-batch, {stages['cp_comm_ms'].max():,.1f} ms of them exposed (cp_comm); each step's partial "
+                  "results folded in by elementwise kernels (the output rescaled and added; the gradients "
+                  f"accumulated); the gradients reduced over dp x cp = {rep} GPUs. The ring's key / value buffers "
+                  "are not counted in the memory",)
     if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
@@ -1802,19 +1804,41 @@ def check_context_parallel(g: Any, cp: int) -> None:
                              "take (causal or no mask only). Fix: cp=1")
 
 
+def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:
+    """The kernels that fold one ring step's partial results (attention ``row`` of that step's ``dims``) into the
+    GPU's running ones, as Transformer Engine's ring attention runs them: in the forward pass the output rescaled
+    by the log-sum-exps and added (``cp_out_correction``), in the backward pass the gradients of the queries and
+    of the keys and values added to their accumulators (``cp_dq_accumulate``, ``cp_dkv_accumulate``); elementwise,
+    in the attention's dtype."""
+    from neusight.kernels import formulas
+
+    bh, lq, d, lk = (int(x) for x in dims)
+    dtype = str(row["dtype"])
+    made = ([formulas.elementwise("cp_dq_accumulate", bh * lq * d, n_tensor_inputs=2, dtype=dtype),
+             formulas.elementwise("cp_dkv_accumulate", 2 * bh * lk * d, n_tensor_inputs=2, dtype=dtype)]
+            if row["kernel"] == ATTENTION_BWD_KERNEL else
+            [formulas.elementwise("cp_out_correction", bh * lq * d, n_tensor_inputs=2, flops_per_elem=4.0,
+                                  dtype=dtype)])
+    return [{**row.to_dict(), "family": t.family.value, "kernel": t.name, "dims": t.dims, "dtype": t.dtype,
+             "flops": t.flops, "algo_flops": t.flops, "bytes": t.bytes, "channel_align": float("nan"),
+             "nchw_operands": None} for t in made]
+
+
 def split_context(k: pd.DataFrame, cp: int) -> pd.DataFrame:
     """``k`` (the kernel table of one GPU's seq_len / ``cp`` tokens) with each fused attention kernel's ring steps
     added after it (module docstring, item 5): the traced kernel is step 0 (the GPU's own chunks); steps 1 .. cp - 1
-    are, for a causal kernel, two candidate half blocks each, all the queries against half the keys and half the
-    queries against all the keys (the step takes the slower, :func:`context_steps`), without a mask the whole block
-    again. Every row gets ``cp_parent`` (the position of its attention kernel in ``k``, -1 for other kernels) and
-    ``cp_step``; bytes are split between the query side (q, the output, their gradients) and the key side (k, v,
-    their gradients) by their lengths."""
+    are, for a causal kernel, two candidate half blocks each (``cp_shape`` 0 and 1), all the queries against half
+    the keys and half the queries against all the keys (the step takes the slower, :func:`context_steps`), without
+    a mask the whole block again; each with the kernels merging its partial results (:func:`_merge_kernels`).
+    Every row gets ``cp_parent`` (the position of its attention kernel in ``k``, -1 for other kernels),
+    ``cp_step`` and ``cp_shape``; an attention kernel's bytes are split between the query side (q, the output,
+    their gradients) and the key side (k, v, their gradients) by their lengths."""
     if cp == 1:
         return k
     k = k.reset_index(drop=True)
     attention = k["kernel"].isin(FUSED_ATTENTION).to_numpy()
-    out = k.assign(cp_parent=[i if a else -1 for i, a in enumerate(attention)], cp_step=0, cp_order=k.index * 1.0)
+    out = k.assign(cp_parent=[i if a else -1 for i, a in enumerate(attention)], cp_step=0, cp_shape=0,
+                   cp_order=k.index * 1.0)
     added = []
     for i in k.index[attention]:
         row = k.loc[i]
@@ -1826,21 +1850,26 @@ def split_context(k: pd.DataFrame, cp: int) -> pd.DataFrame:
                                                                            q_bytes / 2 + kv_bytes)]
                   if causal else [((bh, lq, d, lk), float(row["bytes"]))])
         for step in range(1, cp):
-            for dims, nbytes in shapes:
-                added.append({**row.to_dict(), "dims": dims, "bytes": nbytes, "cp_parent": i, "cp_step": step,
-                              "cp_order": i + step / cp})
+            for shape, (dims, nbytes) in enumerate(shapes):
+                ring = {"cp_parent": i, "cp_step": step, "cp_shape": shape, "cp_order": i + step / cp}
+                added.append({**row.to_dict(), "dims": dims, "bytes": nbytes, **ring})
+                added += [{**m, **ring} for m in _merge_kernels(row, dims)]
     out = pd.concat([out, pd.DataFrame(added, columns=out.columns)], ignore_index=True)
     return out.sort_values("cp_order", kind="stable").drop(columns="cp_order").reset_index(drop=True)
 
 
 def context_steps(kernels: pd.DataFrame) -> pd.DataFrame:
-    """A forecast kernel table of :func:`split_context` with each causal ring step's slower candidate kept: in every
-    step some GPUs of the ring run one half block and the others the other, and the step waits for all of them."""
+    """A forecast kernel table of :func:`split_context` with each causal ring step's slower candidate kept (its
+    attention and merging kernels together): in every step some GPUs of the ring run one half block and the
+    others the other, and the step waits for all of them."""
     if "cp_step" not in kernels or not (kernels["cp_step"] > 0).any():
         return kernels
     steps = kernels[kernels["cp_step"] > 0]
-    slower = steps.groupby(["cp_parent", "cp_step"])["latency_ms"].idxmax()
-    return kernels.drop(index=steps.index.difference(pd.Index(slower.to_numpy()))).reset_index(drop=True)
+    took = steps.groupby(["cp_parent", "cp_step", "cp_shape"])["latency_ms"].sum()
+    slower = took.groupby(level=["cp_parent", "cp_step"]).idxmax()
+    keep = pd.MultiIndex.from_tuples(slower.to_list(), names=["cp_parent", "cp_step", "cp_shape"])
+    chosen = pd.MultiIndex.from_frame(steps[["cp_parent", "cp_step", "cp_shape"]]).isin(keep)
+    return kernels.drop(index=steps.index[~chosen]).reset_index(drop=True)
 
 
 def context_exchange_ms(kernels: pd.DataFrame, cp: int, device: Device, path: "LinkPath | None",
@@ -1849,10 +1878,22 @@ def context_exchange_ms(kernels: pd.DataFrame, cp: int, device: Device, path: "L
     attention call (on the step-0 row of each call, 0 elsewhere): each of the cp - 1 steps after the first first
     receives the next chunk of keys and values (in the backward pass also the gradients of the keys and values,
     twice the bytes) from a neighbour, point to point over the context-parallel group's links (``path``), while the
-    kernel of the step before runs: what the transfer outlasts of that kernel (``column`` times) is exposed."""
+    step before runs (its kernels, ``column`` times): what the transfer outlasts of that step is exposed."""
     out = pd.Series(0.0, index=kernels.index)
     if cp == 1 or "cp_step" not in kernels:
         return out
+    first = kernels.index[(kernels["cp_step"] == 0) & (kernels["cp_parent"] >= 0)]
+    later = kernels[kernels["cp_step"] > 0].groupby(["cp_parent", "cp_step"])[column].sum()
+    for i in first:
+        row = kernels.loc[i]
+        bh, _, d, lk = row["dims"]
+        itemsize = _KV_ITEMSIZE.get(str(row["dtype"]), 2)
+        sent = (4 if row["kernel"] == ATTENTION_BWD_KERNEL else 2) * bh * lk * d * itemsize
+        transfer = p2p_ms(float(sent), device, path)
+        steps = later.loc[row["cp_parent"]].sort_index().to_list() if row["cp_parent"] in later.index else []
+        beside = [float(row[column]), *steps][:cp - 1]
+        out[i] = sum(max(0.0, transfer - t) for t in beside)
+    return out
     first = kernels.index[(kernels["cp_step"] == 0) & (kernels["cp_parent"] >= 0)]
     later = kernels[kernels["cp_step"] > 0].sort_values("cp_step")
     times = later.groupby("cp_parent")[column].apply(list)

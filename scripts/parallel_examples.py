@@ -191,7 +191,7 @@ def main() -> None:
         "outlast), by tensor parallelism with sequence parallelism (SP), or both; ZeRO 1 over the GPUs holding the "
         "same weights (dp x cp). At this length every ring step's attention kernel outlasts its exchange, so "
         "cp_comm is zero, and context parallelism's price is its smaller kernels; tensor parallelism's is its "
-        "all-reduces. The kernels merging each ring step's partial outputs are not modelled.", "",
+        "all-reduces.", "",
         markdown_table(long, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
         f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "

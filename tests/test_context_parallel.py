@@ -38,39 +38,52 @@ def test_each_gpu_of_the_ring_does_one_cpth_of_the_sequences_attention(model, ca
     whole = trace(model, 2, seq, "training", device=H100, **KW).kernels
     part = trace(model, 2, seq // cp, "training", device=H100, context_parallel=cp, **KW).kernels
     ring = split_context(part.reset_index(drop=True), cp)
-    steps = ring[ring["cp_step"] > 0]
+    steps = ring[(ring["cp_step"] > 0) & ring["kernel"].isin(FUSED_ATTENTION)]
     # causal: two candidates per step (all queries x half the keys, half the queries x all the keys)
     assert len(steps) == (2 if causal else 1) * (cp - 1) * int(part["kernel"].isin(FUSED_ATTENTION).sum())
-    one = ring[(ring["cp_step"] == 0) | ~ring.duplicated(["cp_parent", "cp_step"])]
+    one = ring[ring["cp_shape"] == 0]
     for kernel in FUSED_ATTENTION:
         assert _attention_flops(one, kernel) == pytest.approx(_attention_flops(whole, kernel) / cp, rel=1e-12)
-    if causal:   # both candidates of a step move the traced kernel's bytes in its q and k / v parts
-        parent = ring[ring["cp_parent"] >= 0].groupby("cp_parent")
-        for _, rows in parent:
-            first = rows[rows["cp_step"] == 0].iloc[0]
-            pair = rows[rows["cp_step"] == 1]
+    for _, rows in ring[ring["cp_parent"] >= 0].groupby("cp_parent"):
+        first = rows[rows["cp_step"] == 0].iloc[0]
+        bh, lq, d, lk = first["dims"]
+        step = rows[rows["cp_step"] == 1]
+        pair = step[step["kernel"] == first["kernel"]]
+        if causal:   # both candidates of a step move the traced kernel's bytes in its q and k / v parts
             assert float(pair["bytes"].sum()) == pytest.approx(1.5 * float(first["bytes"]))
-            bh, lq, d, lk = first["dims"]
             assert sorted(pair["dims"]) == sorted([(bh, lq, d, lk // 2), (bh, lq // 2, d, lk)])
+        # each candidate's partial results merged: read the running and the step's, write the running (BF16)
+        for shape, attn in pair.groupby("cp_shape"):
+            _, q, _, kv = attn["dims"].iloc[0]
+            merged = step.loc[(step["cp_shape"] == shape) & (step["family"] == "elementwise"), ["kernel", "bytes"]]
+            want = ({"cp_out_correction": 3 * 2 * bh * q * d} if first["kernel"] == ATTENTION_KERNEL else
+                    {"cp_dq_accumulate": 3 * 2 * bh * q * d, "cp_dkv_accumulate": 3 * 2 * 2 * bh * kv * d})
+            assert dict(zip(merged["kernel"], merged["bytes"])) == want
     # the other kernels are untouched, in their order, each attention step right after its kernel
-    assert ring[ring["cp_step"] == 0].drop(columns=["cp_parent", "cp_step"]).reset_index(drop=True).equals(part)
+    assert ring[ring["cp_step"] == 0].drop(columns=["cp_parent", "cp_step", "cp_shape"]).reset_index(
+        drop=True).equals(part)
     assert (ring["op_index"].diff().dropna() >= 0).all()
 
 
 def test_a_step_takes_the_slower_candidate_and_its_exchange_hides_behind_the_step_before():
+    """Step 1: candidate 1 (0.03 ms) is slower than candidate 0 (0.01 + 0.005 to merge); step 2: candidate 1's
+    attention kernel is the faster, but with its merging kernel (0.04 + 0.02) the slower."""
     h100 = load_device(H100)
     dims = (4, 1024, 64, 1024)
-    k = pd.DataFrame({"kernel": [ATTENTION_KERNEL] * 5 + [ATTENTION_BWD_KERNEL], "dims": [dims] * 6,
-                      "dtype": ["bfloat16"] * 6, "cp_parent": [0, 0, 0, 0, 0, -1], "cp_step": [0, 1, 1, 2, 2, 0],
-                      "latency_ms": [0.02, 0.01, 0.03, 0.05, 0.04, 0.5], "roofline_ms": [0.01] * 6})
+    merge = "cp_out_correction"
+    k = pd.DataFrame({"kernel": [ATTENTION_KERNEL, ATTENTION_KERNEL, merge, ATTENTION_KERNEL, ATTENTION_KERNEL,
+                                 ATTENTION_KERNEL, merge, ATTENTION_BWD_KERNEL],
+                      "dims": [dims] * 8, "dtype": ["bfloat16"] * 8, "cp_parent": [0, 0, 0, 0, 0, 0, 0, -1],
+                      "cp_step": [0, 1, 1, 1, 2, 2, 2, 0], "cp_shape": [0, 0, 0, 1, 0, 1, 1, 0],
+                      "latency_ms": [0.02, 0.01, 0.005, 0.03, 0.05, 0.04, 0.02, 0.5], "roofline_ms": [0.01] * 8})
     kept = context_steps(k)
-    assert kept["latency_ms"].tolist() == [0.02, 0.03, 0.05, 0.5]
+    assert kept["latency_ms"].tolist() == [0.02, 0.03, 0.04, 0.02, 0.5]
     sent = 2 * 4 * 1024 * 64 * 2                 # keys and values of the next chunk, BF16
     transfer = p2p_ms(sent, h100, LinkPath(100.0))
     exposed = context_exchange_ms(kept, 3, h100, LinkPath(100.0))
-    # two exchanges, beside the kernels of steps 0 and 1; nothing on other rows
+    # two exchanges, beside steps 0 and 1; nothing on other rows
     assert exposed.iloc[0] == pytest.approx(max(0, transfer - 0.02) + max(0, transfer - 0.03))
-    assert exposed.iloc[1:].tolist() == [0.0, 0.0, 0.0]
+    assert exposed.iloc[1:].tolist() == [0.0] * 4
     assert context_exchange_ms(kept, 3, h100, LinkPath(1e6)).sum() == 0.0     # a fast link hides them all
     assert context_exchange_ms(kept, 3, h100, LinkPath(100.0), "roofline_ms").iloc[0] == pytest.approx(
         2 * (transfer - 0.01))
@@ -92,8 +105,11 @@ def test_context_parallel_step_composes_ring_exchanges_and_reduces_gradients_ove
     k = ring.per_gpu.kernels
     exposed = context_exchange_ms(k, 2, load_device(H100), links.cp)
     assert ring.parts["cp_comm"] == pytest.approx(float(exposed.sum()))
-    # one kept kernel per ring step: the forecast table has the trace's kernels and one more per attention kernel
-    assert len(k) == len(g.kernels) + int(g.kernels["kernel"].isin(FUSED_ATTENTION).sum())
+    # one kept candidate per ring step: the trace's kernels, and per attention kernel one more with its merging
+    # kernels (one forward, two backward)
+    attention = g.kernels["kernel"]
+    assert len(k) == len(g.kernels) + 2 * int((attention == ATTENTION_KERNEL).sum()) + 3 * int(
+        (attention == ATTENTION_BWD_KERNEL).sum())
     # the activations are the part's: less than the whole sequence's on one replica
     assert ring.memory_breakdown["activations"] < whole.memory_breakdown["activations"]
     assert ring.memory_breakdown["weights"] == whole.memory_breakdown["weights"]
