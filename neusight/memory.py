@@ -478,7 +478,7 @@ SHARED_TRACES = 64
 
 def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode: str = "inference",
                    max_batch: int = 1 << 16, zero: int = 0, dp: int = 1, fused: bool = False,
-                   traces: dict | None = None, **trace_kwargs: Any) -> int:
+                   traces: dict | None = None, cp: int = 1, **trace_kwargs: Any) -> int:
     """Largest batch size whose forecast :attr:`MemoryReport.peak_bytes` fits on ``device``.
 
     Doubles the batch from 1 until a trace does not fit, then bisects between the last fit and the first
@@ -499,6 +499,9 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     traces : dict, optional
         A dict the caller keeps between searches of the same run on several GPUs: each probe's trace is kept in
         it and reused by a GPU on the same software path (as :func:`neusight.predict_many` shares traces).
+    cp : int
+        Context parallelism (:func:`neusight.parallel.predict_parallel`'s ``cp``): each sequence of ``seq_len``
+        split over ``cp`` GPUs, the memory of one of them (its seq_len / cp tokens; ZeRO over dp x cp GPUs).
 
     Returns
     -------
@@ -507,19 +510,26 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     """
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
-    return _largest_fit(lambda b: dict(batch_size=b, seq_len=seq_len), "batch_size", max_batch, model, device, mode,
-                        trace_kwargs, zero, dp, fused, traces)
+    _check_cp(cp)
+    if cp > 1 and (not isinstance(seq_len, int) or seq_len % (2 * cp)):
+        raise InputError(f"cp={cp} splits each sequence into {2 * cp} chunks; seq_len={seq_len!r} is not a multiple "
+                         f"of {2 * cp}. Fix: a seq_len that {2 * cp} divides")
+    part = seq_len // cp if cp > 1 else seq_len
+    return _largest_fit(lambda b: dict(batch_size=b, seq_len=part), "batch_size", max_batch, model, device, mode,
+                        {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp, fused,
+                        traces)
 
 
 def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str = "inference",
                      max_seq_len: int | None = None, step: int = 64, zero: int = 0, dp: int = 1,
-                     fused: bool = False, traces: dict | None = None, **trace_kwargs: Any) -> int:
+                     fused: bool = False, traces: dict | None = None, cp: int = 1, **trace_kwargs: Any) -> int:
     """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
 
     The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
     model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
-    tokens do not fit. ``zero`` / ``dp`` / ``fused`` / ``traces`` as in :func:`find_max_batch` (``batch_size`` is
-    then one replica's).
+    tokens do not fit. ``zero`` / ``dp`` / ``fused`` / ``traces`` / ``cp`` as in :func:`find_max_batch`
+    (``batch_size`` is then one replica's; with ``cp`` each GPU holds multiples of ``step`` tokens of a sequence
+    ``cp`` times as long, which is what is returned).
     """
     from neusight.graph.models import build_model
 
@@ -529,11 +539,22 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
                                   if trace_kwargs.get(k) is not None})
     if not built.needs_seq_len:
         raise InputError(f"{built.name} takes no sequence length. Fix: find_max_batch for its batch size")
-    cap = max_seq_len or built.max_seq_len or 1 << 20
+    _check_cp(cp)
+    if cp > 1 and step % 2:
+        raise InputError(f"step={step} with cp={cp}: each GPU's part of a sequence is two chunks, so an even "
+                         "number of tokens. Fix: an even step, e.g. step=64")
+    cap = (max_seq_len or built.max_seq_len or 1 << 20) // cp
     if cap < step:
         return 0
-    return step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
-                               model, device, mode, trace_kwargs, zero, dp, fused, traces)
+    return cp * step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
+                                    model, device, mode,
+                                    {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp,
+                                    fused, traces)
+
+
+def _check_cp(cp: Any) -> None:
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise InputError(f"cp={cp!r} is not a positive integer. Fix: e.g. cp=1 (the whole sequence on each GPU)")
 
 
 def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,
@@ -545,7 +566,7 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
     traces shared with other GPUs' searches (:func:`find_max_batch`)."""
     from neusight.devices import load_device
     from neusight.graph.tracer import trace, trace_key
-    from neusight.parallel import Parallelism, _check_zero, zero_memory_peak
+    from neusight.parallel import Parallelism, _check_zero, check_context_parallel, zero_memory_peak
 
     device = load_device(device)
     ep = int(trace_kwargs.get("expert_parallel", 1) or 1)
@@ -560,6 +581,7 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
             g = graphs.get(path)
             if g is None:
                 g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
+                check_context_parallel(g, int(trace_kwargs.get("context_parallel", 1)))
                 if traces is not None and sum(map(len, traces.values())) < SHARED_TRACES:
                     graphs[path] = g
             peak = (zero_memory_peak(g, device, zero, dp, ep, fused) if zero

@@ -4,6 +4,7 @@ good input -> the summary, the side-by-side table and the files asked for."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -326,6 +327,25 @@ def test_device_all_ranks_multi_gpu_runs_and_leaves_out_gpus_that_cannot(tmp_pat
     if cannot:
         assert "left out (" in r.stdout and all(k in r.stdout.split("left out (")[1] for k in cannot)
 
+
+
+def test_context_parallel_run_from_the_command_line(tmp_path):
+    """cp=2: each sequence over two GPUs; the run line names it, the JSON records carry its exposed exchanges, and
+    the longest-sequence search counts the whole sequence (a multiple of 2 x 64 tokens)."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(_TINY_LLAMA))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=h100-sxm5-80gb", "mode=training",
+                        "batch_size=2", "seq_len=256", "cp=2", "dtype=bfloat16", "attn_implementation=sdpa",
+                        "find_max_seq_len=true", "json=cp.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "(dp 1, cp 2, tp 1, pp 1" in r.stdout
+    assert "note: context parallelism: each sequence of 256 tokens" in r.stdout
+    record = json.loads((tmp_path / "cp.json").read_text())[0]
+    assert record["gpus"] == 2 and "cp_comm_ms" in record and record["dp_allreduce_ms"] > 0
+    longest = re.search(r"longest sequence that fits on 2 x .* \(dp 1, cp 2, tp 1\) at global batch 2: (\d+)",
+                        r.stdout)
+    assert longest and int(longest[1]) == 512       # the tiny model's 512 positions: the whole sequence's cap
 
 
 def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):

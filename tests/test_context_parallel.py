@@ -203,3 +203,24 @@ def test_plans_apply_a_given_cp_to_every_layout_of_the_remaining_gpus():
     assert " cp " in plan.summary().splitlines()[2]        # the column shown
     with pytest.raises(InputError, match="cp=3 is not a positive integer that divides gpus=4"):
         plan_parallel(LLAMA, H100, 4, 2, 1024, cp=3, **KW)
+
+
+def test_memory_searches_hold_one_gpus_part_of_each_sequence():
+    """The longest sequence that fits with cp=4 holds 4x the tokens per GPU that one GPU alone holds (within one
+    search step), since each GPU keeps only its part; the largest batch at a sequence split over cp GPUs is that
+    of one GPU at the part's length. A model that cannot run the ring is refused."""
+    from neusight.devices import modify_device
+    from neusight.memory import find_max_batch, find_max_seq_len
+
+    small = modify_device(H100, memory_gib=1.0)
+    run = dict(mode="training", **KW)
+    model = dict(LLAMA, max_position_embeddings=1 << 20)
+    alone = find_max_seq_len(model, small, batch_size=2, step=256, **run)
+    split = find_max_seq_len(model, small, batch_size=2, step=256, cp=4, **run)
+    assert alone > 0 and split % (4 * 256) == 0 and split // 4 == alone
+    assert find_max_batch(model, small, seq_len=4 * 2048, cp=4, **run) == find_max_batch(model, small, seq_len=2048,
+                                                                                        **run) > 0
+    with pytest.raises(InputError, match="eager attention"):
+        find_max_seq_len(model, small, batch_size=2, step=256, cp=4, **{**run, "attn_implementation": "eager"})
+    with pytest.raises(InputError, match="not a multiple of 8"):
+        find_max_batch(model, small, seq_len=1004, cp=4, **run)

@@ -848,9 +848,6 @@ def _parallel(cfg: PredictConfig) -> float:
     if searches and cfg.sp:
         raise InputError(f"{searches[0]} searches the memory of a tensor-parallel shard without sequence parallelism; "
                          "with sp=true it would overstate the activations. Fix: leave one of them out")
-    if searches and cfg.cp > 1:
-        raise InputError(f"{searches[0]} with cp={cfg.cp} is not available (the search traces whole sequences on "
-                         "each GPU). Fix: leave one of them out")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
@@ -1008,16 +1005,16 @@ def _json_value(v: Any) -> Any:
 
 
 def _memory_searches(cfg: PredictConfig, device: Any) -> None:
-    """find_max_batch / find_max_seq_len, on one GPU or on dp x tp GPUs (with ZeRO): every GPU holds one
-    tensor-parallel shard of one replica and that replica's share of the batch, so the search runs on the shard
-    and a batch it finds is per replica."""
+    """find_max_batch / find_max_seq_len, on one GPU or on dp x cp x tp GPUs (with ZeRO): every GPU holds one
+    tensor-parallel shard of one replica, that replica's share of the batch and its 1 / cp of each sequence, so the
+    search runs on the shard and a batch it finds is per replica, a sequence length the whole."""
     from neusight.errors import InputError
     from neusight.memory import find_max_batch, find_max_seq_len
 
     kw = _search_kw(cfg)
-    several = cfg.dp * cfg.tp > 1 or bool(cfg.zero)
-    where = (f"{cfg.dp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if _ep(cfg) > 1 else "")
-             + f"tp {cfg.tp}"
+    several = cfg.dp * cfg.cp * cfg.tp > 1 or bool(cfg.zero)
+    where = (f"{cfg.dp * cfg.cp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if _ep(cfg) > 1 else "")
+             + (f"cp {cfg.cp}, " if cfg.cp > 1 else "") + f"tp {cfg.tp}"
              + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")")) if several else device.name
     glob = "global " if several else ""
     if cfg.find_max_batch:
@@ -1038,7 +1035,7 @@ def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
     """The keywords of find_max_batch / find_max_seq_len for ``cfg``'s run (besides the searched size)."""
     return dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
                 dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=_ep(cfg), zero=cfg.zero,
-                dp=cfg.dp, fused=cfg.fused, **_step_options(cfg))
+                dp=cfg.dp, fused=cfg.fused, cp=cfg.cp, **_step_options(cfg))
 
 
 def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, dict[str, int]]:
