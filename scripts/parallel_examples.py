@@ -190,7 +190,8 @@ def main() -> None:
         "balance; each step's keys and values exchanged beside the step before, cp_comm: what the exchanges "
         "outlast), by tensor parallelism with sequence parallelism (SP), or both; ZeRO 1 over the GPUs holding the "
         "same weights (dp x cp). At this length every ring step's attention kernel outlasts its exchange, so "
-        "cp_comm is zero, and context parallelism's price is its smaller kernels; tensor parallelism's is its "
+        "cp_comm is zero, and context parallelism's price is its smaller kernels and those merging each step's "
+        "partial results; tensor parallelism's is its "
         "all-reduces.", "",
         markdown_table(long, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
