@@ -1894,15 +1894,3 @@ def context_exchange_ms(kernels: pd.DataFrame, cp: int, device: Device, path: "L
         beside = [float(row[column]), *steps][:cp - 1]
         out[i] = sum(max(0.0, transfer - t) for t in beside)
     return out
-    first = kernels.index[(kernels["cp_step"] == 0) & (kernels["cp_parent"] >= 0)]
-    later = kernels[kernels["cp_step"] > 0].sort_values("cp_step")
-    times = later.groupby("cp_parent")[column].apply(list)
-    for i in first:
-        row = kernels.loc[i]
-        bh, _, d, lk = row["dims"]
-        itemsize = _KV_ITEMSIZE.get(str(row["dtype"]), 2)
-        sent = (4 if row["kernel"] == ATTENTION_BWD_KERNEL else 2) * bh * lk * d * itemsize
-        transfer = p2p_ms(float(sent), device, path)
-        beside = [float(row[column]), *times.get(row["cp_parent"], [])][:cp - 1]
-        out[i] = sum(max(0.0, transfer - t) for t in beside)
-    return out
