@@ -871,7 +871,7 @@ def test_unknown_model_suggests_close_names():
     ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b"), ("Qwen/Qwen3-235B-A22B-Thinking-2507", "qwen3-235b-a22b"),
     ("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
     ("openai/gpt-oss-120b", "gpt-oss-120b"), ("google/gemma-3-12b-it", "gemma-3-12b"),
-    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3-70b"), ("acme/model-2507", None),
+    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b"), ("acme/model-2507", None),
     ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b"), ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama-4-scout"),
     ("meta-llama/Llama-4-Maverick-17B-128E", "llama-4-maverick")])
 def test_hub_names_of_fine_tuned_variants_build_their_preset(hub_name, preset):
