@@ -452,7 +452,8 @@ def tf32_dtypes(kernels: pd.DataFrame, device: Device, tf32: Any = None) -> pd.S
 
 def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | Path | None = None, *,
                   calibrated: bool = True, fused: bool = False, megatron: bool = False, tf32: Any = None,
-                  host_us: float | None = None, sequence_parallel: int = 1, context_parallel: int = 1) -> Prediction:
+                  host_us: float | None = None, sequence_parallel: int = 1, context_parallel: int = 1,
+                  context_comm: str = "p2p") -> Prediction:
     """Predict an already traced graph on ``device``.
 
     ``calibrated=False`` leaves out the predictor's end-to-end scale (used when fitting that scale);
@@ -464,7 +465,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     GPU's wait for its launch (``host_wait_ms``; ``gpu_ms`` is its time on the GPU);
     ``sequence_parallel`` the GPUs of a tensor-parallel group that split the blocks' whole-width kernels by tokens
     (:func:`neusight.parallel.split_sequence`; 1: none); ``context_parallel`` the GPUs that split each sequence
-    (``g`` being one GPU's part of it), whose attention runs as a ring: the kernels of its other steps are added
+    (``g`` being one GPU's part of it), whose attention kernels become what that GPU runs, by ``context_comm``
     (:func:`neusight.parallel.split_context`; 1: none).
     """
     check_host_us(host_us)
@@ -485,7 +486,7 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
     if context_parallel != 1:
         from neusight.parallel import split_context
 
-        k = split_context(k, context_parallel)
+        k = split_context(k, context_parallel, context_comm)
     if k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str).str.startswith("float8").any():
         from neusight.graph.fp8 import check_fp8_device
 

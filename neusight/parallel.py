@@ -209,6 +209,7 @@ class Parallelism:
     vpp: int = 1
     sp: bool = False
     cp: int = 1
+    cp_comm: str = "p2p"       # how the cp GPUs exchange attention's inputs: CP_COMMS
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "ep", "vpp", "cp"):
@@ -230,6 +231,12 @@ class Parallelism:
                              f"{self.microbatches}), as Megatron-LM's interleaved schedule does. Fix: vpp=1, or "
                              "pp >= 2 with microbatches a multiple of pp")
 
+        if self.cp_comm not in CP_COMMS:
+            raise InputError(f"cp_comm={self.cp_comm!r} is not known. Fix: one of {', '.join(CP_COMMS)} (p2p: "
+                             "Transformer Engine's ring, the default)")
+        if self.cp_comm != "p2p" and self.cp == 1:
+            raise InputError(f"cp_comm={self.cp_comm!r} chooses how the GPUs of a context-parallel group exchange "
+                             "attention's inputs; cp=1 has none. Fix: cp >= 2, or leave cp_comm out")
         if self.cp > 1 and self.ep > 1:
             raise InputError(f"cp={self.cp} with ep={self.ep} is not modelled (context-parallel GPUs would share the "
                              "expert-parallel groups). Fix: leave one of them out")
@@ -824,7 +831,8 @@ class ParallelPrediction:
         par = self.parallelism
         return (f"{self.model}: {self.mode}, global batch {self.batch_size}"
                 + (f", seq {self.seq_len}" if self.seq_len else "")
-                + f" on {on} (dp {par.dp}, " + (f"cp {par.cp}, " if par.cp > 1 else "")
+                + f" on {on} (dp {par.dp}, "
+                + (f"cp {par.cp}{'' if par.cp_comm == 'p2p' else f' ({par.cp_comm})'}, " if par.cp > 1 else "")
                 + (f"ep {par.ep}, " if par.ep > 1 else "") + f"tp {par.tp}{' with sp' if par.sp else ''}, "
                 + f"pp {par.pp}, "
                 + (f"interleaved: {par.vpp} chunks per GPU, " if par.vpp > 1 else "")
@@ -871,7 +879,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                      internode_gbps: float = INTERNODE_GBPS, nics_per_node: int | None = None,
                      cache: dict | None = None, host_us: float | None = None, vpp: int = 1, sp: bool = False,
                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, nvls: bool = True,
-                     cp: int = 1, **trace_kwargs: Any) -> ParallelPrediction:
+                     cp: int = 1, cp_comm: str = "p2p", **trace_kwargs: Any) -> ParallelPrediction:
     """Forecast one step of ``model`` with global batch ``batch_size`` on ``dp x cp x tp x pp`` GPUs of ``device``.
 
     ``batch_size`` is split among the ``dp`` replicas, each replica's share into ``microbatches``. Training
@@ -908,7 +916,9 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     ``cp``: context parallelism (module docstring, item 5): each sequence split over ``cp`` GPUs (``seq_len`` a
     multiple of 2 x cp), its attention a ring of fused kernels (``attn_implementation`` sdpa or flash-attn), the
     gradients reduced over ``dp x cp`` GPUs (and ZeRO sharding over as many); not with ``ep``, ``kv_cache`` or
-    ``megatron``.
+    ``megatron``. ``cp_comm``: how the ``cp`` GPUs exchange attention's inputs (:data:`CP_COMMS`): ``"p2p"``
+    Transformer Engine's ring (its default), ``"all_gather"`` the keys and values gathered first, ``"a2a"``
+    DeepSpeed Ulysses' all-to-alls, heads split over the GPUs (:func:`split_context`).
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
     backward pass, block by block as their gradients are done (module docstring, item 3); plain data parallelism
     (no ZeRO, tp, pp, ep, not ``megatron``) by PyTorch DDP's buckets; only what outlasts the backward pass counts.
@@ -928,7 +938,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     from neusight.graph.tracer import trace, trace_key
 
     check_host_us(host_us)
-    par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp, cp)
+    par = Parallelism(dp, tp, pp, microbatches, ep, vpp, sp, cp, cp_comm)
     if not isinstance(overlap_grad_reduce, bool):
         raise InputError(f"overlap_grad_reduce={overlap_grad_reduce!r} is not true or false. Fix: "
                          "overlap_grad_reduce=true (the gradients' reduction beside the backward pass) or leave it out")
@@ -970,15 +980,17 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         if trace_kwargs.get("kv_cache") is not None:
             raise InputError(f"cp={cp} with kv_cache={trace_kwargs['kv_cache']} (a generation step) is not modelled: "
                              "context parallelism here splits a whole sequence's prompt or training step. Fix: cp=1")
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len % (2 * cp):
-            raise InputError(f"cp={cp} splits each sequence into {2 * cp} chunks (two per GPU, for causal load "
-                             f"balance); seq_len={seq_len!r} is not a multiple of {2 * cp}. Fix: a seq_len that "
-                             f"{2 * cp} divides")
+        need = cp if cp_comm == "a2a" else 2 * cp     # a2a: a part per GPU; else two chunks (causal balance)
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len % need:
+            raise InputError(f"cp={cp} splits each sequence into {need} chunks"
+                             + ("" if cp_comm == "a2a" else " (two per GPU, for causal load balance)")
+                             + f"; seq_len={seq_len!r} is not a multiple of {need}. Fix: a seq_len that {need} "
+                             "divides")
     local_seq = seq_len // cp if cp > 1 else seq_len
     traced = (model if isinstance(model, str) else id(model), micro, local_seq, mode, head, optimizer, tp, ep, cp,
               repr(sorted(trace_kwargs.items())))
     key = (*traced, device, id(predictor) if predictor is not None and not isinstance(predictor, str) else predictor,
-           fused, megatron, repr(tf32), host_us, sp)
+           fused, megatron, repr(tf32), host_us, sp, cp_comm)
     kept = cache.get(key) if cache is not None else None
     if kept is None:
         # one trace per software path (as predict_many shares them): GPUs whose attention backends and experts'
@@ -990,10 +1002,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                                  optimizer=optimizer if training else None, tensor_parallel=tp, expert_parallel=ep,
                                  device=device, context_parallel=cp, **trace_kwargs)
         g = graphs[path]
-        check_context_parallel(g, cp)
+        check_context_parallel(g, cp, cp_comm)
         kept = {"graph": g, "one": predict_graph(g, device, predictor, fused=fused, megatron=megatron, tf32=tf32,
                                                  host_us=host_us, sequence_parallel=tp if sp else 1,
-                                                 context_parallel=cp)}
+                                                 context_parallel=cp, context_comm=cp_comm)}
         if cache is not None:
             cache[key] = kept
     g, one = kept["graph"], kept["one"]
@@ -1016,7 +1028,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     columns = g.tp_columns if megatron else ()    # Megatron-LM overlaps their backward collectives with GEMMs
 
     def cp_ms(column: str) -> list[float]:         # each stage's exposed ring exchanges of one micro-batch
-        exposed = context_exchange_ms(k, cp, device, links.cp, column)
+        exposed = context_exchange_ms(k, cp, device, links.cp, column, cp_comm)
         return [float(exposed[stage == s].sum()) for s in range(pp)]
 
     parts, stages = _compose(k, stage, blocks_per_stage, "latency_ms", par, training, act_bytes, device, links, ep_ms,
@@ -1229,20 +1241,27 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if cp > 1:
         calls = k[(k["cp_step"] == 0) & (k["cp_parent"] >= 0)]
         fwd = calls[calls["kernel"] != ATTENTION_BWD_KERNEL]
-        _, _, d, lk = fwd["dims"].iloc[0]
-        chunk = 2 * fwd["dims"].iloc[0][0] * lk * d * _KV_ITEMSIZE.get(str(fwd["dtype"].iloc[0]), 2)
-        alone = (len(fwd) * (cp - 1) * p2p_ms(chunk, device, links.cp)
-                 + (len(calls) - len(fwd)) * (cp - 1) * p2p_ms(2 * chunk, device, links.cp))
-        notes += (f"context parallelism: each sequence of {seq_len:,} tokens split over {cp} GPUs, "
-                  f"{local_seq:,} tokens each (two chunks of {local_seq // 2:,}, for causal load balance); each of "
-                  f"its {len(calls)} attention calls a ring of {cp} steps, the GPU's own chunks first, then "
-                  f"{cp - 1} of the other GPUs' keys and values ({chunk / 2**20:,.1f} MiB a step, "
-                  f"{_duration(p2p_ms(chunk, device, links.cp))}; twice as much with their gradients in the backward "
-                  f"pass), each received beside the previous step's kernels: {alone:,.1f} ms of transfers per "
-                  f"micro-batch, {stages['cp_comm_ms'].max():,.1f} ms of them exposed (cp_comm); each step's partial "
-                  "results folded in by elementwise kernels (the output rescaled and added; the gradients "
-                  f"accumulated); the gradients reduced over dp x cp = {rep} GPUs. The ring's key / value buffers "
-                  "are not counted in the memory",)
+        chunk = float(fwd["cp_kv_bytes"].iloc[0])             # one GPU's keys and values of one call
+        alone = float(context_exchange_ms(k.assign(latency_ms=0.0), cp, device, links.cp, "latency_ms",
+                                          cp_comm).sum())
+        split = (f"each sequence of {seq_len:,} tokens split over {cp} GPUs, {local_seq:,} tokens each"
+                 + ("" if cp_comm == "a2a" else f" (two chunks of {local_seq // 2:,}, for causal load balance)"))
+        how = {"p2p": f"each of its {len(calls)} attention calls a ring of {cp} steps, the GPU's own chunks first, "
+                      f"then {cp - 1} of the other GPUs' keys and values ({chunk / 2**20:,.1f} MiB a step, "
+                      f"{_duration(p2p_ms(chunk, device, links.cp))}; twice as much with their gradients in the "
+                      "backward pass), each received beside the previous step's kernels; each step's partial results "
+                      "folded in by elementwise kernels (the output rescaled and added; the gradients accumulated)",
+               "all_gather": f"each of its {len(calls)} attention calls first all-gathers the sequence's keys and "
+                             f"values ({cp} x {chunk / 2**20:,.1f} MiB, "
+                             f"{_duration(allgather_ms(cp * chunk, cp, device, links.cp))}; in the backward pass "
+                             "again, then their gradients reduce-scattered), then runs a kernel per chunk of the "
+                             "GPU's queries against the keys up to it (cp_comm_type all_gather)",
+               "a2a": f"each of its {len(calls)} attention calls exchanges queries, keys and values all-to-all so "
+                      f"that each GPU runs 1/{cp} of the heads over the whole sequence, and the output back (in the "
+                      "backward pass their gradients; DeepSpeed Ulysses, cp_comm_type a2a)"}[cp_comm]
+        notes += (f"context parallelism ({cp_comm}): {split}; {how}: {alone:,.1f} ms of exchanges per micro-batch, "
+                  f"{stages['cp_comm_ms'].max():,.1f} ms of them exposed (cp_comm); the gradients reduced over dp x "
+                  f"cp = {rep} GPUs. The exchanges' buffers are not counted in the memory",)
     if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
@@ -1767,6 +1786,8 @@ def _activation_shape(k: pd.DataFrame, block: pd.Series) -> tuple[float, float]:
 
 # bytes per element of an attention kernel's keys and values, by the kernel's math dtype
 _KV_ITEMSIZE = {"float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
+# how the GPUs of a context-parallel group exchange each attention call's inputs (split_context)
+CP_COMMS = ("p2p", "all_gather", "a2a")
 
 
 def _attention_share(row: Any) -> float:
@@ -1777,11 +1798,14 @@ def _attention_share(row: Any) -> float:
     return float(row.flops) / whole if whole > 0 else 0.0
 
 
-def check_context_parallel(g: Any, cp: int) -> None:
+def check_context_parallel(g: Any, cp: int, comm: str = "p2p") -> None:
     """Refuse context parallelism over ``cp`` GPUs for a trace ``g`` whose attention is not what ring attention
-    runs: fused kernels (SDPA's or flash-attn's) without an explicit mask, causal or over the whole block."""
+    runs: fused kernels (SDPA's or flash-attn's) without an explicit mask, causal or over the whole block; with
+    ``comm="a2a"`` (heads split over the GPUs) also key / value heads that ``cp`` does not divide."""
     if cp == 1:
         return
+    if comm not in CP_COMMS:
+        raise InputError(f"cp_comm={comm!r} is not known. Fix: one of {', '.join(CP_COMMS)}")
     k = g.kernels
     attention = k["kernel"].isin(FUSED_ATTENTION)
     if not attention.any():
@@ -1802,6 +1826,12 @@ def check_context_parallel(g: Any, cp: int) -> None:
             raise InputError(f"cp={cp}: the attention of {row.module} computes {share:.0%} of its block (a sliding "
                              "window's band under flash-attn), which the ring attention modelled here does not "
                              "take (causal or no mask only). Fix: cp=1")
+        heads = row.dims[0] // max(int(g.batch_size), 1)     # key / value heads (query heads packed with them)
+        if comm == "a2a" and (row.dims[0] % max(int(g.batch_size), 1) or heads % cp):
+            raise InputError(f"cp_comm='a2a' splits the attention heads over the cp={cp} GPUs (DeepSpeed Ulysses); "
+                             f"the attention of {row.module} has {heads} key / value heads on each GPU, which {cp} "
+                             "does not divide. Fix: cp_comm='p2p' (a ring) or 'all_gather', or a cp that divides "
+                             "them")
 
 
 def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:
@@ -1824,34 +1854,71 @@ def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:
              "nchw_operands": None} for t in made]
 
 
-def split_context(k: pd.DataFrame, cp: int) -> pd.DataFrame:
-    """``k`` (the kernel table of one GPU's seq_len / ``cp`` tokens) with each fused attention kernel's ring steps
-    added after it (module docstring, item 5): the traced kernel is step 0 (the GPU's own chunks); steps 1 .. cp - 1
-    are, for a causal kernel, two candidate half blocks each (``cp_shape`` 0 and 1), all the queries against half
-    the keys and half the queries against all the keys (the step takes the slower, :func:`context_steps`), without
-    a mask the whole block again; each with the kernels merging its partial results (:func:`_merge_kernels`).
+def split_context(k: pd.DataFrame, cp: int, comm: str = "p2p") -> pd.DataFrame:
+    """``k`` (the kernel table of one GPU's seq_len / ``cp`` tokens) with each fused attention kernel as context
+    parallelism over ``cp`` GPUs runs it (module docstring, item 5), by ``comm`` (:data:`CP_COMMS`):
+
+    - ``"p2p"`` (Transformer Engine's ring, its default): the traced kernel is step 0 (the GPU's own chunks); steps
+      1 .. cp - 1 are added after it, for a causal kernel two candidate half blocks each (``cp_shape`` 0 and 1),
+      all the queries against half the keys and half the queries against all the keys (the step takes the slower,
+      :func:`context_steps`), without a mask the whole block again; each with the kernels merging its partial
+      results (:func:`_merge_kernels`);
+    - ``"all_gather"`` (Megatron-LM's ``--cp-comm-type all_gather``, Llama 3's context parallelism): the keys and
+      values of the whole sequence gathered first, then one kernel per chunk of the GPU's queries against the keys
+      up to that chunk (causal at its end; the two chunks of the GPU in the middle of the ring, each against about
+      half the sequence), or, without a mask, one kernel against all the keys;
+    - ``"a2a"`` (DeepSpeed Ulysses, ``--cp-comm-type a2a``): queries, keys and values exchanged all-to-all so that
+      each GPU holds 1 / cp of the heads over the whole sequence, one kernel over it.
+
     Every row gets ``cp_parent`` (the position of its attention kernel in ``k``, -1 for other kernels),
-    ``cp_step`` and ``cp_shape``; an attention kernel's bytes are split between the query side (q, the output,
-    their gradients) and the key side (k, v, their gradients) by their lengths."""
+    ``cp_step``, ``cp_shape`` and, on the attention kernels of ``k``, ``cp_q_bytes`` and ``cp_kv_bytes``: one of
+    the GPU's query-side tensors (q, the output, their gradients) and its keys and values, the units of the
+    exchanges (:func:`context_exchange_ms`). An attention kernel's bytes are split between the query side and the
+    key side by their lengths."""
     if cp == 1:
         return k
+    if comm not in CP_COMMS:
+        raise InputError(f"cp_comm={comm!r} is not known. Fix: one of {', '.join(CP_COMMS)}")
     k = k.reset_index(drop=True)
     attention = k["kernel"].isin(FUSED_ATTENTION).to_numpy()
     out = k.assign(cp_parent=[i if a else -1 for i, a in enumerate(attention)], cp_step=0, cp_shape=0,
-                   cp_order=k.index * 1.0)
+                   cp_q_bytes=0.0, cp_kv_bytes=0.0, cp_order=k.index * 1.0)
     added = []
     for i in k.index[attention]:
         row = k.loc[i]
         bh, lq, d, lk = row["dims"]
+        backward = 2.5 if row["kernel"] == ATTENTION_BWD_KERNEL else 1.0
+        itemsize = _KV_ITEMSIZE.get(str(row["dtype"]), 2)
+        out.loc[i, ["cp_q_bytes", "cp_kv_bytes"]] = [float(bh * lq * d * itemsize), float(2 * bh * lk * d * itemsize)]
         q_bytes = float(row["bytes"]) * lq / (lq + lk)
         kv_bytes = float(row["bytes"]) - q_bytes
         causal = abs(_attention_share(row) - 0.5) <= 0.02
+        kernels: list[tuple[tuple, float, float]] = []       # (dims, FLOPs, bytes) replacing the traced kernel
+        if comm == "a2a":                                     # heads / cp over the whole sequence
+            kernels = [((bh // cp, lq * cp, d, lk * cp), float(row["flops"]) * cp, float(row["bytes"]))]
+        elif comm == "all_gather" and causal:                 # a chunk of lk / 2 queries against K keys each
+            half = lk / 2
+            kernels = [((bh, lq // 2, d, int(keys)), 4.0 * bh * (lq // 2) * (keys - half / 2) * d * backward,
+                        q_bytes / 2 + kv_bytes * keys / lk) for keys in (cp * half, (cp + 1) * half)]
+        elif comm == "all_gather":
+            kernels = [((bh, lq, d, lk * cp), float(row["flops"]) * cp, q_bytes + kv_bytes * cp)]
+        if kernels:
+            for step, (dims, flops, nbytes) in enumerate(kernels):
+                if step == 0:
+                    out.at[i, "dims"] = dims
+                    out.loc[i, ["flops", "algo_flops", "bytes"]] = [flops, flops, nbytes]
+                else:
+                    added.append({**row.to_dict(), "dims": dims, "flops": flops, "algo_flops": flops, "bytes": nbytes,
+                                  "cp_parent": i, "cp_step": step, "cp_shape": 0, "cp_q_bytes": 0.0,
+                                  "cp_kv_bytes": 0.0, "cp_order": i + step / cp})
+            continue
         shapes = ([((bh, lq, d, max(1, lk // 2)), q_bytes + kv_bytes / 2), ((bh, max(1, lq // 2), d, lk),
                                                                            q_bytes / 2 + kv_bytes)]
                   if causal else [((bh, lq, d, lk), float(row["bytes"]))])
         for step in range(1, cp):
             for shape, (dims, nbytes) in enumerate(shapes):
-                ring = {"cp_parent": i, "cp_step": step, "cp_shape": shape, "cp_order": i + step / cp}
+                ring = {"cp_parent": i, "cp_step": step, "cp_shape": shape, "cp_q_bytes": 0.0, "cp_kv_bytes": 0.0,
+                        "cp_order": i + step / cp}
                 added.append({**row.to_dict(), "dims": dims, "bytes": nbytes, **ring})
                 added += [{**m, **ring} for m in _merge_kernels(row, dims)]
     out = pd.concat([out, pd.DataFrame(added, columns=out.columns)], ignore_index=True)
@@ -1873,12 +1940,19 @@ def context_steps(kernels: pd.DataFrame) -> pd.DataFrame:
 
 
 def context_exchange_ms(kernels: pd.DataFrame, cp: int, device: Device, path: "LinkPath | None",
-                        column: str = "latency_ms") -> pd.Series:
-    """Per kernel of a forecast table (:func:`context_steps`), the exposed time of the ring's exchanges of its
-    attention call (on the step-0 row of each call, 0 elsewhere): each of the cp - 1 steps after the first first
-    receives the next chunk of keys and values (in the backward pass also the gradients of the keys and values,
-    twice the bytes) from a neighbour, point to point over the context-parallel group's links (``path``), while the
-    step before runs (its kernels, ``column`` times): what the transfer outlasts of that step is exposed."""
+                        column: str = "latency_ms", comm: str = "p2p") -> pd.Series:
+    """Per kernel of a forecast table (:func:`split_context`, :func:`context_steps`), the exposed time of the
+    exchanges of its attention call between the ``cp`` GPUs (on the call's first row, 0 elsewhere), over the
+    context-parallel group's links (``path``), by ``comm``:
+
+    - ``"p2p"``: each of the cp - 1 steps after the first first receives the next chunk of keys and values (in the
+      backward pass also the gradients of the keys and values, twice the bytes) from a neighbour, point to point,
+      while the step before runs (its kernels, ``column`` times): what the transfer outlasts of that step counts;
+    - ``"all_gather"``: the keys and values all-gathered before the call's kernels (and in the backward pass again,
+      then their gradients reduce-scattered), none of it hidden;
+    - ``"a2a"``: queries, keys and values sent all-to-all before the kernel and the output after it (in the
+      backward pass the output's gradient before, the gradients of the queries, keys and values after), none of it
+      hidden."""
     out = pd.Series(0.0, index=kernels.index)
     if cp == 1 or "cp_step" not in kernels:
         return out
@@ -1886,10 +1960,15 @@ def context_exchange_ms(kernels: pd.DataFrame, cp: int, device: Device, path: "L
     later = kernels[kernels["cp_step"] > 0].groupby(["cp_parent", "cp_step"])[column].sum()
     for i in first:
         row = kernels.loc[i]
-        bh, _, d, lk = row["dims"]
-        itemsize = _KV_ITEMSIZE.get(str(row["dtype"]), 2)
-        sent = (4 if row["kernel"] == ATTENTION_BWD_KERNEL else 2) * bh * lk * d * itemsize
-        transfer = p2p_ms(float(sent), device, path)
+        q, kv = float(row["cp_q_bytes"]), float(row["cp_kv_bytes"])
+        backward = row["kernel"] == ATTENTION_BWD_KERNEL
+        if comm == "all_gather":
+            out[i] = (2 if backward else 1) * allgather_ms(cp * kv, cp, device, path)
+            continue
+        if comm == "a2a":
+            out[i] = alltoall_ms(q + kv, cp, device, path) + alltoall_ms(q, cp, device, path)
+            continue
+        transfer = p2p_ms((2 if backward else 1) * kv, device, path)
         steps = later.loc[row["cp_parent"]].sort_index().to_list() if row["cp_parent"] in later.index else []
         beside = [float(row[column]), *steps][:cp - 1]
         out[i] = sum(max(0.0, transfer - t) for t in beside)

@@ -58,8 +58,9 @@ SERVE_KW = dict(dtype="bfloat16", attn_implementation="sdpa", static_cache=True)
 # long context: each sequence split over cp GPUs (context parallelism) against data and tensor parallelism
 LONG, LONG_SEQ, LONG_BATCH = "llama-3.1-8b", 131072, 2
 LONG_GPUS = ("a100-sxm4-80gb", "h100-sxm5-80gb")
-LONG_SPLITS = [dict(dp=2, cp=4, zero=1), dict(cp=8, zero=1), dict(dp=2, cp=2, tp=2, sp=True, zero=1),
-               dict(dp=2, tp=4, sp=True, zero=1), dict(tp=8, sp=True)]
+LONG_SPLITS = [dict(dp=2, cp=4, zero=1), dict(dp=2, cp=4, zero=1, cp_comm="all_gather"),
+               dict(dp=2, cp=4, zero=1, cp_comm="a2a"), dict(cp=8, zero=1), dict(cp=8, zero=1, cp_comm="a2a"),
+               dict(dp=2, cp=2, tp=2, sp=True, zero=1), dict(dp=2, tp=4, sp=True, zero=1), dict(tp=8, sp=True)]
 LONG_KW = dict(dtype="bfloat16", attn_implementation="flash_attention_2", gradient_checkpointing=True)
 # a CNN as PyTorch DDP trains it: data parallelism, its gradient buckets' all-reduce beside the backward pass
 CNN, CNN_BATCH, CNN_GPUS = "resnet50", 256, ("a100-80gb-pcie", "h100-sxm5-80gb")
@@ -81,7 +82,8 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
                     if overlap and p.parallelism.dp > 1 else None)
             par = p.parallelism
             rows.append({"gpu": gpu, "dp x tp x pp (micro-batches)": f"{par.dp} x {par.tp} x {par.pp} ({par.microbatches})",
-                         "CP": par.cp, "SP": "yes" if par.sp else "no", "EP": par.ep,
+                         "CP": par.cp, "CP comm": par.cp_comm if par.cp > 1 else "-", "SP": "yes" if par.sp else "no",
+                         "EP": par.ep,
                          "ZeRO": split.get("zero", 0),
                          "GPUs": par.gpus, "nodes": -(-par.gpus // GPUS_PER_NODE), "step ms": p.latency_ms,
                          **{f"{k} ms": v for k, v in p.parts.items()},
@@ -94,7 +96,8 @@ def _table(model: str, gpus: tuple[str, ...], splits: list[dict], batch: int, se
     shown = {"cp_comm ms"} if (table["CP"] > 1).any() else set()     # zero or not, where context parallelism runs
     unused = [c for c in table.columns if c.endswith(" ms") and not c.startswith("step ms") and not table[c].any()
               and c not in shown]
-    plain = [c for c, v in (("CP", 1), ("SP", "no"), ("EP", 1), ("ZeRO", 0), ("nodes", 1)) if (table[c] == v).all()]
+    plain = [c for c, v in (("CP", 1), ("CP comm", "-"), ("SP", "no"), ("EP", 1), ("ZeRO", 0), ("nodes", 1))
+             if (table[c] == v).all()]
     return table.drop(columns=unused + plain)
 
 
@@ -186,13 +189,15 @@ def main() -> None:
         f"## Long context: {LONG} at {LONG_SEQ:,} tokens on 8 GPUs", "",
         f"{LONG}, sequence {LONG_SEQ:,}, global batch {LONG_BATCH}, one AdamW training step in BF16 with flash-attn 2 "
         "and full activation recompute, on 8 GPUs: the two sequences split by context parallelism (CP: each "
-        "sequence over CP GPUs, its attention a ring as Megatron-LM / Transformer Engine run it, `cp=`; causal load "
-        "balance; each step's keys and values exchanged beside the step before, cp_comm: what the exchanges "
-        "outlast), by tensor parallelism with sequence parallelism (SP), or both; ZeRO 1 over the GPUs holding the "
-        "same weights (dp x cp). At this length every ring step's attention kernel outlasts its exchange, so "
-        "cp_comm is zero, and context parallelism's price is its smaller kernels and those merging each step's "
-        "partial results; tensor parallelism's is its "
-        "all-reduces.", "",
+        "sequence over CP GPUs, `cp=`), by tensor parallelism with sequence parallelism (SP), or both; ZeRO 1 over "
+        "the GPUs holding the same weights (dp x cp). CP comm (`cp_comm=`): p2p, Transformer Engine's ring as "
+        "Megatron-LM runs it by default (causal load balance; each step's keys and values exchanged beside the "
+        "step before, and its partial results merged by elementwise kernels); all_gather, the keys and values "
+        "gathered first (Llama 3's way, Megatron-LM's `--cp-comm-type all_gather`); a2a, DeepSpeed Ulysses' "
+        "all-to-alls, each GPU 1/CP of the heads over the whole sequence. cp_comm: what of the exchanges is "
+        "exposed. At this length every ring step's attention kernel outlasts its exchange, so the ring's cp_comm "
+        "is zero and its price is its smaller kernels and those merging each step's partial results; tensor "
+        "parallelism's is its all-reduces.", "",
         markdown_table(long, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
         f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "

@@ -14,8 +14,8 @@ from neusight.devices import load_device
 from neusight.errors import InputError
 from neusight.graph.tracer import trace
 from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, FUSED_ATTENTION
-from neusight.parallel import (LinkPath, Links, Parallelism, allreduce_ms, context_exchange_ms, context_steps, p2p_ms,
-                               predict_parallel, split_context)
+from neusight.parallel import (LinkPath, Links, Parallelism, allgather_ms, allreduce_ms, alltoall_ms,
+                               context_exchange_ms, context_steps, p2p_ms, predict_parallel, split_context)
 
 LLAMA = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
@@ -60,9 +60,42 @@ def test_each_gpu_of_the_ring_does_one_cpth_of_the_sequences_attention(model, ca
                     {"cp_dq_accumulate": 3 * 2 * bh * q * d, "cp_dkv_accumulate": 3 * 2 * 2 * bh * kv * d})
             assert dict(zip(merged["kernel"], merged["bytes"])) == want
     # the other kernels are untouched, in their order, each attention step right after its kernel
-    assert ring[ring["cp_step"] == 0].drop(columns=["cp_parent", "cp_step", "cp_shape"]).reset_index(
-        drop=True).equals(part)
+    ring_columns = ["cp_parent", "cp_step", "cp_shape", "cp_q_bytes", "cp_kv_bytes"]
+    assert ring[ring["cp_step"] == 0].drop(columns=ring_columns).reset_index(drop=True).equals(part)
     assert (ring["op_index"].diff().dropna() >= 0).all()
+
+
+@pytest.mark.parametrize("model, causal", [(LLAMA, True), (BERT, False)])
+@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+def test_gathered_or_head_split_attention_does_one_cpth_of_the_work_and_exchanges_as_it_should(model, causal, comm):
+    """all_gather: the sequence's keys and values gathered, then (causal) one kernel per chunk of the GPU's queries
+    against the keys up to it, or one against all; a2a (Ulysses): 1 / cp of the heads over the whole sequence, the
+    whole trace's kernel with the heads divided. Either way 1 / cp of the whole sequence's attention FLOPs per GPU,
+    and exchanges that nothing hides."""
+    cp, seq = 2, 512
+    h100 = load_device(H100)
+    whole = trace(model, 2, seq, "training", device=H100, **KW).kernels
+    part = trace(model, 2, seq // cp, "training", device=H100, context_parallel=cp, **KW).kernels
+    ring = split_context(part.reset_index(drop=True), cp, comm)
+    for kernel in FUSED_ATTENTION:
+        assert _attention_flops(ring, kernel) == pytest.approx(_attention_flops(whole, kernel) / cp, rel=1e-12)
+    attention = ring[ring["kernel"].isin(FUSED_ATTENTION)]
+    assert len(attention) == (2 if causal and comm == "all_gather" else 1) * int(
+        part["kernel"].isin(FUSED_ATTENTION).sum())
+    assert not (ring["family"] == "elementwise").sum() > (part["family"] == "elementwise").sum()   # nothing merged
+    if comm == "a2a":
+        bh, lq, d, lk = whole.loc[whole["kernel"].isin(FUSED_ATTENTION), "dims"].iloc[0]
+        assert attention["dims"].iloc[0] == (bh // cp, lq, d, lk)
+    calls = ring[(ring["cp_step"] == 0) & (ring["cp_parent"] >= 0)]
+    exposed = context_exchange_ms(ring.assign(latency_ms=1.0), cp, h100, LinkPath(100.0), comm=comm)
+    for i, row in calls.iterrows():
+        q, kv = row["cp_q_bytes"], row["cp_kv_bytes"]
+        assert q > 0 and kv > 0
+        want = ((2 if row["kernel"] == ATTENTION_BWD_KERNEL else 1) * allgather_ms(cp * kv, cp, h100, LinkPath(100.0))
+                if comm == "all_gather" else
+                alltoall_ms(q + kv, cp, h100, LinkPath(100.0)) + alltoall_ms(q, cp, h100, LinkPath(100.0)))
+        assert exposed[i] == pytest.approx(want)       # not hidden by the kernels' 1 ms each
+    assert exposed.drop(index=calls.index).eq(0).all()
 
 
 def test_a_step_takes_the_slower_candidate_and_its_exchange_hides_behind_the_step_before():
@@ -76,9 +109,11 @@ def test_a_step_takes_the_slower_candidate_and_its_exchange_hides_behind_the_ste
                       "dims": [dims] * 8, "dtype": ["bfloat16"] * 8, "cp_parent": [0, 0, 0, 0, 0, 0, 0, -1],
                       "cp_step": [0, 1, 1, 1, 2, 2, 2, 0], "cp_shape": [0, 0, 0, 1, 0, 1, 1, 0],
                       "latency_ms": [0.02, 0.01, 0.005, 0.03, 0.05, 0.04, 0.02, 0.5], "roofline_ms": [0.01] * 8})
+    sent = 2 * 4 * 1024 * 64 * 2                 # keys and values of the next chunk, BF16
+    k["cp_kv_bytes"] = [sent] + [0.0] * 7
+    k["cp_q_bytes"] = [sent / 2] + [0.0] * 7
     kept = context_steps(k)
     assert kept["latency_ms"].tolist() == [0.02, 0.03, 0.04, 0.02, 0.5]
-    sent = 2 * 4 * 1024 * 64 * 2                 # keys and values of the next chunk, BF16
     transfer = p2p_ms(sent, h100, LinkPath(100.0))
     exposed = context_exchange_ms(kept, 3, h100, LinkPath(100.0))
     # two exchanges, beside steps 0 and 1; nothing on other rows
@@ -152,6 +187,9 @@ def test_layouts_place_context_parallel_ranks_between_tensor_and_data_parallel_o
     (dict(LLAMA, model_type="mistral", sliding_window=None), dict(), None),
     (dict(LLAMA, model_type="qwen2", sliding_window=64, use_sliding_window=False), dict(), None),
     (LLAMA, dict(megatron=True), "megatron=True"),
+    (LLAMA, dict(cp_comm="a2a"), "2 key / value heads on each GPU, which 4 does not divide"),
+    (LLAMA, dict(cp_comm="ring"), "cp_comm='ring' is not known"),
+    (LLAMA, dict(cp=1, cp_comm="a2a"), "cp=1 has none"),
 ])
 def test_bad_context_parallel_runs_say_what_to_change(model, kw, fragment):
     run = dict(mode="training", cp=4, seq_len=512, **KW)

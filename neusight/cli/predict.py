@@ -72,6 +72,7 @@ class PredictConfig:
     sp: bool = False                     # sequence parallelism in each tensor-parallel group (Megatron-LM; tp > 1)
     cp: int = 1                          # context parallelism: each sequence split over cp GPUs, attention as a ring
     #                                      (Megatron-LM / Transformer Engine; seq_len a multiple of 2 cp; sdpa / flash)
+    cp_comm: str = "p2p"                 # how: p2p (TE's ring) | all_gather (keys / values gathered) | a2a (Ulysses)
     overlap_grad_reduce: bool = False    # the dp gradients' all-reduce / reduce-scatter beside the backward pass,
     #                                      block by block (PyTorch DDP, FSDP, Megatron-LM --overlap-grad-reduce)
     overlap_param_gather: bool = False   # ZeRO's parameter all-gathers beside the compute (FSDP's prefetch; zero=1|2:
@@ -686,7 +687,7 @@ def _check_counts(cfg: PredictConfig) -> None:
 
     # its own checks: positive integers, ep | dp, vpp with pp stages
     Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1,
-                cfg.sp if cfg.gpus is None else False, cfg.cp)
+                cfg.sp if cfg.gpus is None else False, cfg.cp, cfg.cp_comm)
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -862,7 +863,7 @@ def _parallel(cfg: PredictConfig) -> float:
                                  attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
                                  dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
                                  kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp, sp=cfg.sp,
-                                 cp=cfg.cp, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 cp=cfg.cp, cp_comm=cfg.cp_comm, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
                                  nvls=cfg.nvls, cache=shared, **_step_options(cfg))
@@ -941,7 +942,7 @@ def _plan(cfg: PredictConfig) -> float:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
                                  zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, cp=cfg.cp,
-                                 optimizer=optimizer,
+                                 cp_comm=cfg.cp_comm, optimizer=optimizer,
                                  usd_per_gpu_hour=price, head=cfg.head, megatron=cfg.megatron,
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
