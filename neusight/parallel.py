@@ -67,7 +67,10 @@ communication between GPUs over the device's interconnect:
    keys and values; in the backward pass also their gradients) runs beside the previous step's kernels, and only
    what it outlasts is charged (:func:`context_exchange_ms`). The weights' gradients are reduced over the dp x cp
    GPUs that hold the same weights. Needs a fused attention (SDPA's kernels or flash-attn) without a mask or a
-   sliding window. The ring's key / value buffers are not counted in the memory.
+   sliding window. ``cp_comm`` picks the exchange (:data:`CP_COMMS`): the ring above (``"p2p"``, the default),
+   the keys and values all-gathered before the attention (``"all_gather"``), or DeepSpeed Ulysses' all-to-alls
+   that give each GPU 1 / cp of the heads over the whole sequence (``"a2a"``); those two hide nothing
+   (:func:`split_context`, :func:`context_exchange_ms`). The exchanges' buffers are not counted in the memory.
 
 Collectives are ring algorithms (all-reduces over several nodes may be trees, below): an all-reduce of ``b`` bytes
 over ``n`` GPUs moves 2 (n - 1) / n x b per GPU in each direction in 2 (n - 1) steps, an all-gather or
@@ -797,8 +800,8 @@ class ParallelPrediction:
     seq_len: int | None
     parallelism: Parallelism
     latency_ms: float
-    parts: dict[str, float]              # compute, tp_comm, ep_alltoall, cp_comm (the context-parallel ring's
-                                         # exchanges outlasting their attention kernels), pp_p2p, pp_bubble,
+    parts: dict[str, float]              # compute, tp_comm, ep_alltoall, cp_comm (the context-parallel
+                                         # exchanges left exposed), pp_p2p, pp_bubble,
                                          # dp_allreduce (the gradients' all-reduce, or reduce-scatter with
                                          # ZeRO), dp_gather (ZeRO's parameter all-gathers), embedding_allreduce,
                                          # optimizer (ms)
@@ -914,11 +917,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     plain 1F1B); pp must divide ``microbatches`` and pp x vpp the transformer blocks.
     ``sp``: Megatron-LM's sequence parallelism over the ``tp`` GPUs (module docstring, item 1); needs tp > 1.
     ``cp``: context parallelism (module docstring, item 5): each sequence split over ``cp`` GPUs (``seq_len`` a
-    multiple of 2 x cp), its attention a ring of fused kernels (``attn_implementation`` sdpa or flash-attn), the
-    gradients reduced over ``dp x cp`` GPUs (and ZeRO sharding over as many); not with ``ep``, ``kv_cache`` or
-    ``megatron``. ``cp_comm``: how the ``cp`` GPUs exchange attention's inputs (:data:`CP_COMMS`): ``"p2p"``
-    Transformer Engine's ring (its default), ``"all_gather"`` the keys and values gathered first, ``"a2a"``
-    DeepSpeed Ulysses' all-to-alls, heads split over the GPUs (:func:`split_context`).
+    multiple of 2 x cp; of cp with ``cp_comm="a2a"``), its attention a ring of fused kernels
+    (``attn_implementation`` sdpa or flash-attn), the gradients reduced over ``dp x cp`` GPUs (and ZeRO sharding
+    over as many); not with ``ep``, ``kv_cache`` or ``megatron``. ``cp_comm``: how the ``cp`` GPUs exchange
+    attention's inputs (:data:`CP_COMMS`): ``"p2p"`` Transformer Engine's ring (its default), ``"all_gather"`` the
+    keys and values gathered first, ``"a2a"`` DeepSpeed Ulysses' all-to-alls, heads split over the GPUs
+    (:func:`split_context`).
     ``overlap_grad_reduce``: the gradients' all-reduce (reduce-scatter with ZeRO) runs beside the last micro-batch's
     backward pass, block by block as their gradients are done (module docstring, item 3); plain data parallelism
     (no ZeRO, tp, pp, ep, not ``megatron``) by PyTorch DDP's buckets; only what outlasts the backward pass counts.
@@ -1260,7 +1264,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                       f"that each GPU runs 1/{cp} of the heads over the whole sequence, and the output back (in the "
                       "backward pass their gradients; DeepSpeed Ulysses, cp_comm_type a2a)"}[cp_comm]
         notes += (f"context parallelism ({cp_comm}): {split}; {how}: {alone:,.1f} ms of exchanges per micro-batch, "
-                  f"{stages['cp_comm_ms'].max():,.1f} ms of them exposed (cp_comm); the gradients reduced over dp x "
+                  f"{stages['cp_comm_ms'].sum():,.1f} ms of them exposed (cp_comm); the gradients reduced over dp x "
                   f"cp = {rep} GPUs. The exchanges' buffers are not counted in the memory",)
     if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
