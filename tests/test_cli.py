@@ -340,7 +340,7 @@ def test_context_parallel_run_from_the_command_line(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "(dp 1, cp 2, tp 1, pp 1" in r.stdout
-    assert "note: context parallelism: each sequence of 256 tokens" in r.stdout
+    assert "note: context parallelism (p2p): each sequence of 256 tokens" in r.stdout
     record = json.loads((tmp_path / "cp.json").read_text())[0]
     assert record["gpus"] == 2 and "cp_comm_ms" in record and record["dp_allreduce_ms"] > 0
     longest = re.search(r"longest sequence that fits on 2 x .* \(dp 1, cp 2, tp 1\) at global batch 2: (\d+)",
