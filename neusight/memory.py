@@ -510,10 +510,11 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
     """
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
-    _check_cp(cp)
-    if cp > 1 and (not isinstance(seq_len, int) or seq_len % (2 * cp)):
-        raise InputError(f"cp={cp} splits each sequence into {2 * cp} chunks; seq_len={seq_len!r} is not a multiple "
-                         f"of {2 * cp}. Fix: a seq_len that {2 * cp} divides")
+    from neusight.parallel import Parallelism, check_context_seq_len
+
+    Parallelism(cp=cp)          # its own checks of cp
+    if cp > 1:
+        check_context_seq_len(seq_len, cp)
     part = seq_len // cp if cp > 1 else seq_len
     return _largest_fit(lambda b: dict(batch_size=b, seq_len=part), "batch_size", max_batch, model, device, mode,
                         {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp, fused,
@@ -532,6 +533,7 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     ``cp`` times as long, which is what is returned).
     """
     from neusight.graph.models import build_model
+    from neusight.parallel import Parallelism
 
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise InputError(f"step={step!r} is not a positive integer; use e.g. step=64")
@@ -539,7 +541,7 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
                                   if trace_kwargs.get(k) is not None})
     if not built.needs_seq_len:
         raise InputError(f"{built.name} takes no sequence length. Fix: find_max_batch for its batch size")
-    _check_cp(cp)
+    Parallelism(cp=cp)          # its own checks of cp
     if cp > 1 and step % 2:
         raise InputError(f"step={step} with cp={cp}: each GPU's part of a sequence is two chunks, so an even "
                          "number of tokens. Fix: an even step, e.g. step=64")
@@ -551,10 +553,6 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
                                     {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp,
                                     fused, traces)
 
-
-def _check_cp(cp: Any) -> None:
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise InputError(f"cp={cp!r} is not a positive integer. Fix: e.g. cp=1 (the whole sequence on each GPU)")
 
 
 def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,

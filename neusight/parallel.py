@@ -111,6 +111,7 @@ from neusight.devices import Device, load_device
 from neusight.errors import InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 from neusight.graph.records import TensorMeta
+from neusight.kernels import formulas
 from neusight.kernels.base import ATTENTION_BWD_KERNEL, FUSED_ATTENTION
 
 __all__ = ["Parallelism", "Links", "LinkPath", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
@@ -984,12 +985,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         if trace_kwargs.get("kv_cache") is not None:
             raise InputError(f"cp={cp} with kv_cache={trace_kwargs['kv_cache']} (a generation step) is not modelled: "
                              "context parallelism here splits a whole sequence's prompt or training step. Fix: cp=1")
-        need = cp if cp_comm == "a2a" else 2 * cp     # a2a: a part per GPU; else two chunks (causal balance)
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len % need:
-            raise InputError(f"cp={cp} splits each sequence into {need} chunks"
-                             + ("" if cp_comm == "a2a" else " (two per GPU, for causal load balance)")
-                             + f"; seq_len={seq_len!r} is not a multiple of {need}. Fix: a seq_len that {need} "
-                             "divides")
+        check_context_seq_len(seq_len, cp, cp_comm)
     local_seq = seq_len // cp if cp > 1 else seq_len
     traced = (model if isinstance(model, str) else id(model), micro, local_seq, mode, head, optimizer, tp, ep, cp,
               repr(sorted(trace_kwargs.items())))
@@ -1788,8 +1784,6 @@ def _activation_shape(k: pd.DataFrame, block: pd.Series) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------------------
 # context parallelism (module docstring, item 5)
 
-# bytes per element of an attention kernel's keys and values, by the kernel's math dtype
-_KV_ITEMSIZE = {"float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
 # how the GPUs of a context-parallel group exchange each attention call's inputs (split_context)
 CP_COMMS = ("p2p", "all_gather", "a2a")
 
@@ -1802,14 +1796,22 @@ def _attention_share(row: Any) -> float:
     return float(row.flops) / whole if whole > 0 else 0.0
 
 
+def check_context_seq_len(seq_len: Any, cp: int, comm: str = "p2p") -> None:
+    """Refuse a ``seq_len`` that context parallelism over ``cp`` GPUs cannot split: into cp parts with
+    ``comm="a2a"``, else into 2 cp chunks (two per GPU, for causal load balance)."""
+    need = cp if comm == "a2a" else 2 * cp
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len % need:
+        raise InputError(f"cp={cp} splits each sequence into {need} chunks"
+                         + ("" if comm == "a2a" else " (two per GPU, for causal load balance)")
+                         + f"; seq_len={seq_len!r} is not a multiple of {need}. Fix: a seq_len that {need} divides")
+
+
 def check_context_parallel(g: Any, cp: int, comm: str = "p2p") -> None:
     """Refuse context parallelism over ``cp`` GPUs for a trace ``g`` whose attention is not what ring attention
     runs: fused kernels (SDPA's or flash-attn's) without an explicit mask, causal or over the whole block; with
     ``comm="a2a"`` (heads split over the GPUs) also key / value heads that ``cp`` does not divide."""
     if cp == 1:
         return
-    if comm not in CP_COMMS:
-        raise InputError(f"cp_comm={comm!r} is not known. Fix: one of {', '.join(CP_COMMS)}")
     k = g.kernels
     attention = k["kernel"].isin(FUSED_ATTENTION)
     if not attention.any():
@@ -1844,8 +1846,6 @@ def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:
     by the log-sum-exps and added (``cp_out_correction``), in the backward pass the gradients of the queries and
     of the keys and values added to their accumulators (``cp_dq_accumulate``, ``cp_dkv_accumulate``); elementwise,
     in the attention's dtype."""
-    from neusight.kernels import formulas
-
     bh, lq, d, lk = (int(x) for x in dims)
     dtype = str(row["dtype"])
     made = ([formulas.elementwise("cp_dq_accumulate", bh * lq * d, n_tensor_inputs=2, dtype=dtype),
@@ -1892,7 +1892,7 @@ def split_context(k: pd.DataFrame, cp: int, comm: str = "p2p") -> pd.DataFrame:
         row = k.loc[i]
         bh, lq, d, lk = row["dims"]
         backward = 2.5 if row["kernel"] == ATTENTION_BWD_KERNEL else 1.0
-        itemsize = _KV_ITEMSIZE.get(str(row["dtype"]), 2)
+        itemsize = formulas.itemsize(str(row["dtype"]))
         out.loc[i, ["cp_q_bytes", "cp_kv_bytes"]] = [float(bh * lq * d * itemsize), float(2 * bh * lk * d * itemsize)]
         q_bytes = float(row["bytes"]) * lq / (lq + lk)
         kv_bytes = float(row["bytes"]) - q_bytes
