@@ -23,6 +23,11 @@ class InputError(NeuSightError, ValueError):
     """Impossible run parameters: batch size 0, negative sequence length, unknown mode."""
 
 
+class ContextParallelError(InputError):
+    """Context parallelism asked of a model or run it cannot split that way (eager attention, explicit masks, sliding
+    windows, generation): whatever the layout, so a plan searching ``cp`` drops it rather than each layout."""
+
+
 class DataError(NeuSightError, ValueError):
     """A trace CSV or dataset that cannot be used (missing columns, no usable rows)."""
 

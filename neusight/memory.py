@@ -343,7 +343,7 @@ def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> No
 
 
 def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = "cuda",
-                    fused: bool = False) -> MemoryReport:
+                    fused: bool = False, transient: dict[int, int] | None = None) -> MemoryReport:
     """Forecast the device memory of a traced run: peak, breakdown, where, timeline.
 
     Parameters
@@ -359,6 +359,9 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
         The run under ``torch.compile`` (as ``predict(..., fused=True)`` forecasts its kernels): what a fused
         kernel keeps on chip is not allocated (:func:`_unmaterialized`), what its partitioner recomputes in the
         backward is not saved (:func:`_recomputed`); everything else as the eager run holds it.
+    transient : dict, optional
+        Bytes held as workspace while op ``i`` runs, beyond the graph's tensors: communication buffers, e.g. those of
+        context parallelism (:func:`neusight.parallel.context_buffer_bytes`), keyed by op index.
 
     Returns
     -------
@@ -393,6 +396,9 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
         _recomputed(storages, units, views, graph)
     _lifetimes(storages, n, keep_grads=graph.keeps_grads)
     storages += _layout_workspace(graph, device, fused)
+    modules = {r.index: r.module for r in graph.ops}
+    storages += [_Storage(int(b), int(i), int(i), "communication buffers", module=modules[int(i)])
+                 for i, b in (transient or {}).items() if b > 0]
     sizes = np.array([s.nbytes for s in storages], dtype=np.int64)
     blocks = _block(sizes) if allocator == "cuda" else sizes
     start = np.array([s.start for s in storages], dtype=np.int64)
@@ -478,7 +484,7 @@ SHARED_TRACES = 64
 
 def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode: str = "inference",
                    max_batch: int = 1 << 16, zero: int = 0, dp: int = 1, fused: bool = False,
-                   traces: dict | None = None, cp: int = 1, **trace_kwargs: Any) -> int:
+                   traces: dict | None = None, cp: int = 1, cp_comm: str = "p2p", **trace_kwargs: Any) -> int:
     """Largest batch size whose forecast :attr:`MemoryReport.peak_bytes` fits on ``device``.
 
     Doubles the batch from 1 until a trace does not fit, then bisects between the last fit and the first
@@ -501,7 +507,8 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
         it and reused by a GPU on the same software path (as :func:`neusight.predict_many` shares traces).
     cp : int
         Context parallelism (:func:`neusight.parallel.predict_parallel`'s ``cp``): each sequence of ``seq_len``
-        split over ``cp`` GPUs, the memory of one of them (its seq_len / cp tokens; ZeRO over dp x cp GPUs).
+        split over ``cp`` GPUs, the memory of one of them (its seq_len / cp tokens; ZeRO over dp x cp GPUs, and
+        the exchange buffers of ``cp_comm``, :func:`neusight.parallel.context_buffer_bytes`).
 
     Returns
     -------
@@ -512,23 +519,24 @@ def find_max_batch(model: Any, device: Any, *, seq_len: int | None = None, mode:
         raise InputError(f"max_batch={max_batch!r} is not a positive integer; use max_batch >= 1")
     from neusight.parallel import Parallelism, check_context_seq_len
 
-    Parallelism(cp=cp)          # its own checks of cp
+    Parallelism(cp=cp, cp_comm=cp_comm)          # its own checks of cp
     if cp > 1:
-        check_context_seq_len(seq_len, cp)
+        check_context_seq_len(seq_len, cp, cp_comm)
     part = seq_len // cp if cp > 1 else seq_len
     return _largest_fit(lambda b: dict(batch_size=b, seq_len=part), "batch_size", max_batch, model, device, mode,
                         {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp, fused,
-                        traces)
+                        traces, cp_comm)
 
 
 def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str = "inference",
                      max_seq_len: int | None = None, step: int = 64, zero: int = 0, dp: int = 1,
-                     fused: bool = False, traces: dict | None = None, cp: int = 1, **trace_kwargs: Any) -> int:
+                     fused: bool = False, traces: dict | None = None, cp: int = 1, cp_comm: str = "p2p",
+                     **trace_kwargs: Any) -> int:
     """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
 
     The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
     model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
-    tokens do not fit. ``zero`` / ``dp`` / ``fused`` / ``traces`` / ``cp`` as in :func:`find_max_batch`
+    tokens do not fit. ``zero`` / ``dp`` / ``fused`` / ``traces`` / ``cp`` / ``cp_comm`` as in :func:`find_max_batch`
     (``batch_size`` is then one replica's; with ``cp`` each GPU holds multiples of ``step`` tokens of a sequence
     ``cp`` times as long, which is what is returned).
     """
@@ -541,8 +549,8 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
                                   if trace_kwargs.get(k) is not None})
     if not built.needs_seq_len:
         raise InputError(f"{built.name} takes no sequence length. Fix: find_max_batch for its batch size")
-    Parallelism(cp=cp)          # its own checks of cp
-    if cp > 1 and step % 2:
+    Parallelism(cp=cp, cp_comm=cp_comm)          # its own checks of cp
+    if cp > 1 and cp_comm != "a2a" and step % 2:
         raise InputError(f"step={step} with cp={cp}: each GPU's part of a sequence is two chunks, so an even "
                          "number of tokens. Fix: an even step, e.g. step=64")
     cap = (max_seq_len or built.max_seq_len or 1 << 20) // cp
@@ -551,23 +559,26 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     return cp * step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
                                     model, device, mode,
                                     {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp,
-                                    fused, traces)
+                                    fused, traces, cp_comm)
 
 
 
 def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any, device: Any, mode: str,
                  trace_kwargs: dict, zero: int = 0, dp: int = 1, fused: bool = False,
-                 traces: dict | None = None) -> int:
+                 traces: dict | None = None, cp_comm: str = "p2p") -> int:
     """Largest n in [1, hi_cap] whose trace ``shape(n)`` (trace keywords; ``key`` the one searched) fits in
     ``device``'s memory, 0 when n = 1 does not: doubling from 1, then bisection between the last fit and the
     first miss. With ``zero``, the memory of one GPU of ``dp`` replicas under that ZeRO stage; ``traces``: probes'
-    traces shared with other GPUs' searches (:func:`find_max_batch`)."""
+    traces shared with other GPUs' searches (:func:`find_max_batch`); with ``context_parallel`` in the trace
+    keywords, the exchange buffers of ``cp_comm`` counted."""
     from neusight.devices import load_device
     from neusight.graph.tracer import trace, trace_key
-    from neusight.parallel import Parallelism, _check_zero, check_context_parallel, zero_memory_peak
+    from neusight.parallel import (Parallelism, _check_zero, check_context_parallel, context_buffer_bytes,
+                                   zero_memory_peak)
 
     device = load_device(device)
     ep = int(trace_kwargs.get("expert_parallel", 1) or 1)
+    cp = int(trace_kwargs.get("context_parallel", 1))
     _check_zero(zero, Parallelism(dp=dp, ep=ep), mode == "training")
     cache: dict[int, bool] = {}
 
@@ -579,11 +590,12 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
             g = graphs.get(path)
             if g is None:
                 g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
-                check_context_parallel(g, int(trace_kwargs.get("context_parallel", 1)))
+                check_context_parallel(g, cp, cp_comm)
                 if traces is not None and sum(map(len, traces.values())) < SHARED_TRACES:
                     graphs[path] = g
-            peak = (zero_memory_peak(g, device, zero, dp, ep, fused) if zero
-                    else float(estimate_memory(g, device, fused=fused).peak_bytes))
+            buffers = context_buffer_bytes(g.kernels, cp, cp_comm)
+            peak = (zero_memory_peak(g, device, zero, dp, ep, fused, buffers) if zero
+                    else float(estimate_memory(g, device, fused=fused, transient=buffers).peak_bytes))
             cache[n] = peak <= device.memory_bytes
             log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], peak / 2**30, device.memory_gib,
                      "fits" if cache[n] else "does not fit")

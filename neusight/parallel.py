@@ -70,7 +70,8 @@ communication between GPUs over the device's interconnect:
    sliding window. ``cp_comm`` picks the exchange (:data:`CP_COMMS`): the ring above (``"p2p"``, the default),
    the keys and values all-gathered before the attention (``"all_gather"``), or DeepSpeed Ulysses' all-to-alls
    that give each GPU 1 / cp of the heads over the whole sequence (``"a2a"``); those two hide nothing
-   (:func:`split_context`, :func:`context_exchange_ms`). The exchanges' buffers are not counted in the memory.
+   (:func:`split_context`, :func:`context_exchange_ms`). The exchanges' buffers count in the memory as workspace
+   while each attention call runs (:func:`context_buffer_bytes`).
 
 Collectives are ring algorithms (all-reduces over several nodes may be trees, below): an all-reduce of ``b`` bytes
 over ``n`` GPUs moves 2 (n - 1) / n x b per GPU in each direction in 2 (n - 1) steps, an all-gather or
@@ -108,7 +109,7 @@ import torch
 from torch import nn
 
 from neusight.devices import Device, load_device
-from neusight.errors import InputError, ModelError
+from neusight.errors import ContextParallelError, InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 from neusight.graph.records import TensorMeta
 from neusight.kernels import formulas
@@ -979,12 +980,14 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
     if cp > 1:
         if megatron:
-            raise InputError(f"cp={cp} with megatron=True is not modelled (Megatron-LM's kernels here are GPT-2's "
-                             "eager attention; its context parallelism runs Transformer Engine's). Fix: leave one of "
-                             "them out (cp with attn_implementation='sdpa' or 'flash_attention_2')")
+            raise ContextParallelError(f"cp={cp} with megatron=True is not modelled (Megatron-LM's kernels here are "
+                                       "GPT-2's eager attention; its context parallelism runs Transformer Engine's). "
+                                       "Fix: leave one of them out (cp with attn_implementation='sdpa' or "
+                                       "'flash_attention_2')")
         if trace_kwargs.get("kv_cache") is not None:
-            raise InputError(f"cp={cp} with kv_cache={trace_kwargs['kv_cache']} (a generation step) is not modelled: "
-                             "context parallelism here splits a whole sequence's prompt or training step. Fix: cp=1")
+            raise ContextParallelError(f"cp={cp} with kv_cache={trace_kwargs['kv_cache']} (a generation step) is not "
+                                       "modelled: context parallelism here splits a whole sequence's prompt or "
+                                       "training step. Fix: cp=1")
         check_context_seq_len(seq_len, cp, cp_comm)
     local_seq = seq_len // cp if cp > 1 else seq_len
     traced = (model if isinstance(model, str) else id(model), micro, local_seq, mode, head, optimizer, tp, ep, cp,
@@ -1147,7 +1150,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         from neusight.memory import estimate_memory
 
         if "memory" not in kept:
-            kept["memory"] = estimate_memory(g, device, fused=fused)
+            kept["memory"] = estimate_memory(g, device, fused=fused,
+                                             transient=context_buffer_bytes(g.kernels, cp, cp_comm))
         report = kept["memory"]
         b = _zero_breakdown(report, zero, shards, units) if zero else dict(report.breakdown)
         if sp:      # what the sequence-parallel kernels save for the backward pass: 1 / tp of it per GPU
@@ -1261,7 +1265,8 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                       "backward pass their gradients; DeepSpeed Ulysses, cp_comm_type a2a)"}[cp_comm]
         notes += (f"context parallelism ({cp_comm}): {split}; {how}: {alone:,.1f} ms of exchanges per micro-batch, "
                   f"{stages['cp_comm_ms'].sum():,.1f} ms of them exposed (cp_comm); the gradients reduced over dp x "
-                  f"cp = {rep} GPUs. The exchanges' buffers are not counted in the memory",)
+                  f"cp = {rep} GPUs. The exchanges' buffers count in the memory while each attention call runs "
+                  f"(up to {max(context_buffer_bytes(g.kernels, cp, cp_comm).values()) / 2**20:,.1f} MiB a call)",)
     if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
@@ -1329,15 +1334,18 @@ def _check_zero(zero: Any, par: Parallelism, training: bool) -> None:
         raise InputError(f"zero={zero} with pipeline stages (pp={par.pp}) is not modelled. Fix: pp=1, or zero=0")
 
 
-def zero_memory_peak(g: Any, device: Device, zero: int, dp: int, ep: int = 1, fused: bool = False) -> float:
+def zero_memory_peak(g: Any, device: Device, zero: int, dp: int, ep: int = 1, fused: bool = False,
+                     transient: dict[int, int] | None = None) -> float:
     """Peak bytes on one GPU of trace ``g`` run by ``dp`` data-parallel replicas under ZeRO stage ``zero``
-    (:func:`_zero_breakdown`; ``ep``: the experts' expert-parallel degree; ``fused``: under torch.compile), as
+    (:func:`_zero_breakdown`; ``ep``: the experts' expert-parallel degree; ``fused``: under torch.compile;
+    ``transient``: communication buffers per op, :func:`neusight.memory.estimate_memory`), as
     :func:`predict_parallel` forecasts it with ``pp=1``."""
     from neusight.memory import estimate_memory
 
     units = _unit_parameter_bytes(g, _block_index(g.kernels)) if zero == 3 else []
     shards = _zero_shards(dp, ep, _expert_parameter_share(g) if ep > 1 else 0.0)
-    return float(sum(_zero_breakdown(estimate_memory(g, device, fused=fused), zero, shards, units).values()))
+    report = estimate_memory(g, device, fused=fused, transient=transient)
+    return float(sum(_zero_breakdown(report, zero, shards, units).values()))
 
 
 def _zero_shards(dp: int, ep: int, expert_share: float) -> float:
@@ -1815,23 +1823,24 @@ def check_context_parallel(g: Any, cp: int, comm: str = "p2p") -> None:
     k = g.kernels
     attention = k["kernel"].isin(FUSED_ATTENTION)
     if not attention.any():
-        raise InputError(f"cp={cp} runs each attention as a ring of fused attention kernels (Transformer Engine's "
-                         f"context parallelism); {g.model}'s trace has none (eager attention: a softmax between two "
-                         "GEMMs, or no attention at all). Fix: attn_implementation='sdpa' or 'flash_attention_2' "
-                         "(a transformer), or cp=1")
+        raise ContextParallelError(f"cp={cp} runs each attention as a ring of fused attention kernels (Transformer "
+                                   f"Engine's context parallelism); {g.model}'s trace has none (eager attention: a "
+                                   "softmax between two GEMMs, or no attention at all). Fix: "
+                                   "attn_implementation='sdpa' or 'flash_attention_2' (a transformer), or cp=1")
     forward = ("aten._scaled_dot_product_efficient_attention.", "aten._scaled_dot_product_cudnn_attention.")
     masked = sorted({r.module for r in g.ops if r.call.op.startswith(forward) and len(r.call.args) > 3
                      and isinstance(r.call.args[3], TensorMeta)})
     if masked:
-        raise InputError(f"cp={cp}: the attention of {masked[0]}{' and others' if len(masked) > 1 else ''} reads an "
-                         "explicit mask (a sliding window or chunked attention under SDPA), which the ring attention "
-                         "modelled here does not take (causal or no mask only). Fix: cp=1")
+        raise ContextParallelError(f"cp={cp}: the attention of {masked[0]}"
+                                   f"{' and others' if len(masked) > 1 else ''} reads an explicit mask (a sliding "
+                                   "window or chunked attention under SDPA), which the ring attention modelled here "
+                                   "does not take (causal or no mask only). Fix: cp=1")
     for row in k[attention].itertuples():
         share = _attention_share(row)
         if abs(share - 0.5) > 0.02 and abs(share - 1.0) > 0.02:
-            raise InputError(f"cp={cp}: the attention of {row.module} computes {share:.0%} of its block (a sliding "
-                             "window's band under flash-attn), which the ring attention modelled here does not "
-                             "take (causal or no mask only). Fix: cp=1")
+            raise ContextParallelError(f"cp={cp}: the attention of {row.module} computes {share:.0%} of its block "
+                                       "(a sliding window's band under flash-attn), which the ring attention "
+                                       "modelled here does not take (causal or no mask only). Fix: cp=1")
         heads = row.dims[0] // max(int(g.batch_size), 1)     # key / value heads (query heads packed with them)
         if comm == "a2a" and (row.dims[0] % max(int(g.batch_size), 1) or heads % cp):
             raise InputError(f"cp_comm='a2a' splits the attention heads over the cp={cp} GPUs (DeepSpeed Ulysses); "
@@ -1856,6 +1865,38 @@ def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:
     return [{**row.to_dict(), "family": t.family.value, "kernel": t.name, "dims": t.dims, "dtype": t.dtype,
              "flops": t.flops, "algo_flops": t.flops, "bytes": t.bytes, "channel_align": float("nan"),
              "nchw_operands": None} for t in made]
+
+
+def context_buffer_bytes(k: pd.DataFrame, cp: int, comm: str = "p2p") -> dict[int, int]:
+    """The communication buffers of context parallelism over ``cp`` GPUs, per op of the traced kernels ``k`` (one
+    GPU's part of each sequence): bytes held while each fused attention call runs, beyond the tensors of the trace.
+    With Q the GPU's queries (the output, their gradients: the same size) and KV its keys and values:
+
+    - ``"p2p"`` (the ring): forward, the keys and values received for the next step beside those of this one
+      (2 KV, double-buffered) and the step's partial output beside the running one (Q); backward, the keys and values
+      (2 KV) and their accumulating gradients (2 KV) double-buffered round the ring, and the step's partial gradients
+      (Q + KV) before they are added;
+    - ``"all_gather"``: forward, the whole sequence's keys and values (cp KV); backward, those gathered again and
+      their gradients before the reduce-scatter (2 cp KV);
+    - ``"a2a"``: forward, the queries, keys and values after the all-to-all (Q + KV) and the output before its way
+      back (Q); backward, the output's gradient (Q), the queries, keys and values (Q + KV) and their gradients before
+      the all-to-all back (Q + KV).
+
+    An approximation of Transformer Engine's and DeepSpeed's buffers (their allocator reuse and FP32 accumulators
+    are not followed); the key / value bytes are those each GPU holds (grouped-query heads as they are)."""
+    out: dict[int, int] = {}
+    if cp == 1:
+        return out
+    for row in k[k["kernel"].isin(FUSED_ATTENTION)].itertuples():
+        bh, lq, d, lk = row.dims
+        itemsize = formulas.itemsize(str(row.dtype))
+        q, kv = bh * lq * d * itemsize, 2 * bh * lk * d * itemsize
+        backward = row.kernel == ATTENTION_BWD_KERNEL
+        need = {"p2p": (5 * kv + q) if backward else (2 * kv + q),
+                "all_gather": (2 if backward else 1) * cp * kv,
+                "a2a": (3 * q + 2 * kv) if backward else (2 * q + kv)}[comm]
+        out[int(row.op_index)] = max(out.get(int(row.op_index), 0), int(need))
+    return out
 
 
 def split_context(k: pd.DataFrame, cp: int, comm: str = "p2p") -> pd.DataFrame:

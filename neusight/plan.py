@@ -6,7 +6,9 @@ and does it fit?". :func:`plan_parallel` answers it by forecasting every layout 
 inherits; nothing is fitted here):
 
 - every ``dp x tp x pp`` with ``dp x tp x pp = gpus`` whose data-parallel replicas split the global batch (with
-  ``cp`` given, of gpus / cp: each sequence over cp GPUs on every layout);
+  ``cp`` given, of gpus / cp: each sequence over cp GPUs on every layout; with ``cp="auto"`` or a list of degrees,
+  those of gpus / cp for every such cp that splits the sequence: context parallelism searched, dropped with a note
+  when the model or run cannot take it, e.g. eager attention);
 - per layout, the micro-batch counts that split a replica's batch (gradient accumulation when ``pp = 1``, the
   pipeline's schedule otherwise, from ``pp`` micro-batches up: fewer only lengthen the bubble, as the first stage
   holds the activations of the whole replica batch / pp either way). With ``pp = 1`` more micro-batches only save
@@ -43,7 +45,7 @@ from typing import Any
 import pandas as pd
 
 from neusight.devices import Device, load_device
-from neusight.errors import InputError, ModelError
+from neusight.errors import ContextParallelError, InputError, ModelError
 from neusight.graph.graph import SELECTIVE
 
 __all__ = ["GenerationPlan", "ParallelPlan", "across", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
@@ -64,6 +66,21 @@ def layouts(gpus: int) -> list[tuple[int, int, int]]:
     [(4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)]
     """
     return [(gpus // (tp * pp), tp, pp) for tp in _divisors(gpus) for pp in _divisors(gpus // tp)]
+
+
+def _context_degrees(cp: Any, gpus: int) -> tuple[list[int], bool]:
+    """``plan_parallel``'s ``cp``: the context-parallel degrees to try, and whether they are searched (a list or
+    ``"auto"``: every divisor of ``gpus``) rather than given (an integer)."""
+    from omegaconf import ListConfig
+
+    fix = "Fix: cp=1, a divisor of gpus, a list of them (e.g. cp=[1,2,4]) or cp=auto (every divisor)"
+    if cp == "auto":
+        return _divisors(gpus), True
+    values = list(cp) if isinstance(cp, (list, tuple, ListConfig)) else [cp]
+    if not values or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 or gpus % c for c in values):
+        raise InputError(f"cp={cp!r} is not a positive integer that divides gpus={gpus}, a list of them or 'auto' "
+                         f"(each sequence over cp of the GPUs). {fix}")
+    return sorted(set(values)), isinstance(cp, (list, tuple, ListConfig))
 
 
 def layout_label(dp: int, tp: int, pp: int, cp: int = 1) -> str:
@@ -112,6 +129,7 @@ class ParallelPlan:
         per = f", seq {self.seq_len}" if self.seq_len else ""
         c = self.candidates
         searched = (", expert-parallel degrees" if len(t) and c["ep"].nunique() > 1 else "") + (
+            ", context-parallel degrees" if len(t) and c["cp"].nunique() > 1 else "") + (
             ", ZeRO stages, recompute where needed" if self.mode == "training" else "")
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}{per} on {self.gpus} x {self.device.name}",
                  f"{len(t)} layouts of {self.gpus} GPUs forecast ({len(self.candidates)} candidates: micro-batch "
@@ -126,7 +144,7 @@ class ParallelPlan:
         if best is not None:
             lines.append(f"best: {_describe(best)}: {best['ms']:,.2f} ms a step ({best[self.unit]:,.0f} "
                          f"{self.unit}), {best['memory GiB']:,.1f} GiB per GPU")
-            plain = t[(t["tp"] == 1) & (t["pp"] == 1)]
+            plain = t[(t["tp"] == 1) & (t["pp"] == 1) & (t["cp"] == 1)]
             if len(plain) and plain.iloc[0]["layout"] != best["layout"]:
                 p = plain.iloc[0]
                 lines.append(f"plain data parallelism ({_describe(p)}): "
@@ -201,7 +219,8 @@ def _describe(row: pd.Series) -> str:
 
 def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, seq_len: int | None = None,
                   mode: str = "training", *, microbatches: int | None = None, zero: int | None = None,
-                  ep: int | None = None, vpp: int = 1, sp: bool = False, cp: int = 1, optimizer: str | None = "adamw",
+                  ep: int | None = None, vpp: int = 1, sp: bool = False, cp: int | str | list[int] = 1,
+                  optimizer: str | None = "adamw",
                   usd_per_gpu_hour: float | None = None, **kwargs: Any) -> ParallelPlan:
     """Forecast every layout of ``gpus`` GPUs of ``device`` for one step of ``model`` at global ``batch_size``
     and rank them (module docstring: which candidates are tried).
@@ -226,10 +245,13 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         Megatron-LM's sequence parallelism on the layouts with tensor parallelism (``sp`` column). Not searched:
         the forecast has it save memory and time at no cost (the same collective volume), so it is on or off as
         given.
-    cp : int
-        Context parallelism on every layout (:func:`neusight.parallel.predict_parallel`'s ``cp``): each sequence over
-        ``cp`` GPUs, the layouts those of gpus / cp sequence groups (``cp`` column; ZeRO over dp x cp). Not
-        searched: plan with each value to compare them.
+    cp : int, "auto" or list of int
+        Context parallelism (:func:`neusight.parallel.predict_parallel`'s ``cp``): each sequence over ``cp`` GPUs,
+        the layouts those of gpus / cp sequence groups (``cp`` column; ZeRO over dp x cp). An integer applies to
+        every layout; a list searches those degrees (each must divide ``gpus``), ``"auto"`` every divisor of
+        ``gpus``. A searched degree that does not split ``seq_len`` is not tried, and context parallelism is
+        dropped from the search (both with a note) when the model or run cannot take it at all (eager attention,
+        explicit masks, sliding windows, ``megatron=True``, a KV cache).
     overlap_grad_reduce, overlap_param_gather : bool, optional (in ``kwargs``)
         The gradients' reduction overlapped with the backward pass on the layouts with data-parallel replicas, ZeRO's
         parameter gathers with the compute on the candidates with a ZeRO stage
@@ -269,9 +291,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     if not isinstance(sp, bool):
         raise InputError(f"sp={sp!r} is not true or false. Fix: sp=true (sequence parallelism where tp > 1) or "
                          "sp=false")
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or gpus % cp:
-        raise InputError(f"cp={cp!r} is not a positive integer that divides gpus={gpus} (each sequence over cp of "
-                         "the GPUs). Fix: cp=1, or a divisor of gpus")
+    contexts, cp_searched = _context_degrees(cp, gpus)
     if zero is not None and zero not in (0, 1, 2, 3):
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
@@ -300,21 +320,33 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "unit": "samples/s", "seq": seq_len,
                              "name": model if isinstance(model, str) else type(model).__name__}
 
+    if cp_searched:
+        from neusight.parallel import check_context_seq_len
+
+        for c in [c for c in contexts if c > 1]:
+            try:
+                check_context_seq_len(seq_len, c, kwargs.get("cp_comm", "p2p"))
+            except InputError as e:
+                if contexts == [c]:
+                    raise               # nothing left to plan
+                notes_extra.append(f"cp={c} not tried: " + str(e).split(". Fix:")[0])
+                contexts.remove(c)
     experts = _experts_gcd(model, kwargs) if ep is None else 0
     attention_saved: dict[int, float] = {}     # per trace: bytes its attention modules save for backward
     kept: dict[int, tuple] = {}                # per candidate row: its memory, trace and activations in flight
 
-    def degrees(dp: int) -> list[int]:
-        """The expert-parallel degrees tried on ``dp`` replicas."""
+    def degrees(dp: int, cp: int) -> list[int]:
+        """The expert-parallel degrees tried on ``dp`` replicas (none with context parallelism)."""
         if ep is not None:
             return [ep]
         return [e for e in _divisors(dp) if experts % e == 0] if experts and cp == 1 else [1]
 
-    def candidates(label: str, dp: int, tp: int, pp: int, m: int, stages: list[int], ckpt: Any) -> list[dict]:
-        return [candidate(label, dp, tp, pp, m, z, ckpt, e, vpp if pp > 1 else 1) for e in degrees(dp)
+    def candidates(label: str, dp: int, cp: int, tp: int, pp: int, m: int, stages: list[int],
+                   ckpt: Any) -> list[dict]:
+        return [candidate(label, dp, cp, tp, pp, m, z, ckpt, e, vpp if pp > 1 else 1) for e in degrees(dp, cp)
                 for z in stages]
 
-    def candidate(label: str, dp: int, tp: int, pp: int, m: int, z: int, ckpt: Any, e: int,
+    def candidate(label: str, dp: int, cp: int, tp: int, pp: int, m: int, z: int, ckpt: Any, e: int,
                   v: int) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
@@ -355,7 +387,9 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 return True
         return False
 
-    for dp, tp, pp in layouts(gpus // cp):
+    for dp, cp, tp, pp in [(dp, c, tp, pp) for c in contexts for dp, tp, pp in layouts(gpus // c)]:
+        if cp not in contexts:
+            continue            # context parallelism dropped from the search (below)
         label = layout_label(dp, tp, pp, cp)
         if batch_size % dp:
             skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
@@ -376,7 +410,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         last_fit, recompute_fit = math.inf, False
         try:
             for m in counts:
-                plain = candidates(label, dp, tp, pp, m, stages, False)
+                plain = candidates(label, dp, cp, tp, pp, m, stages, False)
                 rows += plain
                 tried = plain
                 again = []
@@ -385,7 +419,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                         if how == SELECTIVE and not selective_may_fit(plain):
                             continue    # even without the attention cores' activations none would fit
                         try:
-                            more = candidates(label, dp, tp, pp, m, stages, how)
+                            more = candidates(label, dp, cp, tp, pp, m, stages, how)
                         except InputError as e:
                             if "gradient_checkpointing" not in str(e):
                                 raise
@@ -405,9 +439,17 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                     break           # pp = 1: more micro-batches only add time; pp > 1: past the fastest count
                 last_fit = min(last_fit, fit_ms)
         except (InputError, ModelError) as e:
+            rows = [r for r in rows if r["layout"] != label]
+            if cp_searched and isinstance(e, ContextParallelError) and 1 in contexts:
+                # the model or run refuses context parallelism whatever the layout: no cp > 1 is tried further
+                notes_extra.append("context parallelism not searched: " + str(e).split(". Fix:")[0])
+                log.info("context parallelism not searched (%s)", notes_extra[-1])
+                contexts[:] = [1]
+                rows = [r for r in rows if r["cp"] == 1]
+                skipped = {k: v for k, v in skipped.items() if " x cp " not in k}
+                continue
             errors.append(e)
             skipped[label] = str(e).split(". Fix:")[0]
-            rows = [r for r in rows if r["layout"] != label]
             log.info("%s: left out (%s)", label, skipped[label])
             continue
         mine = [r for r in rows if r["layout"] == label]

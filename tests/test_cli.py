@@ -133,6 +133,11 @@ BAD = {
                                                  "seq_len=256 is not a multiple of 6"),
     "predict-plan-with-context-parallelism-not-dividing": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4",
                                                             "cp=3"), "cp=3 is not a positive integer that divides"),
+    "predict-searched-context-parallelism-without-a-plan": (("neusight-predict", "model=gpt2", "device=t4",
+                                                             "cp=auto"), "cp=auto is not a positive integer: one "
+                                                                         "forecast takes one context-parallel degree"),
+    "predict-plan-with-context-parallel-degrees-misspelled": (("neusight-predict", "model=gpt2", "device=t4",
+                                                               "gpus=4", "cp=all"), "a list of them or 'auto'"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
                                          "did you mean 'mem_bandwidth_gbps'"),
 }
@@ -346,6 +351,22 @@ def test_context_parallel_run_from_the_command_line(tmp_path):
     longest = re.search(r"longest sequence that fits on 2 x .* \(dp 1, cp 2, tp 1\) at global batch 2: (\d+)",
                         r.stdout)
     assert longest and int(longest[1]) == 512       # the tiny model's 512 positions: the whole sequence's cap
+
+
+def test_plan_searching_context_parallelism_from_the_command_line(tmp_path):
+    """gpus=2 cp=[1,2]: the plan forecasts the layouts of 2 GPUs and of one cp=2 group, shows the cp column and
+    writes it to the plans' CSV."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(_TINY_LLAMA))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=h100-sxm5-80gb", "batch_size=2",
+                        "seq_len=256", "gpus=2", "cp=[1,2]", "dtype=bfloat16", "attn_implementation=sdpa",
+                        "csv=plan.csv", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "context-parallel degrees" in r.stdout and " cp " in r.stdout
+    plan = pd.read_csv(tmp_path / "plan.csv")
+    assert sorted(zip(plan["dp"], plan["cp"], plan["tp"], plan["pp"])) == [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1),
+                                                                          (2, 1, 1, 1)]
 
 
 def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):

@@ -243,6 +243,88 @@ def test_plans_apply_a_given_cp_to_every_layout_of_the_remaining_gpus():
         plan_parallel(LLAMA, H100, 4, 2, 1024, cp=3, **KW)
 
 
+def test_plans_search_the_context_parallel_degrees_asked_for():
+    """cp=auto plans every layout of gpus / cp GPUs for every cp dividing gpus, each a forecast with that cp: its
+    cp = 1 rows are those of a plan without cp, its cp = 4 row is predict_parallel's cp=4 forecast, and the best is
+    the fastest of them all that fits; a list searches those degrees only."""
+    from neusight.plan import layout_label, layouts, plan_parallel
+
+    auto = plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", cp="auto", **KW)
+    t = auto.candidates
+    assert sorted(set(t["cp"])) == [1, 2, 4]
+    for c in (1, 2, 4):     # every layout of 4 / c GPUs forecast or left out with its reason, none twice
+        table = auto.table[auto.table["cp"] == c]
+        forecast = [layout_label(dp, tp, pp, c) for dp, tp, pp in zip(table["dp"], table["tp"], table["pp"])]
+        every = [layout_label(dp, tp, pp, c) for dp, tp, pp in layouts(4 // c)]
+        assert sorted(set(forecast) | {k for k in auto.skipped if k in every}) == sorted(every)
+        assert not set(forecast) & set(auto.skipped) and len(set(forecast)) == len(forecast)
+    assert auto.skipped["dp 1 x tp 4 x pp 1"].startswith("tp=4 does not divide the 2 num_key_value_heads")
+    plain = plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", **KW).candidates
+    ones = t[t["cp"] == 1].reset_index(drop=True)
+    pd.testing.assert_frame_equal(ones.drop(columns="ms"), plain.drop(columns="ms"))
+    assert ones["ms"].tolist() == pytest.approx(plain["ms"].tolist())
+    four = predict_parallel(LLAMA, H100, 2, 1024, "inference", cp=4, **KW)
+    assert t.loc[t["cp"] == 4, "ms"].item() == pytest.approx(four.latency_ms)
+    assert auto.best["ms"] == t.loc[t["fits"], "ms"].min()
+    assert "context-parallel degrees" in auto.summary().splitlines()[1]
+    listed = plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", cp=[4, 1], **KW).candidates
+    assert sorted(set(listed["cp"])) == [1, 4]
+
+
+def test_a_plan_drops_the_cp_its_model_or_sequence_cannot_take_with_a_note():
+    """A degree that does not split the sequence (1,028 tokens: 4 chunks, not 8) is not tried; a model whose
+    attention cannot run as a ring (eager) leaves the search with cp = 1 alone, exactly the plan without cp; the
+    value itself must be a divisor of gpus, a list of them or 'auto'."""
+    from neusight.plan import plan_parallel
+
+    run = dict(mode="inference", **KW)
+    odd = plan_parallel(LLAMA, H100, 4, 2, 1028, cp="auto", **run)
+    assert sorted(set(odd.candidates["cp"])) == [1, 2]
+    assert any(n.startswith("cp=4 not tried: cp=4 splits each sequence into 8 chunks") for n in odd.notes)
+    eager = dict(run, attn_implementation="eager")
+    dropped = plan_parallel(LLAMA, H100, 4, 2, 1024, cp="auto", **eager)
+    assert set(dropped.candidates["cp"]) == {1} and not any(" x cp " in k for k in dropped.skipped)
+    assert any(n.startswith("context parallelism not searched: cp=2 runs each attention as a ring")
+               for n in dropped.notes)
+    plain = plan_parallel(LLAMA, H100, 4, 2, 1024, **eager)
+    assert dropped.table["layout"].tolist() == plain.table["layout"].tolist()
+    assert dropped.table["ms"].tolist() == pytest.approx(plain.table["ms"].tolist())
+    with pytest.raises(InputError, match="cp=2 runs each attention as a ring"):       # given, not searched: refused
+        plan_parallel(LLAMA, H100, 4, 2, 1024, cp=2, **eager)
+    for bad in ("most", [], [1, 3], [2, True], 0):
+        with pytest.raises(InputError, match="a list of them or 'auto'"):
+            plan_parallel(LLAMA, H100, 4, 2, 1024, cp=bad, **run)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_the_exchange_buffers_count_while_each_attention_call_runs(comm):
+    """Each fused attention call holds its exchange's buffers (multiples of the GPU's queries Q and keys and values
+    KV, from the config: batch 2 x 1,024 / cp tokens per GPU, 8 query and 2 key / value heads of 32, BF16; a2a
+    over 2 GPUs, which divide the 2 key / value heads, the others over 4) as workspace
+    while it runs, nothing else changes: the memory timeline with them is the one without plus those bytes at those
+    ops, and the forecast's peak is that timeline's."""
+    from neusight.memory import estimate_memory
+    from neusight.parallel import context_buffer_bytes
+
+    cp = 2 if comm == "a2a" else 4
+    p = predict_parallel(LLAMA, H100, 2, 1024, "training", cp=cp, cp_comm=comm, **KW)
+    g = p.per_gpu.graph                                         # one GPU's part of each sequence
+    local = 1024 // cp
+    q, kv = 2 * local * 8 * 32 * 2, 2 * (2 * local * 2 * 32 * 2)
+    need = {"p2p": (2 * kv + q, 5 * kv + q), "all_gather": (cp * kv, 2 * cp * kv),
+            "a2a": (2 * q + kv, 3 * q + 2 * kv)}[comm]
+    buffers = context_buffer_bytes(g.kernels, cp, comm)
+    attention = g.kernels[g.kernels["kernel"].isin(FUSED_ATTENTION)]
+    expected = {int(r.op_index): need[r.kernel == ATTENTION_BWD_KERNEL] for r in attention.itertuples()}
+    assert buffers == expected and len(expected) == 4          # 2 layers, forward and backward
+    plain, held = estimate_memory(g, H100), estimate_memory(g, H100, transient=buffers)
+    added = held.timeline["workspace"] - plain.timeline["workspace"]
+    assert added.to_dict() == {i: expected.get(i, 0) for i in added.index}
+    assert held.tensor_peak_bytes == held.timeline["live_bytes"].max() >= plain.tensor_peak_bytes
+    assert p.memory_peak_bytes == pytest.approx(held.peak_bytes)
+    assert f"up to {max(need) / 2**20:,.1f} MiB a call" in " ".join(p.notes)
+
+
 def test_memory_searches_hold_one_gpus_part_of_each_sequence():
     """The longest sequence that fits with cp=4 holds 4x the tokens per GPU that one GPU alone holds (within one
     search step), since each GPU keeps only its part; the largest batch at a sequence split over cp GPUs is that

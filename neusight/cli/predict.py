@@ -70,8 +70,9 @@ class PredictConfig:
     microbatches: int = 1                # micro-batches per replica (pipeline schedule / gradient accumulation)
     vpp: int = 1                         # interleaved model chunks per pipeline GPU (Megatron-LM's virtual stages)
     sp: bool = False                     # sequence parallelism in each tensor-parallel group (Megatron-LM; tp > 1)
-    cp: int = 1                          # context parallelism: each sequence split over cp GPUs, attention as a ring
-    #                                      (Megatron-LM / Transformer Engine; seq_len a multiple of 2 cp; sdpa / flash)
+    cp: Any = 1                          # context parallelism: each sequence split over cp GPUs, attention as a ring
+    #                                      (Megatron-LM / Transformer Engine; seq_len a multiple of 2 cp; sdpa / flash);
+    #                                      a plan (gpus=) searches cp=auto (every divisor) or a list, e.g. [1,2,4]
     cp_comm: str = "p2p"                 # how: p2p (TE's ring) | all_gather (keys / values gathered) | a2a (Ulysses)
     overlap_grad_reduce: bool = False    # the dp gradients' all-reduce / reduce-scatter beside the backward pass,
     #                                      block by block (PyTorch DDP, FSDP, Megatron-LM --overlap-grad-reduce)
@@ -671,12 +672,26 @@ def _app(cfg: PredictConfig) -> float:
 
 def _multi_gpu(cfg: PredictConfig) -> bool:
     """A forecast on several GPUs (neusight.parallel) rather than one."""
-    return max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, cfg.cp) > 1 or bool(cfg.megatron) or bool(cfg.zero)
+    return max(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _cp(cfg)) > 1 or bool(cfg.megatron) or bool(cfg.zero)
 
 
 def _ep(cfg: PredictConfig) -> int:
     """The expert-parallel degree of one layout (``ep=null``: 1; a plan, ``gpus=``, searches it instead)."""
     return 1 if cfg.ep is None else cfg.ep
+
+
+def _cp(cfg: PredictConfig) -> int:
+    """The context-parallel degree of one layout (a plan, ``gpus=``, may search them instead: ``cp=auto`` or a list,
+    checked by the plan; 1 here)."""
+    from neusight.errors import InputError
+
+    if isinstance(cfg.cp, int) and not isinstance(cfg.cp, bool):
+        return cfg.cp
+    if cfg.gpus is None:
+        raise InputError(f"cp={cfg.cp} is not a positive integer: one forecast takes one context-parallel degree "
+                         "(cp=auto or a list of degrees searches them in a plan of gpus=N GPUs). Fix: e.g. cp=2, or "
+                         "gpus=8 cp=auto")
+    return 1
 
 
 def _check_counts(cfg: PredictConfig) -> None:
@@ -687,7 +702,7 @@ def _check_counts(cfg: PredictConfig) -> None:
 
     # its own checks: positive integers, ep | dp, vpp with pp stages
     Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1,
-                cfg.sp if cfg.gpus is None else False, cfg.cp, cfg.cp_comm)
+                cfg.sp if cfg.gpus is None else False, _cp(cfg), cfg.cp_comm)
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -696,10 +711,10 @@ def _check_counts(cfg: PredictConfig) -> None:
             raise InputError(f"{k}={v:g} is not a positive number. Fix: e.g. {k}={example}")
     _prices(cfg)   # gpu_hour_usd: positive numbers, one or one per device
     for k in ("overlap_grad_reduce", "overlap_param_gather"):
-        if getattr(cfg, k) and cfg.gpus is None and cfg.dp * cfg.cp == 1:
+        if getattr(cfg, k) and cfg.gpus is None and cfg.dp * _cp(cfg) == 1:
             raise InputError(f"{k}=true overlaps the data-parallel replicas' collectives with the compute; dp=1 has "
                              "none. Fix: dp > 1 (or gpus=N to plan), or leave it out")
-    if not cfg.nvls and cfg.gpus is None and max(cfg.dp * cfg.cp, cfg.tp) == 1:
+    if not cfg.nvls and cfg.gpus is None and max(cfg.dp * _cp(cfg), cfg.tp) == 1:
         raise InputError("nvls=false forecasts NCCL's all-reduces without NVLink SHARP; a run with dp=1 and tp=1 has "
                          "none. Fix: dp > 1 or tp > 1 (or gpus=N to plan), or leave nvls out")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
@@ -863,7 +878,7 @@ def _parallel(cfg: PredictConfig) -> float:
                                  attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
                                  dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
                                  kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp, sp=cfg.sp,
-                                 cp=cfg.cp, cp_comm=cfg.cp_comm, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 cp=_cp(cfg), cp_comm=cfg.cp_comm, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
                                  nvls=cfg.nvls, cache=shared, **_step_options(cfg))
@@ -941,7 +956,7 @@ def _plan(cfg: PredictConfig) -> float:
         for n in counts:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
-                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, cp=cfg.cp,
+                                 zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, cp=cfg.cp,   # or searched
                                  cp_comm=cfg.cp_comm, optimizer=optimizer,
                                  usd_per_gpu_hour=price, head=cfg.head, megatron=cfg.megatron,
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
@@ -1013,9 +1028,10 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
     from neusight.memory import find_max_batch, find_max_seq_len
 
     kw = _search_kw(cfg)
-    several = cfg.dp * cfg.cp * cfg.tp > 1 or bool(cfg.zero)
-    where = (f"{cfg.dp * cfg.cp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if _ep(cfg) > 1 else "")
-             + (f"cp {cfg.cp}, " if cfg.cp > 1 else "") + f"tp {cfg.tp}"
+    cp = _cp(cfg)
+    several = cfg.dp * cp * cfg.tp > 1 or bool(cfg.zero)
+    where = (f"{cfg.dp * cp * cfg.tp} x {device.name} (dp {cfg.dp}, " + (f"ep {cfg.ep}, " if _ep(cfg) > 1 else "")
+             + (f"cp {cp}, " if cp > 1 else "") + f"tp {cfg.tp}"
              + (f", ZeRO stage {cfg.zero})" if cfg.zero else ")")) if several else device.name
     glob = "global " if several else ""
     if cfg.find_max_batch:
@@ -1036,7 +1052,7 @@ def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
     """The keywords of find_max_batch / find_max_seq_len for ``cfg``'s run (besides the searched size)."""
     return dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
                 dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=_ep(cfg), zero=cfg.zero,
-                dp=cfg.dp, fused=cfg.fused, cp=cfg.cp, **_step_options(cfg))
+                dp=cfg.dp, fused=cfg.fused, cp=_cp(cfg), cp_comm=cfg.cp_comm, **_step_options(cfg))
 
 
 def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, dict[str, int]]:

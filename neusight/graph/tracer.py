@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from neusight.errors import InputError, ModelError, TraceError
+from neusight.errors import ContextParallelError, InputError, ModelError, TraceError
 from neusight.graph import fastmeta
 from neusight.graph.amp import Autocast, amp_dtype, model_dtype
 from neusight.graph.graph import SELECTIVE, Graph
@@ -1016,9 +1016,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                          "context_parallel=1 (the whole sequence)")
     seq_len = _check_run(built, batch_size, seq_len, mode, optimizer, context_parallel)
     if context_parallel > 1 and (windowed := _windowed_attention(built)):
-        raise InputError(f"cp={context_parallel}: {built.name} has {windowed} attention layers, which the ring "
-                         "attention modelled here does not take (causal or no mask over the whole sequence). Fix: "
-                         "cp=1")
+        raise ContextParallelError(f"cp={context_parallel}: {built.name} has {windowed} attention layers, which the "
+                                   "ring attention modelled here does not take (causal or no mask over the whole "
+                                   "sequence). Fix: cp=1")
     amp_t = amp_dtype(amp)
     _check_kv_cache(built, kv_cache, mode, seq_len)
     if not isinstance(static_cache, bool):
