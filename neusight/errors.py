@@ -28,6 +28,11 @@ class ContextParallelError(InputError):
     windows, generation): whatever the layout, so a plan searching ``cp`` drops it rather than each layout."""
 
 
+class ContextCommError(InputError):
+    """A context-parallel exchange (``cp_comm``) that cannot run one layout (Ulysses' all-to-all over more GPUs than
+    the key / value heads on each): a plan searching the exchanges drops it there, keeping the others."""
+
+
 class DataError(NeuSightError, ValueError):
     """A trace CSV or dataset that cannot be used (missing columns, no usable rows)."""
 

@@ -109,7 +109,7 @@ import torch
 from torch import nn
 
 from neusight.devices import Device, load_device
-from neusight.errors import ContextParallelError, InputError, ModelError
+from neusight.errors import ContextCommError, ContextParallelError, InputError, ModelError
 from neusight.graph.moe import is_routed_experts
 from neusight.graph.records import TensorMeta
 from neusight.kernels import formulas
@@ -1843,10 +1843,10 @@ def check_context_parallel(g: Any, cp: int, comm: str = "p2p") -> None:
                                        "modelled here does not take (causal or no mask only). Fix: cp=1")
         heads = row.dims[0] // max(int(g.batch_size), 1)     # key / value heads (query heads packed with them)
         if comm == "a2a" and (row.dims[0] % max(int(g.batch_size), 1) or heads % cp):
-            raise InputError(f"cp_comm='a2a' splits the attention heads over the cp={cp} GPUs (DeepSpeed Ulysses); "
-                             f"the attention of {row.module} has {heads} key / value heads on each GPU, which {cp} "
-                             "does not divide. Fix: cp_comm='p2p' (a ring) or 'all_gather', or a cp that divides "
-                             "them")
+            raise ContextCommError(f"cp_comm='a2a' splits the attention heads over the cp={cp} GPUs (DeepSpeed "
+                                   f"Ulysses); the attention of {row.module} has {heads} key / value heads on each "
+                                   f"GPU, which {cp} does not divide. Fix: cp_comm='p2p' (a ring) or 'all_gather', "
+                                   "or a cp that divides them")
 
 
 def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:

@@ -8,7 +8,8 @@ inherits; nothing is fitted here):
 - every ``dp x tp x pp`` with ``dp x tp x pp = gpus`` whose data-parallel replicas split the global batch (with
   ``cp`` given, of gpus / cp: each sequence over cp GPUs on every layout; with ``cp="auto"`` or a list of degrees,
   those of gpus / cp for every such cp that splits the sequence: context parallelism searched, dropped with a note
-  when the model or run cannot take it, e.g. eager attention);
+  when the model or run cannot take it, e.g. eager attention; ``cp_comm="auto"`` or a list tries each exchange,
+  p2p / all_gather / a2a, on every layout with cp > 1, an exchange that cannot run a layout left out there);
 - per layout, the micro-batch counts that split a replica's batch (gradient accumulation when ``pp = 1``, the
   pipeline's schedule otherwise, from ``pp`` micro-batches up: fewer only lengthen the bubble, as the first stage
   holds the activations of the whole replica batch / pp either way). With ``pp = 1`` more micro-batches only save
@@ -45,7 +46,7 @@ from typing import Any
 import pandas as pd
 
 from neusight.devices import Device, load_device
-from neusight.errors import ContextParallelError, InputError, ModelError
+from neusight.errors import ContextCommError, ContextParallelError, InputError, ModelError
 from neusight.graph.graph import SELECTIVE
 
 __all__ = ["GenerationPlan", "ParallelPlan", "across", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
@@ -81,6 +82,53 @@ def _context_degrees(cp: Any, gpus: int) -> tuple[list[int], bool]:
         raise InputError(f"cp={cp!r} is not a positive integer that divides gpus={gpus}, a list of them or 'auto' "
                          f"(each sequence over cp of the GPUs). {fix}")
     return sorted(set(values)), isinstance(cp, (list, tuple, ListConfig))
+
+
+def _context_comms(cp_comm: Any, contexts: list[int]) -> list[str]:
+    """``plan_parallel``'s ``cp_comm``: the context-parallel exchanges to try (``"auto"``: all of
+    :data:`neusight.parallel.CP_COMMS`; a list: those)."""
+    from omegaconf import ListConfig
+
+    from neusight.parallel import CP_COMMS
+
+    values = list(CP_COMMS) if cp_comm == "auto" else (
+        list(cp_comm) if isinstance(cp_comm, (list, tuple, ListConfig)) else [cp_comm])
+    if not values or any(not isinstance(v, str) or v not in CP_COMMS for v in values):
+        raise InputError(f"cp_comm={cp_comm!r} is not one of {', '.join(CP_COMMS)}, a list of them or 'auto'. Fix: "
+                         "e.g. cp_comm=a2a, cp_comm=[p2p,a2a] or cp_comm=auto (all three)")
+    if values != ["p2p"] and contexts == [1]:
+        raise InputError(f"cp_comm={cp_comm!r} chooses how the GPUs of a context-parallel group exchange attention's "
+                         "inputs; cp=1 has none. Fix: cp=N, cp=auto or a list of degrees, or leave cp_comm out")
+    return [c for c in CP_COMMS if c in values]
+
+
+def _context_comms_of(contexts: list[int], comms: list[str], seq_len: Any, notes: list[str]) -> dict[int, list[str]]:
+    """The exchanges tried with each context-parallel degree of ``contexts``: those of ``comms`` that split
+    ``seq_len`` (a2a into cp parts, the others into 2 cp chunks). A pair that does not is noted in ``notes``, a
+    degree with none is dropped from ``contexts`` (noted too); an error when nothing would be left."""
+    from neusight.parallel import check_context_seq_len
+
+    out: dict[int, list[str]] = {1: ["p2p"]}
+    if seq_len is None and 1 in contexts and len(contexts) > 1:
+        notes.append("context parallelism not searched: it splits each sequence, and this run has no seq_len")
+        contexts[:] = [1]
+    for c in [c for c in contexts if c > 1]:
+        ok, refused = [], []
+        for m in comms:
+            try:
+                check_context_seq_len(seq_len, c, m)
+                ok.append(m)
+            except InputError as e:
+                refused.append((m, e))
+        if ok:
+            out[c] = ok
+            notes += [f"cp={c} with cp_comm={m} not tried: " + str(e).split(". Fix:")[0] for m, e in refused]
+        elif contexts != [c]:
+            notes.append(f"cp={c} not tried: " + str(refused[0][1]).split(". Fix:")[0])
+            contexts.remove(c)
+        else:
+            raise refused[0][1]         # nothing left to plan
+    return out
 
 
 def layout_label(dp: int, tp: int, pp: int, cp: int = 1) -> str:
@@ -138,6 +186,7 @@ class ParallelPlan:
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
         hidden = ["layout"] + [k for k in ("ep", "vpp", "cp") if len(t) and (t[k] == 1).all()]   # MoE; given
+        hidden += ["cp comm"] if "cp" in hidden else []
         hidden += ["sp"] if len(t) and (t["sp"] == "no").all() else []                    # sp: given, tp > 1
         lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
@@ -212,6 +261,7 @@ def _describe(row: pd.Series) -> str:
     return (row["layout"] + (f", ep {int(row['ep'])}" if row["ep"] > 1 else "")
             + (f", interleaved ({int(row['vpp'])} chunks per GPU)" if row["vpp"] > 1 else "")
             + (", sequence parallelism" if row["sp"] == "yes" else "")
+            + (f", cp_comm {row['cp comm']}" if row["cp"] > 1 else "")
             + f", {m} micro-batch{'es' if m > 1 else ''} per replica"
             + (f", ZeRO stage {int(row['zero'])}" if row["zero"] else "")
             + (f", {row['recompute']} activation recompute" if row["recompute"] != "no" else ""))
@@ -252,6 +302,11 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         ``gpus``. A searched degree that does not split ``seq_len`` is not tried, and context parallelism is
         dropped from the search (both with a note) when the model or run cannot take it at all (eager attention,
         explicit masks, sliding windows, ``megatron=True``, a KV cache).
+    cp_comm : str or list of str, optional (in ``kwargs``)
+        How the GPUs of a context-parallel group exchange attention's inputs (``predict_parallel``'s ``cp_comm``)
+        on every layout with cp > 1, or, as ``"auto"`` or a list, each of those exchanges tried there (``cp comm``
+        column); one that does not split ``seq_len`` or cannot run a layout (Ulysses' all-to-all over more GPUs than
+        the key / value heads) is left out with a note.
     overlap_grad_reduce, overlap_param_gather : bool, optional (in ``kwargs``)
         The gradients' reduction overlapped with the backward pass on the layouts with data-parallel replicas, ZeRO's
         parameter gathers with the compute on the candidates with a ZeRO stage
@@ -292,6 +347,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         raise InputError(f"sp={sp!r} is not true or false. Fix: sp=true (sequence parallelism where tp > 1) or "
                          "sp=false")
     contexts, cp_searched = _context_degrees(cp, gpus)
+    comms = _context_comms(kwargs.pop("cp_comm", "p2p"), contexts)
     if zero is not None and zero not in (0, 1, 2, 3):
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
@@ -320,17 +376,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     state: dict[str, Any] = {"best_ms": math.inf, "notes": (), "unit": "samples/s", "seq": seq_len,
                              "name": model if isinstance(model, str) else type(model).__name__}
 
-    if cp_searched:
-        from neusight.parallel import check_context_seq_len
-
-        for c in [c for c in contexts if c > 1]:
-            try:
-                check_context_seq_len(seq_len, c, kwargs.get("cp_comm", "p2p"))
-            except InputError as e:
-                if contexts == [c]:
-                    raise               # nothing left to plan
-                notes_extra.append(f"cp={c} not tried: " + str(e).split(". Fix:")[0])
-                contexts.remove(c)
+    comms_of = _context_comms_of(contexts, comms, seq_len, notes_extra)    # cp -> its exchanges tried
+    comm_skips: dict[str, list[str]] = {}      # an exchange's reason -> the layouts it was left out on
     experts = _experts_gcd(model, kwargs) if ep is None else 0
     attention_saved: dict[int, float] = {}     # per trace: bytes its attention modules save for backward
     kept: dict[int, tuple] = {}                # per candidate row: its memory, trace and activations in flight
@@ -343,22 +390,36 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
 
     def candidates(label: str, dp: int, cp: int, tp: int, pp: int, m: int, stages: list[int],
                    ckpt: Any) -> list[dict]:
-        return [candidate(label, dp, cp, tp, pp, m, z, ckpt, e, vpp if pp > 1 else 1) for e in degrees(dp, cp)
-                for z in stages]
+        out: list[dict] = []
+        refused = None
+        for comm in comms_of[cp]:
+            try:
+                out += [candidate(label, dp, cp, tp, pp, m, z, ckpt, e, vpp if pp > 1 else 1, comm)
+                        for e in degrees(dp, cp) for z in stages]
+            except ContextCommError as err:      # this exchange cannot run the layout; the others may
+                if len(comms_of[cp]) == 1:
+                    raise
+                refused = err
+                labels = comm_skips.setdefault(str(err).split(". Fix:")[0], [])
+                labels += [] if label in labels else [label]
+        if refused is not None and not out:
+            raise refused
+        return out
 
     def candidate(label: str, dp: int, cp: int, tp: int, pp: int, m: int, z: int, ckpt: Any, e: int,
-                  v: int) -> dict[str, Any]:
+                  v: int, comm: str) -> dict[str, Any]:
         extra = {"gradient_checkpointing": ckpt} if searching else {}
         p = predict_parallel(model, device, batch_size, seq_len, mode, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z,
-                             ep=e, vpp=v, sp=sp and tp > 1, cp=cp, optimizer=optimizer if training else None,
-                             cache=cache,
+                             ep=e, vpp=v, sp=sp and tp > 1, cp=cp, cp_comm=comm,
+                             optimizer=optimizer if training else None, cache=cache,
                              overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp * cp > 1,
                              overlap_param_gather=overlap["overlap_param_gather"] and z > 0, **extra, **kwargs)
         unit = state["unit"] = p.per_gpu.throughput[1]
         state["name"], state["seq"] = p.model, p.seq_len
         done = batch_size * (p.seq_len if unit == "tokens/s" and p.seq_len else 1)
         parts = p.parts
-        row = {"layout": label, "dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": e, "vpp": v,
+        row = {"layout": label, "dp": dp, "cp": cp, "cp comm": comm if cp > 1 else "-", "tp": tp, "pp": pp,
+               "ep": e, "vpp": v,
                "sp": "yes" if sp and tp > 1 else "no", "micro-batches": m, "zero": z,
                "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing),
                "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
@@ -458,6 +519,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                  f"fastest that fits {min(fits):,.2f} ms" if fits else "none fits")
     if not rows and errors:
         raise errors[0]
+    notes_extra += [f"{why} (left out on {', '.join(labels)})" for why, labels in comm_skips.items()
+                    if any(r["layout"] in labels for r in rows)]
     return ParallelPlan(state["name"], device, mode, gpus, batch_size, state["seq"], state["unit"], pd.DataFrame(rows),
                         skipped, tuple(state["notes"]) + tuple(notes_extra), time.perf_counter() - start)
 
@@ -472,7 +535,8 @@ def across(plans: list[ParallelPlan] | list[GenerationPlan]) -> list[str]:
     what = "a step" if key == "ms" else "the whole generate() call"
 
     def named(p: Any, row: pd.Series) -> str:
-        return f"{p.gpus} x {p.device.key} as {row['layout']}"
+        return f"{p.gpus} x {p.device.key} as {row['layout']}" + (
+            f" ({row['cp comm']})" if row.get("cp comm", "-") != "-" else "")
 
     p, row = min(fitting, key=lambda f: f[1][key])
     lines = [f"fastest of the {len(plans)} plans: {named(p, row)}: {row[key]:,.2f} ms {what}"]
@@ -520,13 +584,13 @@ def scaling_table(plans: list[ParallelPlan]) -> pd.DataFrame:
         if best is None:
             row.update({"layout": "none fits", "ms": math.nan, plan.unit: math.nan})
         else:
-            row.update({k: best[k] for k in ("layout", "ep", "vpp", "micro-batches", "zero", "recompute", "ms",
-                                               plan.unit, "memory GiB")})
+            row.update({k: best[k] for k in ("layout", "cp comm", "ep", "vpp", "micro-batches", "zero", "recompute",
+                                               "ms", plan.unit, "memory GiB")})
             row.update({k: best[k] for k in best.index if k.startswith("USD per")})
         rows.append(row)
     table = pd.DataFrame(rows)
-    for k in ("ep", "vpp"):      # a model without experts, plans without interleaving
-        if k in table and table[k].fillna(1).eq(1).all():
+    for k, off in (("ep", 1), ("vpp", 1), ("cp comm", "-")):   # no experts, interleaving or context parallelism
+        if k in table and table[k].fillna(off).eq(off).all():
             table = table.drop(columns=k)
     fitting = table["ms"].notna()
     if fitting.any():

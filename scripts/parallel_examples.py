@@ -126,13 +126,14 @@ def main() -> None:
     moe = _table(MOE, MOE_GPUS, MOE_SPLITS, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_plan = plan_parallel(MOE, MOE_PLAN_GPU, 8, MOE_BATCH, MOE_SEQ, dtype="bfloat16")
     moe_best = moe_plan.table.drop(columns=["layout", "time vs best"])
-    moe_best = moe_best.drop(columns=[c for c, off in (("ep", 1), ("vpp", 1), ("cp", 1), ("sp", "no"))
-                                      if (moe_best[c] == off).all()])                      # as the summary
+    unused = (("ep", 1), ("vpp", 1), ("cp", 1), ("cp comm", "-"), ("sp", "no"))
+    moe_best = moe_best.drop(columns=[c for c, off in unused if (moe_best[c] == off).all()])   # as the summary
     big = _table(BIG, BIG_GPUS, BIG_SPLITS, BIG_BATCH, BIG_SEQ, overlap=True, dtype="bfloat16",
                  gradient_checkpointing=True)
     cnn = _table(CNN, CNN_GPUS, [dict(), dict(dp=8)], CNN_BATCH, None, overlap=True, optimizer="sgd")
     long = _table(LONG, LONG_GPUS, LONG_SPLITS, LONG_BATCH, LONG_SEQ, **LONG_KW)
-    long_plan = plan_parallel(LONG, LONG_GPUS[-1], 8, LONG_BATCH, LONG_SEQ, cp="auto", sp=True, **LONG_KW)
+    long_plan = plan_parallel(LONG, LONG_GPUS[-1], 8, LONG_BATCH, LONG_SEQ, cp="auto", cp_comm="auto", sp=True,
+                              **LONG_KW)
     long_best = long_plan.table.drop(columns=["layout", "time vs best", "ep", "vpp"])
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
@@ -201,12 +202,14 @@ def main() -> None:
         "is zero and its price is its smaller kernels and those merging each step's partial results; tensor "
         "parallelism's is its all-reduces.", "",
         markdown_table(long, index=False), "",
-        f"Planned with the context-parallel degree searched (`neusight-predict model={LONG} device={LONG_GPUS[-1]} "
-        f"gpus=8 cp=auto sp=true batch_size={LONG_BATCH} seq_len={LONG_SEQ} mode=training dtype=bfloat16 "
-        "attn_implementation=flash_attention_2 gradient_checkpointing=true`): every dp x tp x pp layout of 8 / CP "
-        "GPUs for CP = 1, 2, 4 and 8 (the ring, `cp_comm=p2p`), sequence parallelism wherever tp > 1, with their "
-        f"micro-batch counts and ZeRO stages; {len(long_plan.candidates)} candidates in {long_plan.seconds:.0f} s, "
-        "each layout's fastest that fits (else its smallest in memory), the layouts that fit first.", "",
+        f"Planned with the context-parallel degree and exchange searched (`neusight-predict model={LONG} "
+        f"device={LONG_GPUS[-1]} gpus=8 cp=auto cp_comm=auto sp=true batch_size={LONG_BATCH} seq_len={LONG_SEQ} "
+        "mode=training dtype=bfloat16 attn_implementation=flash_attention_2 gradient_checkpointing=true`): every "
+        "dp x tp x pp layout of 8 / CP GPUs for CP = 1, 2, 4 and 8, each with CP > 1 by each exchange it can run "
+        "(Ulysses' a2a only where CP divides the 8 key / value heads left on each GPU by tp), sequence parallelism "
+        f"wherever tp > 1, with their micro-batch counts and ZeRO stages; {len(long_plan.candidates)} candidates in "
+        f"{long_plan.seconds:.0f} s, each layout's fastest that fits (else its smallest in memory), the layouts "
+        "that fit first.", "",
         markdown_table(long_best, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
         f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "

@@ -136,6 +136,8 @@ BAD = {
     "predict-searched-context-parallelism-without-a-plan": (("neusight-predict", "model=gpt2", "device=t4",
                                                              "cp=auto"), "cp=auto is not a positive integer: one "
                                                                          "forecast takes one context-parallel degree"),
+    "predict-searched-context-exchange-without-a-plan": (("neusight-predict", "model=gpt2", "device=t4",
+                                                          "cp=2", "cp_comm=auto"), "cp_comm=auto is not one exchange"),
     "predict-plan-with-context-parallel-degrees-misspelled": (("neusight-predict", "model=gpt2", "device=t4",
                                                                "gpus=4", "cp=all"), "a list of them or 'auto'"),
     "predict-misspelled-what-if-field": (("neusight-predict", "model=gpt2", "device=t4", "+spec.mem_bandwith_gbps=600"),
@@ -354,19 +356,21 @@ def test_context_parallel_run_from_the_command_line(tmp_path):
 
 
 def test_plan_searching_context_parallelism_from_the_command_line(tmp_path):
-    """gpus=2 cp=[1,2]: the plan forecasts the layouts of 2 GPUs and of one cp=2 group, shows the cp column and
-    writes it to the plans' CSV."""
+    """gpus=2 cp=[1,2] cp_comm=auto: the plan forecasts the layouts of 2 GPUs and of one cp=2 group with each
+    exchange, shows the cp columns and writes them to the plans' CSV."""
     cfg = tmp_path / "tiny.json"
     cfg.write_text(json.dumps(_TINY_LLAMA))
     r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=h100-sxm5-80gb", "batch_size=2",
-                        "seq_len=256", "gpus=2", "cp=[1,2]", "dtype=bfloat16", "attn_implementation=sdpa",
+                        "seq_len=256", "gpus=2", "cp=[1,2]", "cp_comm=auto", "dtype=bfloat16",
+                        "attn_implementation=sdpa",
                         "csv=plan.csv", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "context-parallel degrees" in r.stdout and " cp " in r.stdout
     plan = pd.read_csv(tmp_path / "plan.csv")
-    assert sorted(zip(plan["dp"], plan["cp"], plan["tp"], plan["pp"])) == [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1),
-                                                                          (2, 1, 1, 1)]
+    assert sorted(zip(plan["dp"], plan["cp"], plan["cp comm"], plan["tp"], plan["pp"])) == [
+        (1, 1, "-", 1, 2), (1, 1, "-", 2, 1), (1, 2, "a2a", 1, 1), (1, 2, "all_gather", 1, 1), (1, 2, "p2p", 1, 1),
+        (2, 1, "-", 1, 1)]
 
 
 def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):

@@ -273,8 +273,8 @@ def test_plans_search_the_context_parallel_degrees_asked_for():
 
 def test_a_plan_drops_the_cp_its_model_or_sequence_cannot_take_with_a_note():
     """A degree that does not split the sequence (1,028 tokens: 4 chunks, not 8) is not tried; a model whose
-    attention cannot run as a ring (eager) leaves the search with cp = 1 alone, exactly the plan without cp; the
-    value itself must be a divisor of gpus, a list of them or 'auto'."""
+    attention cannot run as a ring (eager) or a run without a sequence (a CNN) leaves the search with cp = 1 alone,
+    exactly the plan without cp; the value itself must be a divisor of gpus, a list of them or 'auto'."""
     from neusight.plan import plan_parallel
 
     run = dict(mode="inference", **KW)
@@ -289,11 +289,44 @@ def test_a_plan_drops_the_cp_its_model_or_sequence_cannot_take_with_a_note():
     plain = plan_parallel(LLAMA, H100, 4, 2, 1024, **eager)
     assert dropped.table["layout"].tolist() == plain.table["layout"].tolist()
     assert dropped.table["ms"].tolist() == pytest.approx(plain.table["ms"].tolist())
+    cnn = plan_parallel("resnet18", H100, 2, 2, None, mode="inference", cp="auto")     # no sequence to split
+    assert set(cnn.candidates["cp"]) == {1}
+    assert "context parallelism not searched: it splits each sequence, and this run has no seq_len" in cnn.notes
     with pytest.raises(InputError, match="cp=2 runs each attention as a ring"):       # given, not searched: refused
         plan_parallel(LLAMA, H100, 4, 2, 1024, cp=2, **eager)
     for bad in ("most", [], [1, 3], [2, True], 0):
         with pytest.raises(InputError, match="a list of them or 'auto'"):
             plan_parallel(LLAMA, H100, 4, 2, 1024, cp=bad, **run)
+
+
+def test_plans_try_each_exchange_asked_for_on_every_context_parallel_layout():
+    """cp_comm=auto: every layout with cp > 1 forecast with each exchange it can run, each candidate the
+    forecast of predict_parallel with that exchange; the layout's row its fastest; Ulysses (a2a) left out, with a
+    note, where cp does not divide the key / value heads on each GPU (2 heads: cp=4, or cp=2 with tp=2)."""
+    from neusight.plan import plan_parallel
+
+    plan = plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", cp="auto", cp_comm="auto", **KW)
+    c = plan.candidates
+    assert set(c.loc[c["cp"] == 1, "cp comm"]) == {"-"}
+    heads = 2
+    for (label, cp, tp), group in c[c["cp"] > 1].groupby(["layout", "cp", "tp"]):
+        runs_a2a = (heads // tp) % cp == 0
+        assert sorted(set(group["cp comm"])) == sorted(["p2p", "all_gather"] + (["a2a"] if runs_a2a else []))
+        row = plan.table.set_index("layout").loc[label]
+        assert row["ms"] == group["ms"].min() and row["cp comm"] == group.loc[group["ms"].idxmin(), "cp comm"]
+    dp, cp, tp, pp = 1, 2, 1, 2
+    one = c[(c["dp"] == dp) & (c["cp"] == cp) & (c["tp"] == tp) & (c["pp"] == pp) & (c["cp comm"] == "a2a")]
+    alone = predict_parallel(LLAMA, H100, 2, 1024, "inference", dp=dp, cp=cp, tp=tp, pp=pp,
+                             microbatches=int(one["micro-batches"].item()), cp_comm="a2a", **KW)
+    assert one["ms"].item() == pytest.approx(alone.latency_ms)
+    assert any(n.startswith("cp_comm='a2a' splits the attention heads over the cp=4 GPUs") and
+               n.endswith("(left out on dp 1 x cp 4 x tp 1 x pp 1)") for n in plan.notes)
+    with pytest.raises(InputError, match="cp=1 has none"):
+        plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", cp_comm="auto", **KW)
+    with pytest.raises(InputError, match="a list of them or 'auto'"):
+        plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", cp=2, cp_comm=["p2p", "ring"], **KW)
+    with pytest.raises(InputError, match="which 4 does not divide"):     # the one exchange asked for cannot run
+        plan_parallel(LLAMA, H100, 4, 2, 1024, mode="inference", cp=4, cp_comm="a2a", **KW)
 
 
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])

@@ -160,7 +160,7 @@ def test_plan_from_the_command_line(tmp_path):
     assert [p["device"] for p in plans] == ["a100-80gb-pcie", "h100-sxm5-80gb"]
     assert all(p["best"]["fits"] == "yes" and len(p["layouts"]) == 3 for p in plans)   # dp 2, pp 2, tp 2
     csv = (tmp_path / "run" / "plan.csv").read_text().splitlines()
-    assert csv[0].startswith("layout,dp,cp,tp,pp,ep,vpp,sp,micro-batches,zero,recompute,ms") and len(csv) > 3
+    assert csv[0].startswith("layout,dp,cp,cp comm,tp,pp,ep,vpp,sp,micro-batches,zero,recompute,ms") and len(csv) > 3
 
 
 

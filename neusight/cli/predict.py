@@ -73,7 +73,8 @@ class PredictConfig:
     cp: Any = 1                          # context parallelism: each sequence split over cp GPUs, attention as a ring
     #                                      (Megatron-LM / Transformer Engine; seq_len a multiple of 2 cp; sdpa / flash);
     #                                      a plan (gpus=) searches cp=auto (every divisor) or a list, e.g. [1,2,4]
-    cp_comm: str = "p2p"                 # how: p2p (TE's ring) | all_gather (keys / values gathered) | a2a (Ulysses)
+    cp_comm: Any = "p2p"                 # how: p2p (TE's ring) | all_gather (keys / values gathered) | a2a (Ulysses);
+    #                                      a plan (gpus=) tries each with cp_comm=auto or a list
     overlap_grad_reduce: bool = False    # the dp gradients' all-reduce / reduce-scatter beside the backward pass,
     #                                      block by block (PyTorch DDP, FSDP, Megatron-LM --overlap-grad-reduce)
     overlap_param_gather: bool = False   # ZeRO's parameter all-gathers beside the compute (FSDP's prefetch; zero=1|2:
@@ -694,6 +695,20 @@ def _cp(cfg: PredictConfig) -> int:
     return 1
 
 
+def _cp_comm(cfg: PredictConfig) -> str:
+    """The context-parallel exchange of one layout (a plan, ``gpus=``, checks its own, which may be several:
+    ``cp_comm=auto`` or a list; "p2p" here)."""
+    from neusight.errors import InputError
+
+    if cfg.gpus is not None:
+        return "p2p"
+    if not isinstance(cfg.cp_comm, str) or cfg.cp_comm == "auto":
+        raise InputError(f"cp_comm={cfg.cp_comm} is not one exchange: one forecast takes one of p2p, all_gather, a2a "
+                         "(cp_comm=auto or a list tries each in a plan of gpus=N GPUs). Fix: e.g. cp_comm=a2a, or "
+                         "gpus=8 cp=auto cp_comm=auto")
+    return cfg.cp_comm
+
+
 def _check_counts(cfg: PredictConfig) -> None:
     """The run-wide numbers checked before any forecast is made (so a bad one does not cost a forecast first)."""
     from neusight.api import names_all
@@ -702,7 +717,7 @@ def _check_counts(cfg: PredictConfig) -> None:
 
     # its own checks: positive integers, ep | dp, vpp with pp stages
     Parallelism(cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, _ep(cfg), cfg.vpp if cfg.gpus is None else 1,
-                cfg.sp if cfg.gpus is None else False, _cp(cfg), cfg.cp_comm)
+                cfg.sp if cfg.gpus is None else False, _cp(cfg), _cp_comm(cfg))
     if cfg.top < 0:
         raise InputError(f"top={cfg.top} is negative. Fix: top >= 0 rows of the kernel and layer tables")
     for k, example in (("total_tokens", "1e9"), ("total_samples", "1.28e6"), ("anchor_ms", "850")):
@@ -878,7 +893,7 @@ def _parallel(cfg: PredictConfig) -> float:
                                  attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
                                  dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
                                  kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp, sp=cfg.sp,
-                                 cp=_cp(cfg), cp_comm=cfg.cp_comm, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 cp=_cp(cfg), cp_comm=_cp_comm(cfg), overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
                                  internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
                                  nvls=cfg.nvls, cache=shared, **_step_options(cfg))
@@ -957,7 +972,7 @@ def _plan(cfg: PredictConfig) -> float:
             plan = plan_parallel(cfg.model, dev, n, cfg.batch_size, cfg.seq_len, cfg.mode,
                                  microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
                                  zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, cp=cfg.cp,   # or searched
-                                 cp_comm=cfg.cp_comm, optimizer=optimizer,
+                                 cp_comm=cfg.cp_comm, optimizer=optimizer,      # or searched
                                  usd_per_gpu_hour=price, head=cfg.head, megatron=cfg.megatron,
                                  predictor=cfg.checkpoint, fused=cfg.fused, attn_implementation=cfg.attn_implementation,
                                  image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32, host_us=cfg.host_us,
@@ -1052,7 +1067,7 @@ def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
     """The keywords of find_max_batch / find_max_seq_len for ``cfg``'s run (besides the searched size)."""
     return dict(mode=cfg.mode, head=cfg.head, optimizer=cfg.optimizer, attn_implementation=cfg.attn_implementation,
                 dtype=cfg.dtype, amp=cfg.amp, tensor_parallel=cfg.tp, expert_parallel=_ep(cfg), zero=cfg.zero,
-                dp=cfg.dp, fused=cfg.fused, cp=_cp(cfg), cp_comm=cfg.cp_comm, **_step_options(cfg))
+                dp=cfg.dp, fused=cfg.fused, cp=_cp(cfg), cp_comm=_cp_comm(cfg), **_step_options(cfg))
 
 
 def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, dict[str, int]]:
