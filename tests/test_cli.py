@@ -119,7 +119,7 @@ BAD = {
                                        "3 price(s) for 2 device(s)"),
     "predict-rank-all-searches-on-several-gpus": (
         ("neusight-predict", "model=gpt2", "device=all", "tp=2", "find_max_batch=true"),
-        "device=all with find_max_batch on several GPUs (dp, tp, pp or zero) is not available"),
+        "device=all with find_max_batch on several GPUs (dp, tp, pp, cp or zero) is not available"),
     "predict-rank-all-no-gpu-can": (("neusight-predict", "model=gpt2", "device=all", "fp8=true", "dtype=bfloat16",
                                      "seq_len=16"), "GPT2LMHeadModel has none that qualify"),
     "predict-plan-with-a-fixed-layout": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "tp=2"),

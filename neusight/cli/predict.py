@@ -734,8 +734,8 @@ def _check_counts(cfg: PredictConfig) -> None:
                          "none. Fix: dp > 1 or tp > 1 (or gpus=N to plan), or leave nvls out")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
     if names_all(cfg.device) and _multi_gpu(cfg) and searches:
-        raise InputError(f"device={cfg.device} with {searches[0]} on several GPUs (dp, tp, pp or zero) is not "
-                         "available: the ranking of multi-GPU runs has no search column. Fix: name the GPUs to "
+        raise InputError(f"device={cfg.device} with {searches[0]} on several GPUs (dp, tp, pp, cp or zero) is "
+                         "not available: the ranking of multi-GPU runs has no search column. Fix: name the GPUs to "
                          "search, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb], or leave the search out")
 
 
@@ -869,8 +869,8 @@ def _parallel(cfg: PredictConfig) -> float:
     unsupported = [k for k in ("csv", "layers_csv", "plot", "timeline") if getattr(cfg, k)]
     unsupported += ["anchor_ms"] if cfg.anchor_ms is not None else []
     if unsupported:
-        raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp or microbatches > 1). "
-                         "Fix: leave it out, or forecast one GPU (dp=tp=pp=microbatches=1)")
+        raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp, cp or microbatches > "
+                         "1, zero, megatron). Fix: leave it out, or forecast one GPU (dp=tp=pp=cp=microbatches=1)")
     searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
     if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron):
         raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp, zero), "
