@@ -176,8 +176,11 @@ class ParallelPlan:
         t = self.table
         per = f", seq {self.seq_len}" if self.seq_len else ""
         c = self.candidates
+        degrees = bool(len(t)) and c["cp"].nunique() > 1
+        exchanges = bool(len(t)) and c.loc[c["cp"] > 1, "cp comm"].nunique() > 1
         searched = (", expert-parallel degrees" if len(t) and c["ep"].nunique() > 1 else "") + (
-            ", context-parallel degrees" if len(t) and c["cp"].nunique() > 1 else "") + (
+            ", context-parallel degrees" + (", their exchanges" if exchanges else "") if degrees else
+            ", context-parallel exchanges" if exchanges else "") + (
             ", ZeRO stages, recompute where needed" if self.mode == "training" else "")
         lines = [f"{self.model}: {self.mode}, global batch {self.batch_size}{per} on {self.gpus} x {self.device.name}",
                  f"{len(t)} layouts of {self.gpus} GPUs forecast ({len(self.candidates)} candidates: micro-batch "

@@ -319,6 +319,7 @@ def test_plans_try_each_exchange_asked_for_on_every_context_parallel_layout():
     alone = predict_parallel(LLAMA, H100, 2, 1024, "inference", dp=dp, cp=cp, tp=tp, pp=pp,
                              microbatches=int(one["micro-batches"].item()), cp_comm="a2a", **KW)
     assert one["ms"].item() == pytest.approx(alone.latency_ms)
+    assert "context-parallel degrees, their exchanges" in plan.summary().splitlines()[1]
     assert any(n.startswith("cp_comm='a2a' splits the attention heads over the cp=4 GPUs") and
                n.endswith("(left out on dp 1 x cp 4 x tp 1 x pp 1)") for n in plan.notes)
     with pytest.raises(InputError, match="cp=1 has none"):
