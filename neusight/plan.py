@@ -29,10 +29,11 @@ A layout is then represented by its fastest candidate that fits in the GPU's mem
 the least memory). Layouts the model cannot take (attention heads that ``tp`` does not divide, more pipeline
 stages than blocks, a batch that ``dp`` does not split) are left out with the reason.
 
-Candidates with the same micro-batch size, ``tp``, ``ep`` and recompute share one trace, single-GPU forecast and
-memory report (``predict_parallel``'s ``cache``; they differ in ``dp``, ``pp`` or ZeRO), so a search costs
-one trace per distinct (micro-batch size, tp, ep, recompute). The ``recompute`` column says which: ``no``,
-``selective``, ``full`` (every layer) or ``1 in n`` (every n-th layer, when given).
+Candidates with the same micro-batch size, ``tp``, ``ep``, ``cp`` and recompute share one trace and (with the
+same ``cp_comm``) one single-GPU forecast and memory report (``predict_parallel``'s ``cache``; they differ in
+``dp``, ``pp`` or ZeRO), so a search costs one trace per distinct (micro-batch size, tp, ep, cp, recompute). The
+``recompute`` column says which: ``no``, ``selective``, ``full`` (every layer) or ``1 in n`` (every n-th layer,
+when given).
 """
 
 from __future__ import annotations
