@@ -1146,12 +1146,12 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     roofline_ms = (sum(roofline.values()) + dp_roofline + gather_roofline + parts["embedding_allreduce"]
                    + opt_roofline)
     breakdown = None
+    buffers = context_buffer_bytes(g.kernels, cp, cp_comm)     # cp's exchange buffers per attention op ({}: none)
     if memory:
         from neusight.memory import estimate_memory
 
         if "memory" not in kept:
-            kept["memory"] = estimate_memory(g, device, fused=fused,
-                                             transient=context_buffer_bytes(g.kernels, cp, cp_comm))
+            kept["memory"] = estimate_memory(g, device, fused=fused, transient=buffers)
         report = kept["memory"]
         b = _zero_breakdown(report, zero, shards, units) if zero else dict(report.breakdown)
         if sp:      # what the sequence-parallel kernels save for the backward pass: 1 / tp of it per GPU
@@ -1266,7 +1266,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
         notes += (f"context parallelism ({cp_comm}): {split}; {how}: {alone:,.1f} ms of exchanges per micro-batch, "
                   f"{stages['cp_comm_ms'].sum():,.1f} ms of them exposed (cp_comm); the gradients reduced over dp x "
                   f"cp = {rep} GPUs. The exchanges' buffers count in the memory while each attention call runs "
-                  f"(up to {max(context_buffer_bytes(g.kernels, cp, cp_comm).values()) / 2**20:,.1f} MiB a call)",)
+                  f"(up to {max(buffers.values()) / 2**20:,.1f} MiB a call)",)
     if ((overlap_grad_reduce and not ddp) or overlap_param_gather) and not index:
         notes += (f"{g.model} has no transformer blocks (the units the overlap is modelled in), so its parameters "
                   "are gathered and its gradients reduced as one unit, before and after the pass: the overlap "
@@ -1867,6 +1867,14 @@ def _merge_kernels(row: pd.Series, dims: tuple) -> list[dict[str, Any]]:
              "nchw_operands": None} for t in made]
 
 
+def _query_key_bytes(dims: tuple, dtype: Any) -> tuple[int, int]:
+    """The bytes of a fused attention kernel's (``dims``: bh, lq, d, lk) queries (as its output and their
+    gradients) and of its keys and values together, in ``dtype``."""
+    bh, lq, d, lk = (int(x) for x in dims)
+    itemsize = formulas.itemsize(str(dtype))
+    return bh * lq * d * itemsize, 2 * bh * lk * d * itemsize
+
+
 def context_buffer_bytes(k: pd.DataFrame, cp: int, comm: str = "p2p") -> dict[int, int]:
     """The communication buffers of context parallelism over ``cp`` GPUs, per op of the traced kernels ``k`` (one
     GPU's part of each sequence): bytes held while each fused attention call runs, beyond the tensors of the trace.
@@ -1888,9 +1896,7 @@ def context_buffer_bytes(k: pd.DataFrame, cp: int, comm: str = "p2p") -> dict[in
     if cp == 1:
         return out
     for row in k[k["kernel"].isin(FUSED_ATTENTION)].itertuples():
-        bh, lq, d, lk = row.dims
-        itemsize = formulas.itemsize(str(row.dtype))
-        q, kv = bh * lq * d * itemsize, 2 * bh * lk * d * itemsize
+        q, kv = _query_key_bytes(row.dims, row.dtype)
         backward = row.kernel == ATTENTION_BWD_KERNEL
         need = {"p2p": (5 * kv + q) if backward else (2 * kv + q),
                 "all_gather": (2 if backward else 1) * cp * kv,
@@ -1933,8 +1939,7 @@ def split_context(k: pd.DataFrame, cp: int, comm: str = "p2p") -> pd.DataFrame:
         row = k.loc[i]
         bh, lq, d, lk = row["dims"]
         backward = 2.5 if row["kernel"] == ATTENTION_BWD_KERNEL else 1.0
-        itemsize = formulas.itemsize(str(row["dtype"]))
-        out.loc[i, ["cp_q_bytes", "cp_kv_bytes"]] = [float(bh * lq * d * itemsize), float(2 * bh * lk * d * itemsize)]
+        out.loc[i, ["cp_q_bytes", "cp_kv_bytes"]] = [float(b) for b in _query_key_bytes(row["dims"], row["dtype"])]
         q_bytes = float(row["bytes"]) * lq / (lq + lk)
         kv_bytes = float(row["bytes"]) - q_bytes
         causal = abs(_attention_share(row) - 0.5) <= 0.02
