@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -553,6 +554,9 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     if cp > 1 and cp_comm != "a2a" and step % 2:
         raise InputError(f"step={step} with cp={cp}: each GPU's part of a sequence is two chunks, so an even "
                          "number of tokens. Fix: an even step, e.g. step=64")
+    if max_seq_len is not None and built.max_seq_len and max_seq_len > built.max_seq_len:
+        raise InputError(f"max_seq_len={max_seq_len} exceeds {built.name}'s maximum of {built.max_seq_len} positions. "
+                         f"Fix: max_seq_len <= {built.max_seq_len}, or leave it out to search up to it")
     cap = (max_seq_len or built.max_seq_len or 1 << 20) // cp
     if cap < step:
         return 0
@@ -567,10 +571,10 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
                  trace_kwargs: dict, zero: int = 0, dp: int = 1, fused: bool = False,
                  traces: dict | None = None, cp_comm: str = "p2p") -> int:
     """Largest n in [1, hi_cap] whose trace ``shape(n)`` (trace keywords; ``key`` the one searched) fits in
-    ``device``'s memory, 0 when n = 1 does not: doubling from 1, then bisection between the last fit and the
-    first miss. With ``zero``, the memory of one GPU of ``dp`` replicas under that ZeRO stage; ``traces``: probes'
-    traces shared with other GPUs' searches (:func:`find_max_batch`); with ``context_parallel`` in the trace
-    keywords, the exchange buffers of ``cp_comm`` counted."""
+    ``device``'s memory, 0 when n = 1 does not (:func:`largest_within`). With ``zero``, the memory of one GPU of
+    ``dp`` replicas under that ZeRO stage; ``traces``: probes' traces shared with other GPUs' searches
+    (:func:`find_max_batch`); with ``context_parallel`` in the trace keywords, the exchange buffers of ``cp_comm``
+    counted."""
     from neusight.devices import load_device
     from neusight.graph.tracer import trace, trace_key
     from neusight.parallel import (Parallelism, _check_zero, check_context_parallel, context_buffer_bytes,
@@ -580,41 +584,106 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
     ep = int(trace_kwargs.get("expert_parallel", 1) or 1)
     cp = int(trace_kwargs.get("context_parallel", 1))
     _check_zero(zero, Parallelism(dp=dp, ep=ep), mode == "training")
-    cache: dict[int, bool] = {}
 
-    def fits(n: int) -> bool:
-        if n not in cache:
-            kw = shape(n)
-            graphs = traces.setdefault(tuple(sorted(kw.items())), {}) if traces is not None else {}
-            path = trace_key(graphs, device, trace_kwargs)
-            g = graphs.get(path)
-            if g is None:
-                g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
-                check_context_parallel(g, cp, cp_comm)
-                if traces is not None and sum(map(len, traces.values())) < SHARED_TRACES:
-                    graphs[path] = g
-            buffers = context_buffer_bytes(g.kernels, cp, cp_comm)
-            peak = (zero_memory_peak(g, device, zero, dp, ep, fused, buffers) if zero
-                    else float(estimate_memory(g, device, fused=fused, transient=buffers).peak_bytes))
-            cache[n] = peak <= device.memory_bytes
-            log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], peak / 2**30, device.memory_gib,
-                     "fits" if cache[n] else "does not fit")
-        return cache[n]
+    def peak(n: int) -> float:
+        kw = shape(n)
+        graphs = traces.setdefault(tuple(sorted(kw.items())), {}) if traces is not None else {}
+        path = trace_key(graphs, device, trace_kwargs)
+        g = graphs.get(path)
+        if g is None:
+            g = trace(model, mode=mode, device=device, **kw, **trace_kwargs)
+            check_context_parallel(g, cp, cp_comm)
+            if traces is not None and sum(map(len, traces.values())) < SHARED_TRACES:
+                graphs[path] = g
+        buffers = context_buffer_bytes(g.kernels, cp, cp_comm)
+        out = (zero_memory_peak(g, device, zero, dp, ep, fused, buffers) if zero
+               else float(estimate_memory(g, device, fused=fused, transient=buffers).peak_bytes))
+        log.info("%s=%d: %.2f of %.2f GiB -> %s", key, kw[key], out / 2**30, device.memory_gib,
+                 "fits" if out <= device.memory_bytes else "does not fit")
+        return out
 
-    if not fits(1):
+    return largest_within(peak, device.memory_bytes, hi_cap)
+
+
+# the most a search multiplies its largest fit by before a first miss, however flat the peaks so far
+MAX_GROWTH = 64
+
+
+def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int) -> int:
+    """Largest n in [1, ``hi_cap``] with ``peak(n) <= limit``, 0 when n = 1 exceeds it, for a ``peak`` that does not
+    decrease with n (a run's memory against its batch or sequence length).
+
+    The answer is that of doubling and bisection (the n that fits whose n + 1 does not, or ``hi_cap``), found with
+    fewer calls of ``peak`` (each a trace): the search reads the peaks, not only whether they fit. A run's memory
+    is close to a quadratic in its batch or sequence (affine, plus attention scores' square without fused
+    attention), so each round fits one through the three probes nearest the bracket of the largest fit and the
+    smallest miss (a line through two, n = 2 the first probe after n = 1), estimates where it crosses ``limit``
+    (before the first miss at most :data:`MAX_GROWTH` times the largest fit, and after an estimate that fitted at
+    least twice it) and probes that n and its neighbour on the far side (n + 1 after a fit, n - 1 after a miss),
+    which closes the bracket when the estimate is right. A round that does not halve the bracket is followed by a
+    bisection step, so a search takes at most about twice bisection's probes.
+    """
+    seen: dict[int, float] = {}
+
+    def probe(n: int) -> bool:
+        if n not in seen:
+            seen[n] = float(peak(n))
+        return seen[n] <= limit
+
+    if not probe(1):
         return 0
-    lo = hi = 1
-    while lo < hi_cap:                      # doubling: lo fits, try 2 lo
-        hi = min(2 * lo, hi_cap)
-        if not fits(hi):
-            break
-        lo = hi
-    else:
-        return lo
-    while hi - lo > 1:                      # bisection: lo fits, hi does not
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo, hi = 1, hi_cap + 1          # lo fits; hi does not (hi_cap + 1: none seen yet)
+    bisect = fitted = False
+    while hi - lo > 1:
+        width, missed, estimate = hi - lo, hi <= hi_cap, 0
+        if bisect:
+            guess = (lo + hi) // 2
+        elif len(seen) == 1:
+            guess = 2
+        else:
+            estimate = guess = _crossing(seen, limit, lo, hi if missed else None)
+            if not missed:
+                guess = max(guess, 2 * lo) if fitted else guess      # the last estimate fitted: at least double
+                guess = min(guess, MAX_GROWTH * lo)
+        guess = min(max(guess, lo + 1), hi - 1)
+        fitted = guess == estimate          # (if it fits)
+        # an estimate is checked by its neighbour; a bisection, n = 2 or a bound (the estimate moved) is not one
+        check = not bisect and len(seen) > 1 and guess == estimate and lo + 1 < guess < hi - 1
+        if probe(guess):
+            lo = guess
+            if check:
+                lo, hi = (lo + 1, hi) if probe(lo + 1) else (lo, lo + 1)
+        else:
+            hi = guess
+            if check:
+                lo, hi = (hi - 1, hi) if probe(hi - 1) else (lo, hi - 1)
+        bisect = missed and 2 * (hi - lo) > width and not bisect
     return lo
+
+
+def _crossing(seen: dict[int, float], limit: float, lo: int, hi: int | None) -> int:
+    """Where the quadratic (a line with two points) through the probes ``seen`` nearest ``lo`` (the largest fit)
+    and ``hi`` (the smallest miss; None: none yet) reaches ``limit``: the last n at or under it, past ``lo``."""
+    ends = [n for n in (lo, hi) if n is not None]
+    # lo and hi, then the probes nearest lo, a neighbour of either (a check, nearly the same peak) last
+    near = sorted(seen, key=lambda n: (n not in ends, any(abs(n - e) == 1 for e in ends), abs(n - lo)))[:3]
+    root = math.nan
+    if len(near) == 3:              # a x^2 + b x + c = limit, x = n - lo; the root on the rising side
+        a, b, c = np.polyfit(np.array(near, dtype=float) - lo, [seen[n] for n in near], 2)
+        disc = b * b - 4 * a * (c - limit)
+        if disc >= 0 and b > 0:
+            root = lo + 2 * (limit - c) / (b + math.sqrt(disc))   # stable as a -> 0 (a line)
+        elif disc >= 0 and a > 0:
+            root = lo + (-b + math.sqrt(disc)) / (2 * a)
+    if not math.isfinite(root):     # a line through lo and its nearest probe
+        n0, n1 = sorted(near[:2])
+        slope = (seen[n1] - seen[n0]) / (n1 - n0)
+        root = lo + (limit - seen[lo]) / slope if slope > 0 else math.inf
+    if root <= lo:
+        return lo + 1
+    if hi is not None and root >= hi:
+        return hi - 1
+    return int(root) if math.isfinite(root) else 1 << 62
 
 
 # ---------------------------------------------------------------------------------------------------------

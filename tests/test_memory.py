@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import neusight
@@ -18,7 +21,7 @@ from neusight.errors import InputError
 from neusight.graph.graph import Graph
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
 from neusight.memory import (CUBLAS_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES, CUDA_CONTEXT_DEFAULT_MIB,
-                             estimate_memory, find_max_batch, find_max_seq_len, measure_cpu,
+                             estimate_memory, find_max_batch, find_max_seq_len, largest_within, measure_cpu,
                              saved_activations)
 
 MiB = 2**20
@@ -318,6 +321,67 @@ def test_find_max_batch_brackets_the_limit():
     assert peak == {best: True, best + 1: False}
     tiny = dataclasses.replace(small, memory_gib=0.25)   # below the CUDA context alone
     assert find_max_batch("resnet18", tiny, mode="inference", image_size=64) == 0
+
+
+def _bisected(peak, limit, cap):
+    """The search find_max_batch ran before it read the peaks: doubling from 1, then bisection; (answer, probes)."""
+    seen = {}
+
+    def fits(n):
+        seen.setdefault(n, peak(n))
+        return seen[n] <= limit
+
+    if not fits(1):
+        return 0, len(seen)
+    lo = hi = 1
+    while lo < cap:
+        hi = min(2 * lo, cap)
+        if not fits(hi):
+            break
+        lo = hi
+    else:
+        return lo, len(seen)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, len(seen)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.floats(0, 100), slope=st.floats(0, 10), square=st.floats(0, 1), rounding=st.sampled_from([0, 1, 7]),
+       jumps=st.lists(st.integers(1, 5000), max_size=6), cap=st.sampled_from([1, 2, 3, 16, 100, 4096, 1 << 16]),
+       headroom=st.floats(0, 1.3))
+def test_largest_within_finds_what_bisection_finds(base, slope, square, rounding, jumps, cap, headroom):
+    """On any peak that does not fall with n (affine, quadratic, rounded, with jumps), the search that reads the
+    peaks returns the same n as doubling and bisection: one that fits whose n + 1 does not (or the cap)."""
+    def peak(n):
+        p = base + slope * n + square * n * n / 1000 + 25 * sum(n >= j for j in jumps)
+        return math.ceil(p / rounding) * rounding if rounding else p
+
+    limit = base + headroom * (peak(cap) - base)
+    calls = []
+    found = largest_within(lambda n: calls.append(n) or peak(n), limit, cap)
+    assert found == _bisected(peak, limit, cap)[0]
+    assert (found == 0) == (peak(1) > limit)
+    assert found == cap or peak(found + 1) > limit
+    assert all(1 <= n <= cap for n in calls) and len(calls) == len(set(calls))   # in range, each n once
+
+
+def test_largest_within_needs_fewer_probes_on_a_runs_memory():
+    """A run's memory is about affine in its batch (quadratic in its sequence without fused attention): a few
+    probes find the boundary where doubling and bisection take about 2 log2(n)."""
+    for peak in (lambda n: 3e9 + 7.3e7 * n, lambda n: 3e9 + 2e6 * n + 900.0 * n * n):
+        for limit in (16e9, 24e9, 80e9):
+            calls = []
+            found = largest_within(lambda n: calls.append(n) or peak(n), limit, 1 << 16)
+            want, bisected = _bisected(peak, limit, 1 << 16)
+            assert found == want > 100
+            assert len(calls) <= 6 < bisected
+
+
+def test_find_max_seq_len_refuses_more_positions_than_the_model_has():
+    with pytest.raises(InputError, match=r"max_seq_len=4096 exceeds .*1024 positions.*Fix: max_seq_len <= 1024"):
+        find_max_seq_len("gpt2", "l4", max_seq_len=4096)
 
 
 def test_searches_sharing_traces_find_what_each_finds_alone(monkeypatch):
