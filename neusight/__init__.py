@@ -8,10 +8,10 @@ from neusight.generation import GenerationForecast, predict_generation
 from neusight.graph.models import list_models
 from neusight.graph.tracer import trace
 from neusight.parallel import ParallelPrediction, predict_parallel
-from neusight.plan import GenerationPlan, ParallelPlan, plan_generation, plan_parallel
+from neusight.plan import GenerationPlan, LongestPlan, ParallelPlan, plan_generation, plan_max_seq_len, plan_parallel
 
-__all__ = ["Device", "GenerationForecast", "GenerationPlan", "NeuSightError", "ParallelPlan", "ParallelPrediction",
-           "Prediction", "list_devices", "list_models", "load_device", "load_predictor", "modify_device",
-           "plan_generation", "plan_parallel", "predict", "predict_generation", "predict_graph", "predict_kernel_table",
-           "predict_many", "predict_parallel", "rank", "trace"]
+__all__ = ["Device", "GenerationForecast", "GenerationPlan", "LongestPlan", "NeuSightError", "ParallelPlan",
+           "ParallelPrediction", "Prediction", "list_devices", "list_models", "load_device", "load_predictor",
+           "modify_device", "plan_generation", "plan_max_seq_len", "plan_parallel", "predict", "predict_generation",
+           "predict_graph", "predict_kernel_table", "predict_many", "predict_parallel", "rank", "trace"]
 __version__ = "0.1.0"

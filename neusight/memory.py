@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Literal
@@ -609,7 +609,7 @@ def _largest_fit(shape: Callable[[int], dict], key: str, hi_cap: int, model: Any
 MAX_GROWTH = 64
 
 
-def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int) -> int:
+def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int, start: Iterable[int] = ()) -> int:
     """Largest n in [1, ``hi_cap``] with ``peak(n) <= limit``, 0 when n = 1 exceeds it, for a ``peak`` that does not
     decrease with n (a run's memory against its batch or sequence length).
 
@@ -621,7 +621,8 @@ def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int) -> i
     (before the first miss at most :data:`MAX_GROWTH` times the largest fit, and after an estimate that fitted at
     least twice it) and probes that n and its neighbour on the far side (n + 1 after a fit, n - 1 after a miss),
     which closes the bracket when the estimate is right. A round that does not halve the bracket is followed by a
-    bisection step, so a search takes at most about twice bisection's probes.
+    bisection step, so a search takes at most about twice bisection's probes. ``start``: n to probe first (e.g.
+    those several searches share, whose traces are kept); n = 1 is then probed only when none of them fits.
     """
     seen: dict[int, float] = {}
 
@@ -630,15 +631,19 @@ def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int) -> i
             seen[n] = float(peak(n))
         return seen[n] <= limit
 
-    if not probe(1):
+    for n in sorted({min(max(int(n), 1), hi_cap) for n in start}):
+        probe(n)
+    fitting = [n for n, v in seen.items() if v <= limit]
+    if not fitting and not probe(1):
         return 0
-    lo, hi = 1, hi_cap + 1          # lo fits; hi does not (hi_cap + 1: none seen yet)
+    lo = max(fitting, default=1)    # lo fits; hi does not (hi_cap + 1: none seen yet)
+    hi = min((n for n, v in seen.items() if v > limit), default=hi_cap + 1)
     bisect = fitted = False
     while hi - lo > 1:
         width, missed, estimate = hi - lo, hi <= hi_cap, 0
         if bisect:
             guess = (lo + hi) // 2
-        elif len(seen) == 1:
+        elif len(seen) == 1:        # n = 1 alone
             guess = 2
         else:
             estimate = guess = _crossing(seen, limit, lo, hi if missed else None)

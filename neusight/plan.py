@@ -50,7 +50,8 @@ from neusight.devices import Device, load_device
 from neusight.errors import ContextCommError, ContextParallelError, InputError, ModelError
 from neusight.graph.graph import SELECTIVE
 
-__all__ = ["GenerationPlan", "ParallelPlan", "across", "plan_generation", "plan_parallel", "layouts", "scaling_table"]
+__all__ = ["GenerationPlan", "LongestPlan", "ParallelPlan", "across", "plan_generation", "plan_max_seq_len",
+           "plan_parallel", "layouts", "scaling_table"]
 
 log = logging.getLogger(__name__)
 
@@ -527,6 +528,244 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                     if any(r["layout"] in labels for r in rows)]
     return ParallelPlan(state["name"], device, mode, gpus, batch_size, state["seq"], state["unit"], pd.DataFrame(rows),
                         skipped, tuple(state["notes"]) + tuple(notes_extra), time.perf_counter() - start)
+
+
+@dataclass
+class LongestPlan:
+    """The longest sequence each layout of ``gpus`` GPUs holds for one run (:func:`plan_max_seq_len`):
+    ``candidates`` has a row per layout and context-parallel exchange tried, :attr:`table` one per layout (its
+    longest, then fastest), longest first."""
+
+    model: str
+    device: Device
+    mode: str
+    gpus: int
+    batch_size: int                      # global batch
+    max_positions: int                   # the search's upper end (the model's positions, or max_seq_len)
+    step: int                            # tokens per GPU of a sequence: multiples of this are searched
+    candidates: pd.DataFrame
+    skipped: dict[str, str]              # layout label -> why it was left out
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    seconds: float = 0.0
+    forecasts: int = 0                   # memory probes (forecasts) the search made
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """One row per layout, its longest sequence (a tie: its fastest exchange); the longest first, ties fastest
+        first, with ``rank``."""
+        c = self.candidates
+        if c.empty:
+            return c
+        t = c.sort_values(["max seq_len", "ms"], ascending=[False, True], kind="stable", na_position="last")
+        t = t.drop_duplicates("layout").reset_index(drop=True)
+        t.insert(0, "rank", range(1, len(t) + 1))
+        return t
+
+    @property
+    def best(self) -> pd.Series | None:
+        """The layout that holds the longest sequence (the fastest of those that hold as long), None when no layout
+        holds even ``step`` tokens per GPU."""
+        t = self.table
+        return t.iloc[0] if len(t) and t.iloc[0]["max seq_len"] > 0 else None
+
+    def summary(self) -> str:
+        t = self.table
+        lines = [f"{self.model}: {self.mode}, global batch {self.batch_size} on {self.gpus} x {self.device.name}: the "
+                 f"longest sequence each layout holds in {self.device.memory_gib:g} GiB per GPU (multiples of "
+                 f"{self.step} tokens per GPU, up to {self.max_positions:,} positions)",
+                 f"{len(t)} layouts searched ({self.forecasts} forecasts; {len(self.skipped)} layout"
+                 f"{'s' if len(self.skipped) != 1 else ''} left out) in {self.seconds:.1f} s; each with what holds "
+                 "the most: " + ", ".join(_frugal(self.mode, t, self.batch_size)) + "; the time is a step at that "
+                 "length:"]
+        if not len(t):
+            lines.append("no layout could be forecast: each is left out below")
+        else:
+            hidden = ["layout"] + [k for k in ("ep", "vpp", "cp") if (t[k] == 1).all()]
+            hidden += ["cp comm"] if "cp" in hidden else []
+            hidden += ["sp"] if (t["sp"] == "no").all() else []
+            from neusight.api import table_formats
+
+            shown = t.drop(columns=hidden)
+            fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format, "max seq_len": "{:,}".format}
+            with pd.option_context("display.width", 250, "display.max_columns", 50):
+                lines.append(shown.to_string(index=False, formatters=fmt))
+        best = self.best
+        if best is not None:
+            lines.append(f"longest: {_describe(best)}: {int(best['max seq_len']):,} tokens, {best['ms']:,.2f} ms a "
+                         f"step ({best['tokens/s']:,.0f} tokens/s), {best['memory GiB']:,.1f} GiB per GPU")
+        elif len(t):
+            lines.append(f"no layout holds {self.step} tokens per GPU; the smallest need: "
+                         f"{t['memory GiB'].min():,.1f} GiB per GPU. Try more GPUs (gpus=), a smaller global batch, "
+                         "or half precision (dtype= / amp=)")
+        return "\n".join(lines + _left_out_lines(self.skipped) + [f"note: {n}" for n in self.notes])
+
+
+def _frugal(mode: str, t: pd.DataFrame, batch_size: int) -> list[str]:
+    """What a :class:`LongestPlan`'s layouts ran with, as the summary says it."""
+    out = [] if mode != "training" or not len(t) else (
+        ([f"ZeRO stage {int(t['zero'].max())} where dp x cp > 1 and pp = 1"] if t["zero"].max() > 0 else [])
+        + [f"{r} activation recompute" for r in t["recompute"].unique() if r != "no"])
+    one = len(t) and (t["micro-batches"] * t["dp"] == batch_size).all()
+    return out + ["micro-batches of one sequence" if one else "the micro-batches given"]
+
+
+def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: int, mode: str = "training", *,
+                     step: int = 64, max_seq_len: int | None = None, microbatches: int | None = None,
+                     zero: int | None = None, ep: int | None = None, vpp: int = 1, sp: bool = False,
+                     cp: int | str | list[int] = 1, optimizer: str | None = "adamw", **kwargs: Any) -> LongestPlan:
+    """The longest sequence each layout of ``gpus`` GPUs of ``device`` holds in memory at global ``batch_size``,
+    and how long a step at that length takes: a capacity planner's "how long a context can 8 H100s train, and
+    how?".
+
+    The layouts are :func:`plan_parallel`'s (``dp x cp x tp x pp``, ``cp`` and ``cp_comm`` given or searched
+    the same way), each run with what holds the most, unless given: one sequence per micro-batch (``microbatches``
+    = a replica's batch), in training full activation recompute (``gradient_checkpointing``) and ZeRO stage 3
+    where it applies (dp x cp > 1, no pipeline), the most expert-parallel GPUs a mixture-of-experts model takes;
+    ``sp`` and ``vpp`` as given. Each layout's search (:func:`neusight.memory.largest_within` over multiples of
+    ``step`` tokens per GPU, the whole sequence ``cp`` times as long) probes the memory of
+    :func:`neusight.parallel.predict_parallel`, the model the plans' ``fits`` column reads; the first probes, at
+    1/8 and 1/2 of ``max_seq_len`` (default: the model's positions), are shared by the layouts whose GPUs hold the
+    same micro-batch (one trace). Layouts the model cannot take are left out with the reason, as in
+    :func:`plan_parallel`; ``**kwargs`` as there.
+    """
+    from neusight.graph.models import build_model
+    from neusight.memory import largest_within
+    from neusight.parallel import predict_parallel
+
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the global batch, e.g. 8")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 2 or step % 2:
+        raise InputError(f"step={step!r} is not an even number of tokens (each GPU's part of a sequence). Fix: e.g. "
+                         "step=64")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
+                         "leave it out (one sequence per micro-batch)")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out (3 where it applies)")
+    if "cache" in kwargs or "seq_len" in kwargs:
+        raise InputError(f"{'cache' if 'cache' in kwargs else 'seq_len'}= is plan_max_seq_len's own (it searches "
+                         "the sequence length). Fix: leave it out; max_seq_len= bounds the search")
+    built = build_model(model, **{k: kwargs[k] for k in ("head", "attn_implementation", "input_shapes",
+                                                         "image_size") if kwargs.get(k) is not None})
+    if not built.needs_seq_len:
+        raise InputError(f"{built.name} takes no sequence length. Fix: plan_parallel for its batch size")
+    if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
+                                    or not 0 < max_seq_len <= (built.max_seq_len or max_seq_len)):
+        raise InputError(f"max_seq_len={max_seq_len!r} is not a positive number of positions within "
+                         f"{built.name}'s {built.max_seq_len or 'unbounded'}. Fix: e.g. max_seq_len=32768, or leave "
+                         "it out to search up to the model's positions")
+    positions = max_seq_len or built.max_seq_len or 1 << 20
+    contexts, _ = _context_degrees(cp, gpus)
+    comms = _context_comms(kwargs.pop("cp_comm", "p2p"), contexts)
+    device = load_device(device)
+    training = mode == "training"
+    overlap = {k: bool(kwargs.pop(k, False)) for k in ("overlap_grad_reduce", "overlap_param_gather")}
+    ckpt = kwargs.pop("gradient_checkpointing", None)
+    chosen = ckpt is None and training        # full recompute unless given (and the model takes it)
+    ckpt = True if chosen else ckpt
+    start = time.perf_counter()
+    notes: list[str] = []
+    grain = step * math.lcm(*contexts)      # a multiple of 2 x every cp: each exchange splits it
+    comms_of = _context_comms_of(contexts, comms, grain, notes)
+    experts = _experts_gcd(model, kwargs) if ep is None else 0
+    shared: dict = {}              # the first probes' forecasts, kept for the layouts that share them
+    anchors = sorted({max(grain, positions // k // grain * grain) for k in (8, 2)})
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    errors: list[Exception] = []
+    state: dict[str, Any] = {"forecasts": 0, "name": built.name}
+
+    def search(label: str, dp: int, cp: int, tp: int, pp: int, m: int, z: int, e: int, v: int,
+               comm: str) -> dict[str, Any]:
+        unit = step * cp
+        kept: dict[str, Any] = {}
+
+        def peak(n: int) -> float:
+            extra = {"gradient_checkpointing": ckpt} if ckpt is not None else {}
+            p = predict_parallel(model, device, batch_size, n * unit, mode, dp=dp, tp=tp, pp=pp, microbatches=m,
+                                 zero=z, ep=e, vpp=v, sp=sp and tp > 1, cp=cp, cp_comm=comm,
+                                 optimizer=optimizer if training else None,
+                                 cache=shared if n * unit in anchors else None,
+                                 overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp * cp > 1,
+                                 overlap_param_gather=overlap["overlap_param_gather"] and z > 0, **extra, **kwargs)
+            state["forecasts"] += 1
+            state["name"] = p.model
+            if "smallest" not in kept or n < kept["smallest"][0]:
+                kept["smallest"] = (n, p)
+            if p.memory_fits and n > kept.get("longest", (0, None))[0]:
+                kept["longest"] = (n, p)
+            log.debug("%s%s: seq_len %d -> %.1f GiB per GPU", label, f" ({comm})" if cp > 1 else "", n * unit,
+                     (p.memory_peak_bytes or 0.0) / 2**30)
+            return float(p.memory_peak_bytes or 0.0)
+
+        n = largest_within(peak, device.memory_bytes, positions // unit, [a // unit for a in anchors])
+        p = kept["longest"][1] if n else kept["smallest"][1]
+        seq = n * unit
+        return {"layout": label, "dp": dp, "cp": cp, "cp comm": comm if cp > 1 else "-", "tp": tp, "pp": pp,
+                "ep": e, "vpp": v, "sp": "yes" if sp and tp > 1 else "no", "micro-batches": m, "zero": z,
+                "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing), "max seq_len": seq,
+                "limited by": "positions" if n == positions // unit else "memory",
+                "ms": p.latency_ms if n else math.nan,
+                "tokens/s": batch_size * seq / p.latency_ms * 1e3 if n else math.nan,
+                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30}
+
+    for dp, cp, tp, pp in [(dp, c, tp, pp) for c in contexts for dp, tp, pp in layouts(gpus // c)]:
+        if cp not in contexts:
+            continue            # context parallelism dropped from the search (below)
+        label = layout_label(dp, tp, pp, cp)
+        if batch_size % dp:
+            skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
+            continue
+        if step * cp > positions:
+            skipped[label] = f"{step} tokens on each of cp={cp} GPUs exceed the {positions:,} positions"
+            continue
+        if ep is not None and dp % ep:
+            skipped[label] = f"ep={ep} does not divide dp"
+            continue
+        replica = batch_size // dp
+        m = microbatches if microbatches is not None else replica
+        if replica % m:
+            skipped[label] = f"microbatches={microbatches} does not split a replica's batch"
+            continue
+        z = (3 if zero is None else zero) if training and dp * cp > 1 and pp == 1 else 0
+        e = ep if ep is not None else max([d for d in _divisors(dp) if experts % d == 0] if experts and cp == 1
+                                          else [1])
+        mine: list[dict[str, Any]] = []
+        try:
+            for comm in comms_of[cp]:
+                try:
+                    mine.append(search(label, dp, cp, tp, pp, m, z, e, vpp if pp > 1 else 1, comm))
+                except ContextCommError as err:      # this exchange cannot run the layout; the others may
+                    if len(comms_of[cp]) == 1:
+                        raise
+                    notes.append(f"{str(err).split('. Fix:')[0]} (left out on {label})")
+                except InputError as err:
+                    if not (chosen and ckpt and "gradient_checkpointing" in str(err)):
+                        raise
+                    notes.append("activation recompute not used: " + str(err).split(". Fix:")[0])
+                    ckpt = None       # the model takes none: every layout runs without
+                    mine.append(search(label, dp, cp, tp, pp, m, z, e, vpp if pp > 1 else 1, comm))
+            if not mine:
+                raise InputError(notes[-1])
+        except (InputError, ModelError) as err:
+            if isinstance(err, ContextParallelError) and len(contexts) > 1 and 1 in contexts:
+                # the model or run refuses context parallelism whatever the layout: no cp > 1 is tried further
+                notes.append("context parallelism not searched: " + str(err).split(". Fix:")[0])
+                contexts[:] = [1]
+                skipped = {k: v for k, v in skipped.items() if " x cp " not in k}
+                continue
+            errors.append(err)
+            skipped[label] = str(err).split(". Fix:")[0]
+            log.info("%s: left out (%s)", label, skipped[label])
+            continue
+        rows += mine
+        log.info("%s: %s", label, ", ".join(f"{r['max seq_len']:,} tokens" for r in mine))
+    if not rows and errors:
+        raise errors[0]
+    return LongestPlan(state["name"], device, mode, gpus, batch_size, positions, step, pd.DataFrame(rows), skipped,
+                       tuple(notes), time.perf_counter() - start, state["forecasts"])
 
 
 def across(plans: list[ParallelPlan] | list[GenerationPlan]) -> list[str]:

@@ -126,6 +126,11 @@ BAD = {
                                          "gpus=4 searches the dp x tp x pp layouts, and tp=2 fixes one"),
     "predict-plan-of-no-gpus": (("neusight-predict", "model=gpt2", "device=t4", "gpus=[8,0]"),
                                 "gpus=[8, 0] is not a positive number of GPUs or a list of them"),
+    "predict-longest-plan-with-a-seq-len": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "seq_len=128",
+                                             "find_max_seq_len=true"),
+                                            "seq_len=128 with gpus=4 find_max_seq_len=true: the search finds"),
+    "predict-plan-searching-batches": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "find_max_batch=true"),
+                                       "find_max_seq_len=true searches each layout's longest sequence"),
     "predict-plan-of-every-gpu": (("neusight-predict", "model=gpt2", "device=all", "gpus=4"),
                                   "gpus=4 plans the layouts of one GPU type at a time"),
     "predict-context-parallel-uneven-sequence": (("neusight-predict", "model=gpt2", "device=h100-sxm5-80gb", "cp=3",
@@ -371,6 +376,27 @@ def test_plan_searching_context_parallelism_from_the_command_line(tmp_path):
     assert sorted(zip(plan["dp"], plan["cp"], plan["cp comm"], plan["tp"], plan["pp"])) == [
         (1, 1, "-", 1, 2), (1, 1, "-", 2, 1), (1, 2, "a2a", 1, 1), (1, 2, "all_gather", 1, 1), (1, 2, "p2p", 1, 1),
         (2, 1, "-", 1, 1)]
+
+
+def test_plan_of_the_longest_sequences_from_the_command_line(tmp_path):
+    """gpus=[2,4] find_max_seq_len=true: per count, each layout's longest sequence and a step's time at it, the
+    longest of the plans, the layouts as CSV and the plans as JSON, the same numbers in each."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**_TINY_LLAMA, "vocab_size": 32000, "max_position_embeddings": 8192}))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=l4", "batch_size=4", "mode=training",
+                        "gpus=[2,4]", "find_max_seq_len=true", "dtype=bfloat16", "attn_implementation=sdpa",
+                        "+spec.memory_gib=1", "csv=longest.csv", "json=longest.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = pd.read_csv(tmp_path / "longest.csv")
+    records = json.loads((tmp_path / "longest.json").read_text())
+    assert [rec["gpus"] for rec in records] == [2, 4] and sorted(set(rows["gpus"])) == [2, 4]
+    assert (rows["limited by"] == "memory").all() and (rows["max seq_len"] % 64 == 0).all()
+    for rec in records:
+        best = rec["longest"]
+        assert best["max seq_len"] == rows.loc[rows["gpus"] == rec["gpus"], "max seq_len"].max()
+        assert f"longest: {best['layout']}" in r.stdout and f"{best['max seq_len']:,} tokens" in r.stdout
+    assert "longest of the 2 plans: " in r.stdout
 
 
 def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):

@@ -350,8 +350,8 @@ def _bisected(peak, limit, cap):
 @settings(max_examples=300, deadline=None)
 @given(base=st.floats(0, 100), slope=st.floats(0, 10), square=st.floats(0, 1), rounding=st.sampled_from([0, 1, 7]),
        jumps=st.lists(st.integers(1, 5000), max_size=6), cap=st.sampled_from([1, 2, 3, 16, 100, 4096, 1 << 16]),
-       headroom=st.floats(0, 1.3))
-def test_largest_within_finds_what_bisection_finds(base, slope, square, rounding, jumps, cap, headroom):
+       headroom=st.floats(0, 1.3), start=st.lists(st.integers(0, 1 << 17), max_size=3))
+def test_largest_within_finds_what_bisection_finds(base, slope, square, rounding, jumps, cap, headroom, start):
     """On any peak that does not fall with n (affine, quadratic, rounded, with jumps), the search that reads the
     peaks returns the same n as doubling and bisection: one that fits whose n + 1 does not (or the cap)."""
     def peak(n):
@@ -360,7 +360,7 @@ def test_largest_within_finds_what_bisection_finds(base, slope, square, rounding
 
     limit = base + headroom * (peak(cap) - base)
     calls = []
-    found = largest_within(lambda n: calls.append(n) or peak(n), limit, cap)
+    found = largest_within(lambda n: calls.append(n) or peak(n), limit, cap, start)
     assert found == _bisected(peak, limit, cap)[0]
     assert (found == 0) == (peak(1) > limit)
     assert found == cap or peak(found + 1) > limit

@@ -959,12 +959,16 @@ def _plan(cfg: PredictConfig) -> float:
     if names_all(cfg.device):
         raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
                          "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
-    other = [k for k in ("layers_csv", "plot", "timeline", "find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
+    other = [k for k in ("layers_csv", "plot", "timeline", "find_max_batch") if getattr(cfg, k)]
     other += ["anchor_ms"] if cfg.anchor_ms is not None else []
     if other:
         raise InputError(f"{other[0]} is not available with gpus={cfg.gpus} (a search over layouts). Fix: leave it "
-                         "out, or forecast one layout with dp= / tp= / pp=")
+                         "out, or forecast one layout with dp= / tp= / pp="
+                         + (" (find_max_seq_len=true searches each layout's longest sequence)"
+                            if other[0] == "find_max_batch" else ""))
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
+    if cfg.find_max_seq_len:
+        return _longest_plans(cfg, counts, optimizer)
     plans, records, best_rows = [], [], []
     for dev, price in zip(_gpus(cfg), _prices(cfg)):
         mine = []
@@ -1008,6 +1012,59 @@ def _plan(cfg: PredictConfig) -> float:
     _finish_plans(cfg, plans, records)
     first = plans[0].best
     return float(first["ms"]) if first is not None else float("nan")
+
+
+def _longest_plans(cfg: PredictConfig, counts: list[int], optimizer: str | None) -> float:
+    """``gpus=N find_max_seq_len=true``: the longest sequence each layout of N GPUs holds, per GPU type of
+    ``cfg.device`` and count (neusight.plan.plan_max_seq_len); its layouts as CSV, the plans as JSON on request.
+    Returns the longest sequence of the first plan."""
+    import pandas as pd
+
+    from neusight.errors import InputError
+    from neusight.plan import plan_max_seq_len
+    from neusight.util import atomic_write_text
+
+    given = [f"{k}={getattr(cfg, k)}" for k in ("seq_len", "total_tokens", "total_samples", "gpu_hour_usd",
+                                                "kv_cache") if getattr(cfg, k) is not None]
+    if given:
+        raise InputError(f"{given[0]} with gpus={cfg.gpus} find_max_seq_len=true: the search finds each layout's "
+                         "longest sequence (up to the model's positions) and forecasts a step at it. Fix: leave "
+                         f"{given[0].split('=')[0]} out")
+    plans, records = [], []
+    for dev in _gpus(cfg):
+        for n in counts:
+            plan = plan_max_seq_len(cfg.model, dev, n, cfg.batch_size, cfg.mode,
+                                    microbatches=cfg.microbatches if cfg.microbatches != 1 else None,
+                                    zero=cfg.zero or None, ep=cfg.ep, vpp=cfg.vpp, sp=cfg.sp, cp=cfg.cp,
+                                    cp_comm=cfg.cp_comm, optimizer=optimizer, head=cfg.head, megatron=cfg.megatron,
+                                    predictor=cfg.checkpoint, fused=cfg.fused,
+                                    attn_implementation=cfg.attn_implementation, dtype=cfg.dtype, tf32=cfg.tf32,
+                                    host_us=cfg.host_us, amp=cfg.amp, gpus_per_node=cfg.gpus_per_node,
+                                    internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
+                                    nvls=cfg.nvls, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                    overlap_param_gather=cfg.overlap_param_gather,
+                                    **{k: v for k, v in _step_options(cfg).items()
+                                       if not (k == "gradient_checkpointing" and v is None)})
+            print(("\n" if plans else "") + plan.summary())
+            plans.append(plan)
+            best = plan.best
+            records.append({"device": dev.key, "gpus": plan.gpus, "batch_size": plan.batch_size, "mode": plan.mode,
+                            "max_positions": plan.max_positions,
+                            "longest": None if best is None else best.drop("rank").to_dict(),
+                            "layouts": plan.table.to_dict(orient="records"), "skipped": plan.skipped})
+    fitting = [(p, p.best) for p in plans if p.best is not None]
+    if len(plans) > 1 and fitting:
+        p, row = max(fitting, key=lambda f: (f[1]["max seq_len"], -f[1]["ms"]))
+        print(f"\nlongest of the {len(plans)} plans: {p.gpus} x {p.device.key} as {row['layout']}"
+              + (f" ({row['cp comm']})" if row["cp comm"] != "-" else "")
+              + f": {int(row['max seq_len']):,} tokens, {row['ms']:,.2f} ms a step")
+    if cfg.csv:
+        atomic_write_text(_out_path(cfg.csv), pd.concat([p.candidates.assign(device=p.device.key, gpus=p.gpus)
+                                                         for p in plans]).to_csv(index=False))
+    if cfg.json:
+        atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
+    first = plans[0].best
+    return float(first["max seq_len"]) if first is not None else 0.0
 
 
 def _gpu_counts(value: Any) -> list[int]:

@@ -1,0 +1,96 @@
+"""plan_max_seq_len: the longest sequence each layout of N GPUs holds, with what holds the most, and a step's
+time at that length; the search's answer against predict_parallel's memory, the ranking, the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from neusight.devices import load_device
+from neusight.errors import InputError
+from neusight.parallel import predict_parallel
+from neusight.plan import plan_max_seq_len
+
+# a tiny Llama whose logits (32,000 words) make the memory grow with the sequence well before its 8,192 positions
+LLAMA = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192)
+KW = dict(attn_implementation="sdpa", dtype="bfloat16")
+
+
+def _gpu(gib: float):
+    return dataclasses.replace(load_device("h100-sxm5-80gb"), memory_gib=gib)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return plan_max_seq_len(LLAMA, _gpu(1.0), 4, 4, "training", cp="auto", **KW)
+
+
+def _forecast(row, seq: int, gpu):
+    return predict_parallel(LLAMA, gpu, 4, seq, "training", dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]),
+                            cp=int(row["cp"]), cp_comm=row["cp comm"] if row["cp"] > 1 else "p2p",
+                            microbatches=int(row["micro-batches"]), zero=int(row["zero"]), optimizer="adamw",
+                            gradient_checkpointing=True, **KW)
+
+
+def test_each_layouts_longest_sequence_fits_and_one_step_longer_does_not(plan):
+    """Each layout's answer is the boundary of predict_parallel's memory (the plans' ``fits``): at the longest
+    sequence the run fits, one step (64 tokens per GPU) longer it does not, unless the model's positions end it;
+    the row's time and memory are that forecast's."""
+    gpu = _gpu(1.0)
+    t = plan.table
+    assert len(t) == 8 and set(t["cp"]) == {1, 2, 4} and (t["zero"][t["pp"] == 1] == 3).all()
+    assert set(t["limited by"]) == {"memory"} and t["max seq_len"].nunique() > 3     # the memory binds, unevenly
+    for _, row in t.iterrows():
+        seq = int(row["max seq_len"])
+        assert seq > 0 and seq % (64 * row["cp"]) == 0
+        at = _forecast(row, seq, gpu)
+        assert at.memory_fits and at.latency_ms == pytest.approx(row["ms"])
+        assert at.memory_peak_bytes / 2**30 == pytest.approx(row["memory GiB"])
+        assert not _forecast(row, seq + 64 * int(row["cp"]), gpu).memory_fits
+
+
+def test_the_longest_layout_ranks_first_and_the_summary_names_it(plan):
+    t = plan.table
+    assert list(t["max seq_len"]) == sorted(t["max seq_len"], reverse=True)
+    assert t["rank"].tolist() == list(range(1, len(t) + 1))
+    best = plan.best
+    assert best is not None and best["layout"] == t.iloc[0]["layout"]
+    text = plan.summary()
+    assert f"longest: {best['layout']}" in text and f"{int(best['max seq_len']):,} tokens" in text
+    assert "full activation recompute" in text and "left out (1): dp 1 x tp 4 x pp 1" in text
+    # fewer forecasts than a bisection per layout would take (two shared first probes, then estimates)
+    assert plan.forecasts < 8 * math.log2(8192 / 64)
+
+
+def test_more_memory_holds_longer_sequences_up_to_the_positions():
+    small = plan_max_seq_len(LLAMA, _gpu(0.9), 2, 2, "training", **KW).table.set_index("layout")
+    large = plan_max_seq_len(LLAMA, _gpu(80), 2, 2, "training", **KW).table.set_index("layout")
+    assert (large["max seq_len"] == 8192).all() and set(large["limited by"]) == {"positions"}
+    assert (small["max seq_len"] < large.loc[small.index, "max seq_len"]).all()
+
+
+def test_nothing_fits_and_eager_attention_takes_no_context_parallelism():
+    plan = plan_max_seq_len(LLAMA, _gpu(0.3), 2, 2, "training", cp="auto", attn_implementation="eager",
+                            dtype="bfloat16")
+    assert plan.best is None and (plan.table["max seq_len"] == 0).all() and (plan.table["cp"] == 1).all()
+    text = plan.summary()
+    assert "no layout holds 64 tokens per GPU" in text
+    assert "context parallelism not searched" in text and "eager attention" in text
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: plan_max_seq_len("resnet18", "h100-sxm5-80gb", 2, 2), "takes no sequence length"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, max_seq_len=16384, **KW),
+     r"max_seq_len=16384 is not a positive number of positions within llama's 8192"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, step=63, **KW), "step=63 is not an even number"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, seq_len=512, **KW), "seq_len= is plan_max_seq_len's"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 0, 2, **KW), "gpus=0 is not a positive number"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 4, 2, cp=3, **KW), "cp=3 is not a positive integer"),
+])
+def test_bad_inputs_name_the_field_and_the_fix(call, match):
+    with pytest.raises(InputError, match=match) as e:
+        call()
+    assert "Fix:" in str(e.value)
