@@ -30,7 +30,7 @@ import pandas as pd
 from neusight.cli.common import quiet_third_party_logs
 from neusight.e2e_eval import markdown_table
 from neusight.parallel import GPUS_PER_NODE, predict_parallel
-from neusight.plan import plan_generation, plan_parallel, recompute_label, scaling_table
+from neusight.plan import plan_generation, plan_max_seq_len, plan_parallel, recompute_label, scaling_table
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,6 +135,9 @@ def main() -> None:
     long_plan = plan_parallel(LONG, LONG_GPUS[-1], 8, LONG_BATCH, LONG_SEQ, cp="auto", cp_comm="auto", sp=True,
                               **LONG_KW)
     long_best = long_plan.table.drop(columns=["layout", "time vs best", "ep", "vpp"])
+    longest = plan_max_seq_len(LONG, LONG_GPUS[-1], 8, LONG_BATCH, cp="auto", sp=True,
+                               **{k: v for k, v in LONG_KW.items() if k != "gradient_checkpointing"})
+    longest_table = longest.table.drop(columns=["layout", "ep", "vpp"])
     scaling = pd.concat([scaling_table([plan_parallel(PLAN, gpu, n, PLAN_BATCH, PLAN_SEQ) for n in PLAN_COUNTS])
                          .assign(gpu=gpu) for gpu in PLAN_GPUS])
     scaling = scaling[["gpu", *[c for c in scaling.columns if c != "gpu"]]]
@@ -211,6 +214,16 @@ def main() -> None:
         f"{long_plan.seconds:.0f} s, each layout's fastest that fits (else its smallest in memory), the layouts "
         "that fit first.", "",
         markdown_table(long_best, index=False), "",
+        f"The longest sequence each layout of the 8 GPUs holds (`neusight.plan_max_seq_len`, `neusight-predict "
+        f"model={LONG} device={LONG_GPUS[-1]} gpus=8 cp=auto sp=true batch_size={LONG_BATCH} mode=training "
+        "dtype=bfloat16 attn_implementation=flash_attention_2 find_max_seq_len=true`): each layout with what holds "
+        "the most (one sequence per micro-batch, full activation recompute, ZeRO 3 where dp x cp > 1 without "
+        "pipeline stages; the ring's exchange where CP > 1), searched in multiples of 64 tokens per GPU up to the "
+        f"model's {longest.max_positions:,} positions, against the same memory forecast as the plans' fits; ms: a "
+        f"step at that length. {longest.forecasts} forecasts in {longest.seconds:.0f} s. Every layout that splits "
+        "each sequence (CP or TP) holds the model's whole context; the two that split neither, pipelines without "
+        "ZeRO, end sooner.", "",
+        markdown_table(longest_table, index=False), "",
         f"## A CNN as PyTorch DDP trains it: {CNN} on 8 GPUs", "",
         f"{CNN}, global batch {CNN_BATCH} (224 x 224 images), one SGD training step (FP32 model, convolutions on "
         "TF32 tensor cores as PyTorch runs them by default on these GPUs), on one GPU and as dp=8. Last three "
