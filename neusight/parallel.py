@@ -99,6 +99,7 @@ kernels attributed outside any block (some of an encoder-decoder's) go to the la
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -115,10 +116,13 @@ from neusight.graph.records import TensorMeta
 from neusight.kernels import formulas
 from neusight.kernels.base import ATTENTION_BWD_KERNEL, FUSED_ATTENTION
 
-__all__ = ["Parallelism", "Links", "LinkPath", "ParallelPrediction", "predict_parallel", "shard_tensor_parallel",
+__all__ = ["Parallelism", "Links", "LinkPath", "LargestRun", "ParallelPrediction", "find_max_parallel",
+           "predict_parallel", "shard_tensor_parallel",
            "shard_expert_parallel", "split_sequence", "sequence_parallel_mask", "split_context",
            "context_exchange_ms", "allreduce_ms", "allgather_ms", "alltoall_ms", "p2p_ms", "nccl_collective",
            "NCCL_PROTOCOLS", "NCCL_TREE_PROTOCOLS"]
+
+log = logging.getLogger(__name__)
 
 # NCCL reaches about 80 % of a link's one-way bandwidth on large all-reduces (its bus bandwidth); an all-to-all
 # exchange or a point-to-point transfer costs a few microseconds of launch and synchronisation. Public
@@ -1312,6 +1316,74 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                   + f": {gather_alone:,.1f} ms of them alone, {parts['dp_gather']:,.1f} ms left exposed",)
     return ParallelPrediction(g.model, device, mode, batch_size, seq_len if cp > 1 else g.seq_len, par,
                               sum(parts.values()), parts, stages, one, roofline_ms, notes, breakdown)
+
+
+@dataclass(frozen=True)
+class LargestRun:
+    """What :func:`find_max_parallel` found: the largest ``value`` (global batch or sequence length) whose run fits,
+    the forecast at it (when nothing fits, at the smallest probe) and how many forecasts the search made."""
+
+    value: int
+    prediction: ParallelPrediction
+    forecasts: int
+
+
+def find_max_parallel(model: Any, device: Device | str, search: str, batch_size: int | None = None,
+                      seq_len: int | None = None, mode: str = "training", *, step: int = 64,
+                      limit: int | None = None, start: tuple[int, ...] | list[int] = (), cache: dict | None = None,
+                      **kwargs: Any) -> LargestRun:
+    """The largest global batch (``search="batch_size"``, at ``seq_len``) or sequence (``search="seq_len"``, at
+    global ``batch_size``) whose run on a layout of GPUs fits in their memory as :func:`predict_parallel` forecasts
+    it (its ``memory_fits``, the first stage's GPU; ``**kwargs``: the layout and run, dp / tp / pp / microbatches /
+    cp / zero / sp / ...): the global batch in multiples of dp x microbatches (one sample more per micro-batch),
+    the sequence in multiples of ``step`` tokens per GPU of its ``cp``, up to ``limit`` (default: 65,536 for the
+    batch, the model's positions for the sequence). The search is :func:`neusight.memory.largest_within`; ``start``
+    (values of the searched quantity) are probed first, with ``cache`` (:func:`predict_parallel`'s) for those only,
+    so that searches of several layouts share their traces without keeping every probe's.
+    """
+    from neusight.graph.models import build_model
+    from neusight.memory import largest_within
+
+    if search not in ("batch_size", "seq_len"):
+        raise InputError(f"search={search!r} is not what find_max_parallel searches. Fix: 'batch_size' or 'seq_len'")
+    if "cache" in kwargs:
+        raise InputError("cache= is find_max_parallel's own. Fix: leave it out")
+    device = load_device(device)
+    cp = int(kwargs.get("cp", 1))
+    if search == "seq_len":
+        if not isinstance(step, int) or isinstance(step, bool) or step < 2 or step % 2:
+            raise InputError(f"step={step!r} is not an even number of tokens (each GPU's part of a sequence). Fix: "
+                             "e.g. step=64")
+        built = build_model(model, **{k: kwargs[k] for k in ("head", "attn_implementation", "input_shapes",
+                                                             "image_size") if kwargs.get(k) is not None})
+        if not built.needs_seq_len:
+            raise InputError(f"{built.name} takes no sequence length. Fix: search its batch size (find_max_batch)")
+        if limit is not None and built.max_seq_len and limit > built.max_seq_len:
+            raise InputError(f"limit={limit} exceeds {built.name}'s maximum of {built.max_seq_len} positions. Fix: "
+                             f"at most {built.max_seq_len}, or leave it out to search up to it")
+        unit, cap = step * cp, limit or built.max_seq_len or 1 << 20
+    else:
+        unit, cap = int(kwargs.get("dp", 1)) * int(kwargs.get("microbatches", 1)), limit or 1 << 16
+    kept: dict[str, Any] = {"forecasts": 0}
+
+    def peak(n: int) -> float:
+        size = {"batch_size": batch_size, "seq_len": seq_len, search: n * unit}
+        p = predict_parallel(model, device, size["batch_size"], size["seq_len"], mode,
+                             cache=cache if n * unit in start else None, **kwargs)
+        kept["forecasts"] += 1
+        if "smallest" not in kept or n < kept["smallest"][0]:
+            kept["smallest"] = (n, p)
+        if p.memory_fits and n > kept.get("largest", (0, None))[0]:
+            kept["largest"] = (n, p)
+        log.debug("%s %d: %.2f GiB per GPU", search, n * unit, (p.memory_peak_bytes or 0.0) / 2**30)
+        return float(p.memory_peak_bytes or 0.0)
+
+    if cap < unit:
+        what = (f"{step} tokens on each of cp={cp} GPUs exceed the {cap:,} positions" if search == "seq_len"
+                else f"one sample per micro-batch (dp x microbatches = {unit}) exceeds limit={cap}")
+        raise InputError(f"{what}. Fix: " + ("a smaller cp" if search == "seq_len" else "a larger limit"))
+    n = largest_within(peak, device.memory_bytes, cap // unit, [v // unit for v in start])
+    return LargestRun(n * unit, (kept["largest"] if n else kept["smallest"])[1], kept["forecasts"])
 
 
 def _joined(names: list[str]) -> str:

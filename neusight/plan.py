@@ -629,8 +629,7 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
     :func:`plan_parallel`; ``**kwargs`` as there.
     """
     from neusight.graph.models import build_model
-    from neusight.memory import largest_within
-    from neusight.parallel import predict_parallel
+    from neusight.parallel import find_max_parallel
 
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
@@ -679,36 +678,22 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
 
     def search(label: str, dp: int, cp: int, tp: int, pp: int, m: int, z: int, e: int, v: int,
                comm: str) -> dict[str, Any]:
-        unit = step * cp
-        kept: dict[str, Any] = {}
-
-        def peak(n: int) -> float:
-            extra = {"gradient_checkpointing": ckpt} if ckpt is not None else {}
-            p = predict_parallel(model, device, batch_size, n * unit, mode, dp=dp, tp=tp, pp=pp, microbatches=m,
-                                 zero=z, ep=e, vpp=v, sp=sp and tp > 1, cp=cp, cp_comm=comm,
-                                 optimizer=optimizer if training else None,
-                                 cache=shared if n * unit in anchors else None,
-                                 overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp * cp > 1,
-                                 overlap_param_gather=overlap["overlap_param_gather"] and z > 0, **extra, **kwargs)
-            state["forecasts"] += 1
-            state["name"] = p.model
-            if "smallest" not in kept or n < kept["smallest"][0]:
-                kept["smallest"] = (n, p)
-            if p.memory_fits and n > kept.get("longest", (0, None))[0]:
-                kept["longest"] = (n, p)
-            log.debug("%s%s: seq_len %d -> %.1f GiB per GPU", label, f" ({comm})" if cp > 1 else "", n * unit,
-                     (p.memory_peak_bytes or 0.0) / 2**30)
-            return float(p.memory_peak_bytes or 0.0)
-
-        n = largest_within(peak, device.memory_bytes, positions // unit, [a // unit for a in anchors])
-        p = kept["longest"][1] if n else kept["smallest"][1]
-        seq = n * unit
+        extra = {"gradient_checkpointing": ckpt} if ckpt is not None else {}
+        found = find_max_parallel(model, device, "seq_len", batch_size, None, mode, step=step, limit=positions,
+                                  start=anchors, cache=shared, dp=dp, tp=tp, pp=pp, microbatches=m, zero=z, ep=e,
+                                  vpp=v, sp=sp and tp > 1, cp=cp, cp_comm=comm,
+                                  optimizer=optimizer if training else None,
+                                  overlap_grad_reduce=overlap["overlap_grad_reduce"] and training and dp * cp > 1,
+                                  overlap_param_gather=overlap["overlap_param_gather"] and z > 0, **extra, **kwargs)
+        state["forecasts"] += found.forecasts
+        p, seq = found.prediction, found.value
+        state["name"] = p.model
         return {"layout": label, "dp": dp, "cp": cp, "cp comm": comm if cp > 1 else "-", "tp": tp, "pp": pp,
                 "ep": e, "vpp": v, "sp": "yes" if sp and tp > 1 else "no", "micro-batches": m, "zero": z,
                 "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing), "max seq_len": seq,
-                "limited by": "positions" if n == positions // unit else "memory",
-                "ms": p.latency_ms if n else math.nan,
-                "tokens/s": batch_size * seq / p.latency_ms * 1e3 if n else math.nan,
+                "limited by": "positions" if seq + step * cp > positions else "memory",
+                "ms": p.latency_ms if seq else math.nan,
+                "tokens/s": batch_size * seq / p.latency_ms * 1e3 if seq else math.nan,
                 "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30}
 
     for dp, cp, tp, pp in [(dp, c, tp, pp) for c in contexts for dp, tp, pp in layouts(gpus // c)]:

@@ -81,8 +81,9 @@ BAD = {
                                    "ep=3 does not divide dp=4"),
     "predict-zero-without-replicas": (("neusight-predict", "model=gpt2", "device=t4", "mode=training", "zero=2"),
                                       "dp=1 has none"),
-    "predict-max-batch-over-stages": (("neusight-predict", "model=gpt2", "device=t4", "pp=2", "find_max_batch=true"),
-                                      "find_max_batch on several GPUs is available for data and tensor parallelism"),
+    "predict-longest-over-stages-beyond-positions": (("neusight-predict", "model=gpt2", "device=t4", "pp=2",
+                                                      "cp=32", "attn_implementation=sdpa", "seq_len=1024",
+                                                      "find_max_seq_len=true"), "cp=32"),
     "predict-checkpointing-inference": (("neusight-predict", "model=gpt2", "device=t4", "gradient_checkpointing=true"),
                                         "mode='inference'"),
     "predict-selective-recompute-of-a-cnn": (("neusight-predict", "model=resnet18", "device=t4", "mode=training",
@@ -91,8 +92,6 @@ BAD = {
                                    "gradient_checkpointing=partial"), "'selective'"),
     "predict-sequence-parallel-without-tp": (("neusight-predict", "model=gpt2", "device=t4", "mode=training",
                                               "sp=true"), "tp=1 has none"),
-    "predict-max-batch-with-sequence-parallelism": (("neusight-predict", "model=gpt2", "device=t4", "tp=2", "sp=true",
-                                                     "find_max_batch=true"), "without sequence parallelism"),
     "predict-overlap-without-replicas": (("neusight-predict", "model=gpt2", "device=t4", "mode=training",
                                           "overlap_grad_reduce=true"), "overlap_grad_reduce=true overlaps"),
     "predict-param-gather-without-zero": (("neusight-predict", "model=gpt2", "device=t4", "mode=training", "dp=2",
@@ -397,6 +396,33 @@ def test_plan_of_the_longest_sequences_from_the_command_line(tmp_path):
         assert best["max seq_len"] == rows.loc[rows["gpus"] == rec["gpus"], "max seq_len"].max()
         assert f"longest: {best['layout']}" in r.stdout and f"{best['max seq_len']:,} tokens" in r.stdout
     assert "longest of the 2 plans: " in r.stdout
+
+
+def test_memory_searches_over_pipeline_stages_from_the_command_line(tmp_path):
+    """pp=2 microbatches=2 with find_max_batch / find_max_seq_len: the largest global batch and the longest sequence
+    whose run's first stage fits, as predict_parallel forecasts that layout: the printed values fit, one sample per
+    micro-batch (64 tokens) more does not."""
+    from neusight.devices import load_device, modify_device
+    from neusight.parallel import predict_parallel
+
+    model = {**_TINY_LLAMA, "vocab_size": 32000, "max_position_embeddings": 8192}
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(model))
+    run = ["batch_size=4", "seq_len=512", "mode=training", "pp=2", "microbatches=2", "dtype=bfloat16",
+           "attn_implementation=sdpa"]
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=l4", *run, "find_max_batch=true",
+                        "find_max_seq_len=true", "+spec.memory_gib=1", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    batch = int(re.search(r"largest global batch that fits on 2 x .*first stage's GPU\): (\d+) \(", r.stdout)[1])
+    seq = int(re.search(r"longest sequence that fits on .* at global batch 4: ([\d,]+)", r.stdout)[1].replace(",", ""))
+    gpu = modify_device(load_device("l4"), memory_gib=1)
+    kw = dict(mode="training", pp=2, microbatches=2, optimizer="adamw", dtype="bfloat16", attn_implementation="sdpa")
+    assert batch % 2 == 0 and seq % 64 == 0 and batch > 4 and 512 < seq < 8192
+    assert predict_parallel(model, gpu, batch, 512, **kw).memory_fits
+    assert not predict_parallel(model, gpu, batch + 2, 512, **kw).memory_fits
+    assert predict_parallel(model, gpu, 4, seq, **kw).memory_fits
+    assert not predict_parallel(model, gpu, 4, seq + 64, **kw).memory_fits
 
 
 def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from neusight.devices import load_device
 from neusight.errors import InputError
-from neusight.parallel import predict_parallel
+from neusight.parallel import find_max_parallel, predict_parallel
 from neusight.plan import plan_max_seq_len
 
 # a tiny Llama whose logits (32,000 words) make the memory grow with the sequence well before its 8,192 positions
@@ -93,4 +93,32 @@ def test_nothing_fits_and_eager_attention_takes_no_context_parallelism():
 def test_bad_inputs_name_the_field_and_the_fix(call, match):
     with pytest.raises(InputError, match=match) as e:
         call()
+    assert "Fix:" in str(e.value)
+
+
+def test_find_max_parallel_on_sequence_parallel_shards():
+    """One layout's search (tp 2 with sequence parallelism, the CLI's find_max_seq_len / find_max_batch there): the
+    answer fits and one step more does not; sequence parallelism, which keeps 1 / tp of some activations, holds at
+    least as long a sequence as the same shards without it."""
+    gpu = _gpu(1.0)
+    kw = dict(mode="training", tp=2, optimizer="adamw", gradient_checkpointing=True, **KW)
+    with_sp = find_max_parallel(LLAMA, gpu, "seq_len", 2, sp=True, **kw)
+    without = find_max_parallel(LLAMA, gpu, "seq_len", 2, **kw)
+    assert 0 < without.value <= with_sp.value < 8192 and with_sp.value % 64 == 0
+    assert with_sp.prediction.memory_fits and with_sp.prediction.seq_len == with_sp.value
+    assert not predict_parallel(LLAMA, gpu, 2, with_sp.value + 64, sp=True, **kw).memory_fits
+    batch = find_max_parallel(LLAMA, gpu, "batch_size", None, 1024, sp=True, **kw)
+    assert batch.value > 0 and batch.prediction.batch_size == batch.value and batch.prediction.memory_fits
+    assert not predict_parallel(LLAMA, gpu, batch.value + 1, 1024, sp=True, **kw).memory_fits
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (("tokens", 2), {}, "search='tokens' is not what find_max_parallel searches"),
+    (("seq_len", 2), dict(limit=16384), "limit=16384 exceeds llama's maximum of 8192 positions"),
+    (("seq_len", 2), dict(cp=256), "64 tokens on each of cp=256 GPUs exceed the 8,192 positions"),
+    (("batch_size", None, 512), dict(dp=4, limit=2), r"one sample per micro-batch \(dp x microbatches = 4\)"),
+])
+def test_find_max_parallel_refuses_bad_searches(args, kwargs, match):
+    with pytest.raises(InputError, match=match) as e:
+        find_max_parallel(LLAMA, "h100-sxm5-80gb", *args, **kwargs, **KW)
     assert "Fix:" in str(e.value)

@@ -871,32 +871,24 @@ def _parallel(cfg: PredictConfig) -> float:
     if unsupported:
         raise InputError(f"{unsupported[0]} is not available for multi-GPU forecasts (dp, tp, pp, cp or microbatches > "
                          "1, zero, megatron). Fix: leave it out, or forecast one GPU (dp=tp=pp=cp=microbatches=1)")
-    searches = [k for k in ("find_max_batch", "find_max_seq_len") if getattr(cfg, k)]
-    if searches and (cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron):
-        raise InputError(f"{searches[0]} on several GPUs is available for data and tensor parallelism (dp, tp, zero), "
-                         "where every GPU holds one replica's shard; pp / microbatches / megatron=true spread it "
-                         "otherwise. Fix: leave it out, or use dp and tp only")
-    if searches and cfg.sp:
-        raise InputError(f"{searches[0]} searches the memory of a tensor-parallel shard without sequence parallelism; "
-                         "with sp=true it would overstate the activations. Fix: leave one of them out")
     records = []
     # Megatron-LM's AdamW is apex's / Transformer Engine's fused kernel
     optimizer = "adamw-fused" if cfg.megatron and cfg.optimizer == "adamw" else cfg.optimizer
     ranking = names_all(cfg.device)   # every GPU type of the library, ranked: the GPUs that cannot run it left out
     preds, costs, skipped, errors = [], [], {}, {}
     shared: dict = {}   # one trace per software path, the GPUs on it sharing it (predict_parallel's cache)
+    run = dict(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer,
+               megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
+               attn_implementation=cfg.attn_implementation, image_size=cfg.image_size, dtype=cfg.dtype, tf32=cfg.tf32,
+               host_us=cfg.host_us, amp=cfg.amp, kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp,
+               sp=cfg.sp, cp=_cp(cfg), cp_comm=_cp_comm(cfg), overlap_grad_reduce=cfg.overlap_grad_reduce,
+               overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
+               internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node, nvls=cfg.nvls,
+               **_step_options(cfg))
     for dev, price in zip(_gpus(cfg), _prices(cfg)):
         try:
-            p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, dp=cfg.dp, tp=cfg.tp,
-                                 pp=cfg.pp, microbatches=cfg.microbatches, head=cfg.head, optimizer=optimizer,
-                                 megatron=cfg.megatron, predictor=cfg.checkpoint, fused=cfg.fused,
-                                 attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
-                                 dtype=cfg.dtype, memory=cfg.memory, tf32=cfg.tf32, host_us=cfg.host_us, amp=cfg.amp,
-                                 kv_cache=cfg.kv_cache, zero=cfg.zero, ep=_ep(cfg), vpp=cfg.vpp, sp=cfg.sp,
-                                 cp=_cp(cfg), cp_comm=_cp_comm(cfg), overlap_grad_reduce=cfg.overlap_grad_reduce,
-                                 overlap_param_gather=cfg.overlap_param_gather, gpus_per_node=cfg.gpus_per_node,
-                                 internode_gbps=cfg.internode_gbps, nics_per_node=cfg.nics_per_node,
-                                 nvls=cfg.nvls, cache=shared, **_step_options(cfg))
+            p = predict_parallel(cfg.model, dev, cfg.batch_size, cfg.seq_len, cfg.mode, memory=cfg.memory,
+                                 cache=shared, **run)
         except InputError as e:
             if not ranking:
                 raise
@@ -918,7 +910,10 @@ def _parallel(cfg: PredictConfig) -> float:
             print(_run_text(cfg, p.latency_ms, p.batch_size, p.seq_len, gpus, price))
         if cfg.pp > 1:
             print(p.stages.round(3).to_string(index=False))
-        _memory_searches(cfg, p.device)
+        if cfg.pp > 1 or cfg.microbatches > 1 or cfg.megatron or cfg.sp:
+            _layout_searches(cfg, p.device, run)
+        else:
+            _memory_searches(cfg, p.device)
     if not ranking and len(preds) > 1:
         rows = []
         for p, cost in zip(preds, costs):
@@ -1118,6 +1113,33 @@ def _memory_searches(cfg: PredictConfig, device: Any) -> None:
         longest = find_max_seq_len(cfg.model, device, batch_size=cfg.batch_size // cfg.dp, **kw)
         print(f"longest sequence that fits on {where} at {glob}batch {cfg.batch_size}: {longest}"
               + ("" if longest else " (64 tokens do not fit)"))
+
+
+def _layout_searches(cfg: PredictConfig, device: Any, run: dict[str, Any]) -> None:
+    """find_max_batch / find_max_seq_len on a layout that pipeline stages, micro-batches, sequence parallelism or
+    Megatron-LM's kernels spread over its GPUs unevenly (neusight.parallel.find_max_parallel): the memory
+    predict_parallel forecasts for the layout's first stage's GPU, the global batch in multiples of dp x
+    microbatches, the sequence in multiples of 64 tokens per GPU of cp; the layout and the run as given."""
+    from neusight.parallel import find_max_parallel
+
+    cp = _cp(cfg)
+    parts = [f"{k} {getattr(cfg, k)}" for k in ("dp", "tp", "pp") if getattr(cfg, k) > 1]
+    parts += [f"cp {cp}"] if cp > 1 else []
+    parts += [f"{cfg.microbatches} micro-batches per replica"] if cfg.microbatches > 1 else []
+    parts += ["sequence parallelism"] if cfg.sp else []
+    parts += ["Megatron-LM"] if cfg.megatron else []
+    parts += [f"ZeRO stage {cfg.zero}"] if cfg.zero else []
+    where = f"{cfg.dp * cp * cfg.tp * cfg.pp} x {device.name} ({', '.join(parts)}; the first stage's GPU)"
+    if cfg.find_max_batch:
+        found = find_max_parallel(cfg.model, device, "batch_size", None, cfg.seq_len, cfg.mode, **run)
+        per = cfg.dp * cfg.microbatches
+        print(f"largest global batch that fits on {where}: {found.value}"
+              + (f" ({found.value // per} per micro-batch)" if found.value else
+                 " (one sample per micro-batch does not fit)"))
+    if cfg.find_max_seq_len:
+        found = find_max_parallel(cfg.model, device, "seq_len", cfg.batch_size, None, cfg.mode, **run)
+        print(f"longest sequence that fits on {where} at global batch {cfg.batch_size}: {found.value:,}"
+              + ("" if found.value else f" ({64 * cp} tokens do not fit)"))
 
 
 def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
