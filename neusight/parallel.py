@@ -1318,6 +1318,22 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
                               sum(parts.values()), parts, stages, one, roofline_ms, notes, breakdown)
 
 
+def sequence_model(model: Any, step: Any, kwargs: dict[str, Any]) -> Any:
+    """``model`` built (on meta) as a search of its sequence length takes it, with the run's ``kwargs`` that shape
+    it; an error unless ``step`` (tokens per GPU) is even and the model takes a sequence length."""
+    from neusight.graph.models import build_model
+
+    if not isinstance(step, int) or isinstance(step, bool) or step < 2 or step % 2:
+        raise InputError(f"step={step!r} is not an even number of tokens (each GPU's part of a sequence). Fix: e.g. "
+                         "step=64")
+    built = build_model(model, **{k: kwargs[k] for k in ("head", "attn_implementation", "input_shapes", "image_size")
+                                  if kwargs.get(k) is not None})
+    if not built.needs_seq_len:
+        raise InputError(f"{built.name} takes no sequence length. Fix: search or plan its batch size instead "
+                         "(find_max_batch, or gpus=N at a batch_size)")
+    return built
+
+
 @dataclass(frozen=True)
 class LargestRun:
     """What :func:`find_max_parallel` found: the largest ``value`` (global batch or sequence length) whose run fits,
@@ -1341,7 +1357,6 @@ def find_max_parallel(model: Any, device: Device | str, search: str, batch_size:
     (values of the searched quantity) are probed first, with ``cache`` (:func:`predict_parallel`'s) for those only,
     so that searches of several layouts share their traces without keeping every probe's.
     """
-    from neusight.graph.models import build_model
     from neusight.memory import largest_within
 
     if search not in ("batch_size", "seq_len"):
@@ -1351,13 +1366,7 @@ def find_max_parallel(model: Any, device: Device | str, search: str, batch_size:
     device = load_device(device)
     cp = int(kwargs.get("cp", 1))
     if search == "seq_len":
-        if not isinstance(step, int) or isinstance(step, bool) or step < 2 or step % 2:
-            raise InputError(f"step={step!r} is not an even number of tokens (each GPU's part of a sequence). Fix: "
-                             "e.g. step=64")
-        built = build_model(model, **{k: kwargs[k] for k in ("head", "attn_implementation", "input_shapes",
-                                                             "image_size") if kwargs.get(k) is not None})
-        if not built.needs_seq_len:
-            raise InputError(f"{built.name} takes no sequence length. Fix: search its batch size (find_max_batch)")
+        built = sequence_model(model, step, kwargs)
         if limit is not None and built.max_seq_len and limit > built.max_seq_len:
             raise InputError(f"limit={limit} exceeds {built.name}'s maximum of {built.max_seq_len} positions. Fix: "
                              f"at most {built.max_seq_len}, or leave it out to search up to it")

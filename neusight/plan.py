@@ -137,6 +137,23 @@ def layout_label(dp: int, tp: int, pp: int, cp: int = 1) -> str:
     return f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp} x pp {pp}"
 
 
+def _split_layouts(gpus: int, contexts: list[int], batch_size: int, ep: int | None,
+                   skipped: dict[str, str]) -> Any:
+    """Every layout (label, dp, cp, tp, pp) of ``gpus`` GPUs for the context-parallel degrees of ``contexts`` (read
+    as the caller's loop goes on: a degree it drops is not tried further) whose ``dp`` replicas split the global
+    ``batch_size`` and whose dp a given ``ep`` divides; the others noted in ``skipped`` with the reason."""
+    for dp, cp, tp, pp in [(dp, c, tp, pp) for c in list(contexts) for dp, tp, pp in layouts(gpus // c)]:
+        if cp not in contexts:
+            continue            # context parallelism dropped from the search
+        label = layout_label(dp, tp, pp, cp)
+        if batch_size % dp:
+            skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
+        elif ep is not None and dp % ep:
+            skipped[label] = f"ep={ep} does not divide dp"
+        else:
+            yield label, dp, cp, tp, pp
+
+
 @dataclass
 class ParallelPlan:
     """The layouts of ``gpus`` GPUs for one run, forecast: ``candidates`` has a row per forecast (layout,
@@ -453,16 +470,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 return True
         return False
 
-    for dp, cp, tp, pp in [(dp, c, tp, pp) for c in contexts for dp, tp, pp in layouts(gpus // c)]:
-        if cp not in contexts:
-            continue            # context parallelism dropped from the search (below)
-        label = layout_label(dp, tp, pp, cp)
-        if batch_size % dp:
-            skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
-            continue
-        if ep is not None and dp % ep:
-            skipped[label] = f"ep={ep} does not divide dp"
-            continue
+    for label, dp, cp, tp, pp in _split_layouts(gpus, contexts, batch_size, ep, skipped):
         replica = batch_size // dp
         counts = [microbatches] if microbatches is not None else _divisors(replica)
         if microbatches is None and pp > 1:     # fewer micro-batches than stages: a longer bubble, no less memory
@@ -512,7 +520,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 log.info("context parallelism not searched (%s)", notes_extra[-1])
                 contexts[:] = [1]
                 rows = [r for r in rows if r["cp"] == 1]
-                skipped = {k: v for k, v in skipped.items() if " x cp " not in k}
+                for k in [k for k in skipped if " x cp " in k]:     # in place: the layouts' loop adds to it
+                    del skipped[k]
                 continue
             errors.append(e)
             skipped[label] = str(e).split(". Fix:")[0]
@@ -628,16 +637,12 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
     same micro-batch (one trace). Layouts the model cannot take are left out with the reason, as in
     :func:`plan_parallel`; ``**kwargs`` as there.
     """
-    from neusight.graph.models import build_model
-    from neusight.parallel import find_max_parallel
+    from neusight.parallel import find_max_parallel, sequence_model
 
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the global batch, e.g. 8")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 2 or step % 2:
-        raise InputError(f"step={step!r} is not an even number of tokens (each GPU's part of a sequence). Fix: e.g. "
-                         "step=64")
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
                          "leave it out (one sequence per micro-batch)")
@@ -646,10 +651,7 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
     if "cache" in kwargs or "seq_len" in kwargs:
         raise InputError(f"{'cache' if 'cache' in kwargs else 'seq_len'}= is plan_max_seq_len's own (it searches "
                          "the sequence length). Fix: leave it out; max_seq_len= bounds the search")
-    built = build_model(model, **{k: kwargs[k] for k in ("head", "attn_implementation", "input_shapes",
-                                                         "image_size") if kwargs.get(k) is not None})
-    if not built.needs_seq_len:
-        raise InputError(f"{built.name} takes no sequence length. Fix: plan_parallel for its batch size")
+    built = sequence_model(model, step, kwargs)
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
                                     or not 0 < max_seq_len <= (built.max_seq_len or max_seq_len)):
         raise InputError(f"max_seq_len={max_seq_len!r} is not a positive number of positions within "
@@ -696,18 +698,9 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
                 "tokens/s": batch_size * seq / p.latency_ms * 1e3 if seq else math.nan,
                 "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30}
 
-    for dp, cp, tp, pp in [(dp, c, tp, pp) for c in contexts for dp, tp, pp in layouts(gpus // c)]:
-        if cp not in contexts:
-            continue            # context parallelism dropped from the search (below)
-        label = layout_label(dp, tp, pp, cp)
-        if batch_size % dp:
-            skipped[label] = f"the global batch {batch_size} does not split into dp replicas"
-            continue
+    for label, dp, cp, tp, pp in _split_layouts(gpus, contexts, batch_size, ep, skipped):
         if step * cp > positions:
             skipped[label] = f"{step} tokens on each of cp={cp} GPUs exceed the {positions:,} positions"
-            continue
-        if ep is not None and dp % ep:
-            skipped[label] = f"ep={ep} does not divide dp"
             continue
         replica = batch_size // dp
         m = microbatches if microbatches is not None else replica
@@ -739,7 +732,8 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
                 # the model or run refuses context parallelism whatever the layout: no cp > 1 is tried further
                 notes.append("context parallelism not searched: " + str(err).split(". Fix:")[0])
                 contexts[:] = [1]
-                skipped = {k: v for k, v in skipped.items() if " x cp " not in k}
+                for k in [k for k in skipped if " x cp " in k]:     # in place: the layouts' loop adds to it
+                    del skipped[k]
                 continue
             errors.append(err)
             skipped[label] = str(err).split(". Fix:")[0]
