@@ -137,6 +137,17 @@ def layout_label(dp: int, tp: int, pp: int, cp: int = 1) -> str:
     return f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp} x pp {pp}"
 
 
+def _pop_overlaps(kwargs: dict[str, Any]) -> dict[str, bool]:
+    """A plan's ``overlap_grad_reduce`` / ``overlap_param_gather``, taken out of ``kwargs`` (applied per layout, where
+    they can run) and checked to be true or false."""
+    overlap = {k: kwargs.pop(k, False) for k in ("overlap_grad_reduce", "overlap_param_gather")}
+    for k, v in overlap.items():
+        if not isinstance(v, bool):
+            raise InputError(f"{k}={v!r} is not true or false. Fix: {k}=true (on the layouts with dp > 1"
+                             + (", with a ZeRO stage" if k == "overlap_param_gather" else "") + ") or leave it out")
+    return overlap
+
+
 def _split_layouts(gpus: int, contexts: list[int], batch_size: int, ep: int | None,
                    skipped: dict[str, str]) -> Any:
     """Every layout (label, dp, cp, tp, pp) of ``gpus`` GPUs for the context-parallel degrees of ``contexts`` (read
@@ -374,11 +385,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
         raise InputError("cache= is plan_parallel's own. Fix: leave it out")
-    overlap = {k: kwargs.pop(k, False) for k in ("overlap_grad_reduce", "overlap_param_gather")}
-    for k, v in overlap.items():
-        if not isinstance(v, bool):
-            raise InputError(f"{k}={v!r} is not true or false. Fix: {k}=true (on the layouts with dp > 1"
-                             + (", with a ZeRO stage" if k == "overlap_param_gather" else "") + ") or leave it out")
+    overlap = _pop_overlaps(kwargs)
     if usd_per_gpu_hour is not None:
         from neusight.api import check_price
 
@@ -662,7 +669,7 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
     comms = _context_comms(kwargs.pop("cp_comm", "p2p"), contexts)
     device = load_device(device)
     training = mode == "training"
-    overlap = {k: bool(kwargs.pop(k, False)) for k in ("overlap_grad_reduce", "overlap_param_gather")}
+    overlap = _pop_overlaps(kwargs)
     ckpt = kwargs.pop("gradient_checkpointing", None)
     chosen = ckpt is None and training        # full recompute unless given (and the model takes it)
     ckpt = True if chosen else ckpt

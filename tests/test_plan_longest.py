@@ -89,6 +89,8 @@ def test_nothing_fits_and_eager_attention_takes_no_context_parallelism():
     (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, seq_len=512, **KW), "seq_len= is plan_max_seq_len's"),
     (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 0, 2, **KW), "gpus=0 is not a positive number"),
     (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 4, 2, cp=3, **KW), "cp=3 is not a positive integer"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, overlap_grad_reduce="yes", **KW),
+     "overlap_grad_reduce='yes' is not true or false"),
 ])
 def test_bad_inputs_name_the_field_and_the_fix(call, match):
     with pytest.raises(InputError, match=match) as e:

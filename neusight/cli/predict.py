@@ -134,6 +134,7 @@ class PredictConfig:
     plot: Optional[str] = None           # directory for the pictures (roofline, time roofline, memory, layers)
     find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory
     find_max_seq_len: bool = False       # also search the longest sequence (multiple of 64) that fits at batch_size
+    #                                      (with gpus=N instead of a plan: each layout's longest, seq_len left out)
     spec: Dict[str, Any] = field(default_factory=dict)   # what-if: spec numbers changed on every GPU, e.g.
     #                                      +spec.mem_bandwidth_gbps=4800 (neusight.devices.modify_device)
 
