@@ -683,6 +683,7 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     errors: list[Exception] = []
+    comm_skips: dict[str, list[str]] = {}      # an exchange's reason -> the layouts it was left out on
     state: dict[str, Any] = {"forecasts": 0, "name": built.name}
 
     def search(label: str, dp: int, cp: int, tp: int, pp: int, m: int, z: int, e: int, v: int,
@@ -718,14 +719,13 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
         e = ep if ep is not None else max([d for d in _divisors(dp) if experts % d == 0] if experts and cp == 1
                                           else [1])
         mine: list[dict[str, Any]] = []
+        refused: list[ContextCommError] = []        # exchanges that cannot run the layout; the others may
         try:
             for comm in comms_of[cp]:
                 try:
                     mine.append(search(label, dp, cp, tp, pp, m, z, e, vpp if pp > 1 else 1, comm))
-                except ContextCommError as err:      # this exchange cannot run the layout; the others may
-                    if len(comms_of[cp]) == 1:
-                        raise
-                    notes.append(f"{str(err).split('. Fix:')[0]} (left out on {label})")
+                except ContextCommError as err:
+                    refused.append(err)
                 except InputError as err:
                     if not (chosen and ckpt and "gradient_checkpointing" in str(err)):
                         raise
@@ -733,7 +733,7 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
                     ckpt = None       # the model takes none: every layout runs without
                     mine.append(search(label, dp, cp, tp, pp, m, z, e, vpp if pp > 1 else 1, comm))
             if not mine:
-                raise InputError(notes[-1])
+                raise refused[-1]
         except (InputError, ModelError) as err:
             if isinstance(err, ContextParallelError) and len(contexts) > 1 and 1 in contexts:
                 # the model or run refuses context parallelism whatever the layout: no cp > 1 is tried further
@@ -747,9 +747,12 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
             log.info("%s: left out (%s)", label, skipped[label])
             continue
         rows += mine
+        for err in refused:
+            comm_skips.setdefault(str(err).split(". Fix:")[0], []).append(label)
         log.info("%s: %s", label, ", ".join(f"{r['max seq_len']:,} tokens" for r in mine))
     if not rows and errors:
         raise errors[0]
+    notes += [f"{why} (left out on {', '.join(labels)})" for why, labels in comm_skips.items()]
     return LongestPlan(state["name"], device, mode, gpus, batch_size, positions, step, pd.DataFrame(rows), skipped,
                        tuple(notes), time.perf_counter() - start, state["forecasts"])
 

@@ -124,3 +124,17 @@ def test_find_max_parallel_refuses_bad_searches(args, kwargs, match):
     with pytest.raises(InputError, match=match) as e:
         find_max_parallel(LLAMA, "h100-sxm5-80gb", *args, **kwargs, **KW)
     assert "Fix:" in str(e.value)
+
+
+def test_an_exchange_that_cannot_run_a_layout_is_left_out_there_the_others_kept():
+    """cp=4 with cp_comm=auto on the tiny Llama's 2 key / value heads: Ulysses' all-to-all cannot split them over 4
+    GPUs, so the layout keeps the ring and all_gather rows and a note names a2a; asked for a2a alone, the layout is
+    left out with that reason."""
+    gpu = _gpu(1.0)
+    both = plan_max_seq_len(LLAMA, gpu, 4, 1, "training", cp=[1, 4], cp_comm="auto", **KW)
+    ring = both.candidates[both.candidates["cp"] == 4]
+    assert sorted(ring["cp comm"]) == ["all_gather", "p2p"] and (ring["max seq_len"] > 0).all()
+    assert any("cp_comm='a2a'" in n and "(left out on dp 1 x cp 4 x tp 1 x pp 1)" in n for n in both.notes)
+    alone = plan_max_seq_len(LLAMA, gpu, 4, 1, "training", cp=[1, 4], cp_comm=["a2a"], **KW)
+    assert "cp_comm='a2a' splits the attention heads" in alone.skipped["dp 1 x cp 4 x tp 1 x pp 1"]
+    assert (alone.candidates["cp"] == 1).all()
