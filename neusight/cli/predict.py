@@ -1130,7 +1130,8 @@ def _layout_searches(cfg: PredictConfig, device: Any, run: dict[str, Any]) -> No
     parts += ["sequence parallelism"] if cfg.sp else []
     parts += ["Megatron-LM"] if cfg.megatron else []
     parts += [f"ZeRO stage {cfg.zero}"] if cfg.zero else []
-    where = f"{cfg.dp * cp * cfg.tp * cfg.pp} x {device.name} ({', '.join(parts)}; the first stage's GPU)"
+    where = (f"{cfg.dp * cp * cfg.tp * cfg.pp} x {device.name} ({', '.join(parts)}"
+             + ("; the first stage's GPU)" if cfg.pp > 1 else ")"))
     if cfg.find_max_batch:
         found = find_max_parallel(cfg.model, device, "batch_size", None, cfg.seq_len, cfg.mode, **run)
         per = cfg.dp * cfg.microbatches
