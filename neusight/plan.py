@@ -137,6 +137,28 @@ def layout_label(dp: int, tp: int, pp: int, cp: int = 1) -> str:
     return f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp} x pp {pp}"
 
 
+def _check_plan(gpus: Any, batch_size: Any, microbatches: Any, ep: Any, vpp: Any, sp: Any, zero: Any,
+                micro_out: str, ep_out: str, zero_out: str) -> None:
+    """A plan's own arguments, each an error naming it and the fix; ``*_out``: what leaving that one out does."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the global batch, e.g. 64")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
+                         f"leave it out {micro_out}")
+    if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
+        raise InputError(f"ep={ep!r} is not a positive integer. Fix: e.g. ep=2, or leave it out {ep_out}")
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+        raise InputError(f"vpp={vpp!r} is not a positive integer. Fix: vpp=1 (plain 1F1B) or the interleaved model "
+                         "chunks per pipeline GPU, e.g. vpp=2")
+    if not isinstance(sp, bool):
+        raise InputError(f"sp={sp!r} is not true or false. Fix: sp=true (sequence parallelism where tp > 1) or "
+                         "sp=false")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out {zero_out}")
+
+
 def _pop_overlaps(kwargs: dict[str, Any]) -> dict[str, bool]:
     """A plan's ``overlap_grad_reduce`` / ``overlap_param_gather``, taken out of ``kwargs`` (applied per layout, where
     they can run) and checked to be true or false."""
@@ -363,26 +385,10 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
     """
     from neusight.parallel import predict_parallel
 
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the global batch, e.g. 64")
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
-                         "leave it out to search the counts")
-    if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
-        raise InputError(f"ep={ep!r} is not a positive integer. Fix: e.g. ep=2, or leave it out to search the "
-                         "expert-parallel degrees")
-    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
-        raise InputError(f"vpp={vpp!r} is not a positive integer. Fix: vpp=1 (plain 1F1B) or the interleaved model "
-                         "chunks per pipeline GPU, e.g. vpp=2")
-    if not isinstance(sp, bool):
-        raise InputError(f"sp={sp!r} is not true or false. Fix: sp=true (sequence parallelism where tp > 1) or "
-                         "sp=false")
+    _check_plan(gpus, batch_size, microbatches, ep, vpp, sp, zero, "to search the counts",
+                "to search the expert-parallel degrees", "to search them")
     contexts, cp_searched = _context_degrees(cp, gpus)
     comms = _context_comms(kwargs.pop("cp_comm", "p2p"), contexts)
-    if zero is not None and zero not in (0, 1, 2, 3):
-        raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out to search them")
     if "cache" in kwargs:
         raise InputError("cache= is plan_parallel's own. Fix: leave it out")
     overlap = _pop_overlaps(kwargs)
@@ -646,15 +652,8 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
     """
     from neusight.parallel import find_max_parallel, sequence_model
 
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the global batch, e.g. 8")
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise InputError(f"microbatches={microbatches!r} is not a positive integer. Fix: e.g. microbatches=4, or "
-                         "leave it out (one sequence per micro-batch)")
-    if zero is not None and zero not in (0, 1, 2, 3):
-        raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out (3 where it applies)")
+    _check_plan(gpus, batch_size, microbatches, ep, vpp, sp, zero, "(one sequence per micro-batch)",
+                "(the most the model takes)", "(3 where it applies)")
     if "cache" in kwargs or "seq_len" in kwargs:
         raise InputError(f"{'cache' if 'cache' in kwargs else 'seq_len'}= is plan_max_seq_len's own (it searches "
                          "the sequence length). Fix: leave it out; max_seq_len= bounds the search")

@@ -91,6 +91,9 @@ def test_nothing_fits_and_eager_attention_takes_no_context_parallelism():
     (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 4, 2, cp=3, **KW), "cp=3 is not a positive integer"),
     (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, overlap_grad_reduce="yes", **KW),
      "overlap_grad_reduce='yes' is not true or false"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, ep=0, **KW), "ep=0 is not a positive integer"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, vpp=0, **KW), "vpp=0 is not a positive integer"),
+    (lambda: plan_max_seq_len(LLAMA, "h100-sxm5-80gb", 2, 2, zero=4, **KW), r"zero=4 is not a ZeRO stage.*\(3 where"),
 ])
 def test_bad_inputs_name_the_field_and_the_fix(call, match):
     with pytest.raises(InputError, match=match) as e:
