@@ -159,6 +159,25 @@ def _check_plan(gpus: Any, batch_size: Any, microbatches: Any, ep: Any, vpp: Any
         raise InputError(f"zero={zero!r} is not a ZeRO stage. Fix: 0, 1, 2 or 3, or leave it out {zero_out}")
 
 
+def _leave_out(err: Exception, label: str, contexts: list[int], notes: list[str], skipped: dict[str, str],
+               errors: list[Exception]) -> bool:
+    """A layout a plan could not forecast: when the model or run refuses context parallelism whatever the layout
+    (a :class:`ContextParallelError` while cp = 1 is searched too), cp > 1 is dropped from the search with a note
+    (``contexts``, and the cp layouts in ``skipped``, edited in place: the layouts' loop reads them) and True is
+    returned; otherwise the layout is left out with the reason."""
+    if isinstance(err, ContextParallelError) and len(contexts) > 1 and 1 in contexts:
+        notes.append("context parallelism not searched: " + str(err).split(". Fix:")[0])
+        log.info("%s", notes[-1])
+        contexts[:] = [1]
+        for k in [k for k in skipped if " x cp " in k]:
+            del skipped[k]
+        return True
+    errors.append(err)
+    skipped[label] = str(err).split(". Fix:")[0]
+    log.info("%s: left out (%s)", label, skipped[label])
+    return False
+
+
 def _pop_overlaps(kwargs: dict[str, Any]) -> dict[str, bool]:
     """A plan's ``overlap_grad_reduce`` / ``overlap_param_gather``, taken out of ``kwargs`` (applied per layout, where
     they can run) and checked to be true or false."""
@@ -387,7 +406,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
 
     _check_plan(gpus, batch_size, microbatches, ep, vpp, sp, zero, "to search the counts",
                 "to search the expert-parallel degrees", "to search them")
-    contexts, cp_searched = _context_degrees(cp, gpus)
+    contexts, _ = _context_degrees(cp, gpus)
     comms = _context_comms(kwargs.pop("cp_comm", "p2p"), contexts)
     if "cache" in kwargs:
         raise InputError("cache= is plan_parallel's own. Fix: leave it out")
@@ -527,18 +546,8 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                 last_fit = min(last_fit, fit_ms)
         except (InputError, ModelError) as e:
             rows = [r for r in rows if r["layout"] != label]
-            if cp_searched and isinstance(e, ContextParallelError) and 1 in contexts:
-                # the model or run refuses context parallelism whatever the layout: no cp > 1 is tried further
-                notes_extra.append("context parallelism not searched: " + str(e).split(". Fix:")[0])
-                log.info("context parallelism not searched (%s)", notes_extra[-1])
-                contexts[:] = [1]
+            if _leave_out(e, label, contexts, notes_extra, skipped, errors):
                 rows = [r for r in rows if r["cp"] == 1]
-                for k in [k for k in skipped if " x cp " in k]:     # in place: the layouts' loop adds to it
-                    del skipped[k]
-                continue
-            errors.append(e)
-            skipped[label] = str(e).split(". Fix:")[0]
-            log.info("%s: left out (%s)", label, skipped[label])
             continue
         mine = [r for r in rows if r["layout"] == label]
         fits = [r["ms"] for r in mine if r["fits"]]
@@ -734,16 +743,7 @@ def plan_max_seq_len(model: Any, device: Device | str, gpus: int, batch_size: in
             if not mine:
                 raise refused[-1]
         except (InputError, ModelError) as err:
-            if isinstance(err, ContextParallelError) and len(contexts) > 1 and 1 in contexts:
-                # the model or run refuses context parallelism whatever the layout: no cp > 1 is tried further
-                notes.append("context parallelism not searched: " + str(err).split(". Fix:")[0])
-                contexts[:] = [1]
-                for k in [k for k in skipped if " x cp " in k]:     # in place: the layouts' loop adds to it
-                    del skipped[k]
-                continue
-            errors.append(err)
-            skipped[label] = str(err).split(". Fix:")[0]
-            log.info("%s: left out (%s)", label, skipped[label])
+            _leave_out(err, label, contexts, notes, skipped, errors)
             continue
         rows += mine
         for err in refused:
