@@ -259,10 +259,7 @@ class ParallelPlan:
                  f"{len(self.skipped)} layout{'s' if len(self.skipped) != 1 else ''} left out) in "
                  f"{self.seconds:.1f} s; each layout's best candidate, those that fit in {self.device.memory_gib:g} "
                  "GiB first:"]
-        hidden = ["layout"] + [k for k in ("ep", "vpp", "cp") if len(t) and (t[k] == 1).all()]   # MoE; given
-        hidden += ["cp comm"] if "cp" in hidden else []
-        hidden += ["sp"] if len(t) and (t["sp"] == "no").all() else []                    # sp: given, tp > 1
-        lines += _ranking_lines(t, hidden, "a smaller global batch, or half precision (dtype= / amp=)")
+        lines += _ranking_lines(t, _unused_columns(t), "a smaller global batch, or half precision (dtype= / amp=)")
         best = _best_row(t)
         if best is not None:
             lines.append(f"best: {_describe(best)}: {best['ms']:,.2f} ms a step ({best[self.unit]:,.0f} "
@@ -274,6 +271,15 @@ class ParallelPlan:
                              + (f"{p['ms'] / best['ms']:.2f}x the best's time" if p["fits"] == "yes" else
                                 f"does not fit ({p['memory GiB']:,.1f} GiB per GPU)"))
         return "\n".join(lines + _left_out_lines(self.skipped) + [f"note: {n}" for n in self.notes])
+
+
+def _unused_columns(t: pd.DataFrame) -> list[str]:
+    """A plan's table columns its text leaves out: the layout label (dp / cp / tp / pp say it), and expert
+    parallelism, interleaving, context parallelism (with its exchange) and sequence parallelism where no layout
+    uses them (a model without experts; given, not searched)."""
+    hidden = ["layout"] + [k for k in ("ep", "vpp", "cp") if len(t) and (t[k] == 1).all()]
+    hidden += ["cp comm"] if "cp" in hidden else []
+    return hidden + (["sp"] if len(t) and (t["sp"] == "no").all() else [])
 
 
 def _ranked(table: pd.DataFrame, key: str) -> pd.DataFrame:
@@ -611,12 +617,9 @@ class LongestPlan:
         if not len(t):
             lines.append("no layout could be forecast: each is left out below")
         else:
-            hidden = ["layout"] + [k for k in ("ep", "vpp", "cp") if (t[k] == 1).all()]
-            hidden += ["cp comm"] if "cp" in hidden else []
-            hidden += ["sp"] if (t["sp"] == "no").all() else []
             from neusight.api import table_formats
 
-            shown = t.drop(columns=hidden)
+            shown = t.drop(columns=_unused_columns(t))
             fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format, "max seq_len": "{:,}".format}
             with pd.option_context("display.width", 250, "display.max_columns", 50):
                 lines.append(shown.to_string(index=False, formatters=fmt))
