@@ -45,8 +45,9 @@ class GenerationForecast:
     steps: list[tuple[int, float]] = field(default_factory=list)   # (cached tokens, step ms) as forecast
     notes: tuple[str, ...] = ()
     tp: int = 1                          # GPUs the model is split over (Megatron-style tensor parallelism)
-    memory_peak_bytes: float | None = None   # per GPU, at the last step (the longest cache), approximate with tp
+    memory_peak_bytes: float | None = None   # per GPU, the higher of the prefill's and the longest cache's step
     memory_fits: bool | None = None
+    memory_peak_in: str = "decode"       # where that peak is: "prefill" (the prompt's forward) or "decode"
 
     @property
     def total_ms(self) -> float:
@@ -77,7 +78,9 @@ class GenerationForecast:
         if self.memory_peak_bytes is None:
             return ""
         where = "per GPU" if self.tp > 1 else "on the GPU"
-        return (f"\nmemory {where} at the longest context ({self.prompt_len + self.new_tokens - 1} tokens): "
+        when = (f"in the prompt's forward ({self.prompt_len} tokens)" if self.memory_peak_in == "prefill"
+                else f"at the longest context ({self.prompt_len + self.new_tokens - 1} tokens)")
+        return (f"\nmemory {where} {when}: "
                 f"{self.memory_peak_bytes / 2**30:,.1f} GiB of {self.device.memory_gib:g} GiB: "
                 f"{'fits' if self.memory_fits else 'does NOT fit'}")
 
@@ -177,8 +180,8 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
     """The prefill on ``devices`` (``forecast(devices, seq_len, memory, left_out, **trace keywords)`` -> one
     forecast per GPU it can run on), then the decode steps at SAMPLES context lengths on those GPUs, their cache in
     ``kv_dtype`` when given (``kv_cache_dtype``); one GenerationForecast each."""
-    try:
-        first = forecast(devices, prompt_len, left_out=left_out)
+    try:   # the prefill's head computes the last token's logits only, as generate() asks for (logits_to_keep=1)
+        first = forecast(devices, prompt_len, memory=True, left_out=left_out, logits_to_keep=1)
     except InputError as e:   # the prefill's seq_len is the caller's prompt_len
         if not str(e).startswith(f"seq_len={prompt_len} "):
             raise
@@ -190,30 +193,38 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
     if new_tokens > 1:
         # step i (1 .. new_tokens - 1) feeds token i with prompt_len + i - 1 tokens cached
         cached = sorted({int(round(c)) for c in np.linspace(prompt_len, prompt_len + new_tokens - 2, SAMPLES)})
+        growth = [0.0] * len(devs)    # a static cache's bytes beyond the prompt's, held from the prefill on
         for c in cached:
             try:   # the last step holds the longest cache: its memory is the run's
-                last = forecast(devs, 1, memory=c == cached[-1], kv_cache=c, static_cache=static_cache,
-                                **({"kv_cache_dtype": kv_dtype} if kv_dtype else {}))
+                last = forecast(devs, 1, memory=c == cached[-1] or (static_cache and c == cached[0]), kv_cache=c,
+                                static_cache=static_cache, **({"kv_cache_dtype": kv_dtype} if kv_dtype else {}))
             except InputError as e:
                 raise InputError(f"prompt_len={prompt_len} + new_tokens={new_tokens} cannot be generated: "
                                  f"{e}") from None
             for i, p in enumerate(last):
                 steps[i].append((c, p.latency_ms))
                 notes[i] = p.notes
+                if static_cache and len(cached) > 1 and c in (cached[0], cached[-1]) and _peak(p) is not None:
+                    growth[i] += _peak(p) * (1.0 if c == cached[-1] else -1.0)
         at = np.arange(prompt_len, prompt_len + new_tokens - 1, dtype=float)   # every step's cached tokens
         for i, run in enumerate(steps):
             xs = np.array([c for c, _ in run], dtype=float)
             ys = np.array([ms for _, ms in run])
             decode[i] = float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
     else:
-        last = forecast(devs, prompt_len, memory=True)
+        last, growth = first, [0.0] * len(devs)
     out = []
     for i, (p, dev) in enumerate(zip(first, devs)):
-        peak = _peak(last[i])
+        # generate() sizes a static cache for the whole run before the prefill: its growth is held there too
+        prefill_peak, decode_peak = _peak(p), _peak(last[i]) if steps[i] else None
+        if prefill_peak is not None:
+            prefill_peak += max(growth[i], 0.0)
+        peak, where = ((prefill_peak, "prefill") if decode_peak is None or (prefill_peak or 0.0) > decode_peak
+                       else (decode_peak, "decode"))      # the prompt's forward or the longest cache's step
         out.append(GenerationForecast(p.model, dev, batch_size, prompt_len, new_tokens, p.latency_ms, decode[i],
                                       steps[i], ((CACHE_NOTES[static_cache],) if steps[i] else ())
                                       + tuple(n for n in notes[i] if any(w in n for w in GENERATION_NOTES)), tp,
-                                      peak, None if peak is None else peak <= dev.memory_bytes))
+                                      peak, None if peak is None else peak <= dev.memory_bytes, where))
     return out
 
 

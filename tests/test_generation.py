@@ -17,8 +17,13 @@ def gen():
 
 
 def test_prefill_is_the_prompt_forward_and_steps_span_the_run(gen):
-    prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference", memory=False)
+    """The prefill is the prompt's forward with the head on its last token (generate() asks for those logits
+    only), so it is faster than a plain forward that computes every position's."""
+    prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference", memory=False,
+                              logits_to_keep=1)
     assert gen.prefill_ms == prompt.latency_ms
+    every = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference", memory=False)
+    assert gen.prefill_ms < every.latency_ms
     # step i feeds token i with 100 + i - 1 cached tokens, i = 1 .. 40: sampled at the first, middle and last
     assert [c for c, _ in gen.steps] == [100, 120, 139]
     step = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=1, mode="inference", kv_cache=120,
@@ -65,7 +70,7 @@ def test_tensor_parallel_generation_is_the_parallel_forecast_of_its_steps():
     from neusight.parallel import predict_parallel
 
     f = neusight.predict_generation("gpt2", "h100-sxm5-80gb", batch_size=2, prompt_len=64, new_tokens=9, tp=2)
-    prefill = predict_parallel("gpt2", "h100-sxm5-80gb", 2, 64, "inference", tp=2, memory=False)
+    prefill = predict_parallel("gpt2", "h100-sxm5-80gb", 2, 64, "inference", tp=2, memory=False, logits_to_keep=1)
     assert f.prefill_ms == prefill.latency_ms
     step = predict_parallel("gpt2", "h100-sxm5-80gb", 2, 1, "inference", tp=2, memory=False, kv_cache=68)
     assert dict(f.steps)[68] == step.latency_ms and step.parts["tp_comm"] > 0
@@ -73,16 +78,44 @@ def test_tensor_parallel_generation_is_the_parallel_forecast_of_its_steps():
 
 
 def test_generation_says_whether_its_longest_cache_fits(gen):
-    """The memory of a generate() call is its last step's (the longest cache): as forecast for that step alone."""
+    """The memory of a generate() call is the higher of its prefill's and its last step's (the longest cache),
+    each as forecast for that pass alone."""
     last = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=1, mode="inference", kv_cache=139)
+    prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference", logits_to_keep=1)
+    assert last.memory.peak_bytes > prompt.memory.peak_bytes       # 40 more tokens cached, no prompt activations
     assert gen.memory_peak_bytes == last.memory.peak_bytes and gen.memory_fits is True
+    assert gen.memory_peak_in == "decode"
     assert "memory on the GPU at the longest context (140 tokens)" in gen.summary()
     # GPT-2 Large (3 GB of FP32 weights) with 32 caches of 527 tokens (6 GB) on an 8 GB P4
     big = neusight.predict_generation("gpt2-large", "p4", batch_size=32, prompt_len=512, new_tokens=16)
     assert big.memory_fits is False and "does NOT fit" in big.summary()
     one = neusight.predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=100, new_tokens=1)
-    prompt = neusight.predict("gpt2", "a100-80gb-pcie", batch_size=2, seq_len=100, mode="inference")
     assert one.memory_peak_bytes == prompt.memory.peak_bytes and "no decode step" in one.summary()
+    assert "in the prompt's forward (100 tokens)" in one.summary()
+
+
+def test_a_long_prompt_under_eager_attention_peaks_in_its_prefill():
+    """Eager attention holds a batch x heads x prompt^2 score matrix in the prefill, more than a few decode steps
+    add to the cache: the run's memory is the prefill's."""
+    f = neusight.predict_generation("gpt2", "t4", batch_size=8, prompt_len=1000, new_tokens=4)
+    prompt = neusight.predict("gpt2", "t4", batch_size=8, seq_len=1000, mode="inference", logits_to_keep=1)
+    last = neusight.predict("gpt2", "t4", batch_size=8, seq_len=1, mode="inference", kv_cache=1002)
+    assert prompt.memory.peak_bytes > last.memory.peak_bytes
+    assert f.memory_peak_bytes == prompt.memory.peak_bytes and f.memory_peak_in == "prefill"
+    assert "in the prompt's forward (1000 tokens)" in f.summary()
+
+
+def test_a_static_cache_is_held_whole_from_the_prefill_on():
+    """generate() sizes a static cache for the whole run before the prefill: the prefill's peak counts the cache's
+    growth over the run (the last step's memory minus the first's) on top of its own."""
+    kw = dict(batch_size=8, dtype="bfloat16", attn_implementation="sdpa")
+    f = neusight.predict_generation("llama-3.2-1b", "l4", prompt_len=2048, new_tokens=2000, static_cache=True, **kw)
+    prompt = neusight.predict("llama-3.2-1b", "l4", seq_len=2048, mode="inference", logits_to_keep=1, **kw)
+    steps = [neusight.predict("llama-3.2-1b", "l4", seq_len=1, mode="inference", kv_cache=c, static_cache=True, **kw)
+             for c in (2048, 4046)]
+    growth = steps[1].memory.peak_bytes - steps[0].memory.peak_bytes
+    assert growth > 0
+    assert f.memory_peak_bytes == max(prompt.memory.peak_bytes + growth, steps[1].memory.peak_bytes)
 
 
 def test_generation_on_several_gpus_equals_one_gpu_at_a_time():

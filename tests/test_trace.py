@@ -1684,3 +1684,26 @@ def test_backward_kernels_belong_to_the_layer_whose_gradients_they_compute(model
     layer = bwd["module"].astype(str).str.extract(attn, expand=False)
     assert layer.notna().all()                                  # every one inside an attention module
     assert layer.astype(int).value_counts().to_dict() == {i: 4 for i in range(12)}
+
+
+def test_logits_to_keep_runs_the_head_on_the_last_positions_only():
+    """logits_to_keep=N (as generate()'s prefill asks for N = 1): the LM head's GEMM has batch x N rows instead of
+    batch x seq_len; nothing else of the forward changes."""
+    every = neusight.trace("gpt2", batch_size=4, seq_len=128)
+    last = neusight.trace("gpt2", batch_size=4, seq_len=128, logits_to_keep=1)
+    head = [g.kernels[g.kernels.module == "lm_head"] for g in (every, last)]
+    assert [h["dims"].tolist() for h in head] == [[(1, 512, 768, 50257)], [(1, 4, 768, 50257)]]
+    rest = [g.kernels[g.kernels.module != "lm_head"][["aten_op", "dims"]] for g in (every, last)]
+    assert rest[0].reset_index(drop=True).equals(rest[1].reset_index(drop=True))
+
+
+@pytest.mark.parametrize("model, kw, fragment", [
+    ("gpt2", dict(logits_to_keep=0), "logits_to_keep=0 is not a positive number"),
+    ("gpt2", dict(logits_to_keep=True), "logits_to_keep=True is not a positive number"),
+    ("gpt2", dict(logits_to_keep=65), "logits_to_keep=65 exceeds seq_len=64"),
+    ("gpt2", dict(logits_to_keep=1, mode="training"), "mode='training'"),
+    ("bert-base", dict(logits_to_keep=1), "takes no logits_to_keep argument"),
+])
+def test_bad_logits_to_keep_is_refused(model, kw, fragment):
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        neusight.trace(model, **{"batch_size": 1, "seq_len": 64, **kw})

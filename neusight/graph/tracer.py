@@ -874,7 +874,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
           ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
           kv_cache_dtype: str | None = None, memory_format: str = "contiguous", context_parallel: int = 1,
-          **unknown: Any) -> Graph:
+          logits_to_keep: int | None = None, **unknown: Any) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -974,6 +974,10 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         attention layers' cache stored in FP8 (``fp8`` = e4m3), as serving engines' ``kv_cache_dtype`` does: half
         the bytes of a 16-bit cache in memory and in every attention's reads; each step's new keys and values are
         cast into it (sliding-window layers' buffers too). State-space layers' states keep the model's dtype.
+    logits_to_keep : int, optional
+        A causal LM's head on the last ``logits_to_keep`` positions only (transformers' forward argument of that
+        name), as ``generate()`` runs a prompt's prefill (it asks for the last token's logits). Default: every
+        position's logits, as a plain forward computes them.
     memory_format : {"contiguous", "channels_last"}
         The layout of a CNN's activations and weights: PyTorch's default NCHW, or NHWC as
         ``model.to(memory_format=torch.channels_last)`` and a channels-last input run it (4-D tensors channels-last,
@@ -1028,6 +1032,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                          "set). Fix: kv_cache=<cached tokens> with seq_len=<new tokens>, e.g. kv_cache=2047 seq_len=1, "
                          "or leave static_cache out")
     check_kv_cache_dtype(kv_cache_dtype, kv_cache, static_cache, attn_implementation)
+    _check_logits_to_keep(built, logits_to_keep, mode, seq_len)
     if amp_t is not None and torch_dtype != torch.float32:
         dt = str(torch_dtype).removeprefix("torch.")
         raise InputError(f"amp={amp!r} casts an FP32 model's operations, but dtype={dt!r}. Fix: dtype='float32' with "
@@ -1087,6 +1092,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
                              f"and images, as NHWC; {built.name} ({type(module).__name__}) has none. Fix: leave "
                              "memory_format out (contiguous)")
         args, kwargs = _to_channels_last(module, args, kwargs)
+    if logits_to_keep is not None:
+        kwargs["logits_to_keep"] = logits_to_keep
     if kv_cache:
         kwargs.update(_kv_cache_inputs(module, batch_size, int(kv_cache), amp_t, seq_len if static_cache else 0,
                                        KV_CACHE_DTYPES.get(kv_cache_dtype or "")))
@@ -1371,6 +1378,24 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
     if built.max_seq_len and kv_cache + (seq_len or 0) > built.max_seq_len:
         raise InputError(f"kv_cache={kv_cache} + seq_len={seq_len} exceeds {built.name}'s maximum of "
                          f"{built.max_seq_len} positions. Fix: kv_cache + seq_len <= {built.max_seq_len}")
+
+
+def _check_logits_to_keep(built: BuiltModel, logits_to_keep: Any, mode: str, seq_len: int | None) -> None:
+    """``logits_to_keep=`` needs an inference pass of a model whose forward takes it, and at most seq_len."""
+    if logits_to_keep is None:
+        return
+    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 1:
+        raise InputError(f"logits_to_keep={logits_to_keep!r} is not a positive number of positions. Fix: e.g. "
+                         "logits_to_keep=1 (the last token's, as generate()'s prefill), or leave it out (all)")
+    if mode != "inference":
+        raise InputError(f"logits_to_keep={logits_to_keep} leaves out logits a training step's loss reads "
+                         f"(mode={mode!r}). Fix: mode='inference', or leave logits_to_keep out")
+    if "logits_to_keep" not in inspect.signature(built.module.forward).parameters:
+        raise InputError(f"logits_to_keep={logits_to_keep}: {built.name} ({type(built.module).__name__}) takes no "
+                         "logits_to_keep argument (transformers' causal LMs do). Fix: leave it out")
+    if seq_len is not None and logits_to_keep > seq_len:
+        raise InputError(f"logits_to_keep={logits_to_keep} exceeds seq_len={seq_len}, the positions there are. "
+                         f"Fix: logits_to_keep <= {seq_len}")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: Any, kv_cache: Any, static_cache: bool, attn_implementation: str) -> None:
