@@ -113,8 +113,9 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     ``host_us``: the host's time per kernel launch (:func:`neusight.api.host_waits_ms`), which bounds a decode step
     of short kernels; None: not modelled. ``nvls``: with ``tp`` > 1, the all-reduces may run as NCCL's NVLS where
     the GPUs' NVSwitches have NVLink SHARP (:func:`neusight.parallel.predict_parallel`); one GPU has none.
-    ``cache``: with ``tp`` > 1, a dict kept between calls on several GPUs: those on the same software path share the
-    steps' traces (:func:`neusight.parallel.predict_parallel`'s ``cache``).
+    ``cache``: a dict kept between calls (several GPUs, batch sizes or prompts): calls on the same software path
+    share the traces of the same passes, and repeated passes their forecasts (:func:`neusight.parallel.
+    predict_parallel`'s ``cache``; one GPU forecast through it equals its forecast without).
 
     >>> f = predict_generation("gpt2", "a100-80gb-pcie", batch_size=2, prompt_len=32, new_tokens=16)
     >>> f.prefill_ms > 0 and f.decode_ms > 0 and len(f.steps) == 3
@@ -130,7 +131,7 @@ def predict_generation(model: Any, device: Any, batch_size: int = 1, prompt_len:
     if not isinstance(nvls, bool):
         raise InputError(f"nvls={nvls!r} is not true or false. Fix: nvls=false (NCCL without NVLink SHARP) or leave "
                          "it out")
-    if tp == 1:
+    if tp == 1 and cache is None:
         return predict_generation_many(model, [device], batch_size, prompt_len, new_tokens, predictor=predictor,
                                        static_cache=static_cache, host_us=host_us, kv_cache_dtype=kv_dtype,
                                        **trace_kwargs)[0]

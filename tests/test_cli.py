@@ -56,6 +56,12 @@ BAD = {
     "predict-unknown-kv-cache-dtype": (("neusight-predict", "model=gpt2", "device=t4", "seq_len=1", "kv_cache=15",
                                         "static_cache=true", "attn_implementation=sdpa", "kv_cache_dtype=int3"),
                                        "kv_cache_dtype='int3' is not known"),
+    "predict-serving-target-without-search": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8",
+                                               "max_tpot_ms=20"), "max_tpot_ms=20.0 is a latency target"),
+    "predict-serving-target-zero": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8",
+                                     "find_max_batch=true", "max_ttft_ms=0"), "max_ttft_ms=0.0 is not a positive"),
+    "predict-serving-plan": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "new_tokens=8",
+                              "find_max_batch=true"), "takes no find_max_batch"),
     "collect-without-out": (("neusight-collect",), "out= is required"),
     "train-zero-width-layer": (("neusight-train", "predictor.families.linear.hidden=[0]", "out={bad_yaml}.d",
                                 "progress=false"), "predictor.families.linear.hidden=(0,)"),
@@ -653,3 +659,26 @@ def test_own_module_from_the_command_line(tmp_path):
     out, err = mlp.communicate(timeout=300)
     assert mlp.returncode == 0, err
     assert "Sequential: inference, batch 8" in out
+
+
+def test_generation_with_find_max_batch_searches_each_gpus_serving_capacity(tmp_path):
+    """new_tokens with find_max_batch=true and max_tpot_ms: after each GPU's forecast, its serving capacity (the
+    largest batch whose generate() fits and meets the target), with its cost when priced, and in the JSON."""
+    from neusight.serving import serving_capacity
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**_TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512}))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=[t4,l4]", "batch_size=2",
+                        "seq_len=64", "new_tokens=8", "find_max_batch=true", "max_tpot_ms=1", "gpu_hour_usd=[0.5,0.8]",
+                        "json=serve.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = {d["device"]: d for d in json.loads((tmp_path / "serve.json").read_text())}
+    for key in ("t4", "l4"):
+        cap = serving_capacity(str(cfg), key, 64, 8, max_tpot_ms=1.0)
+        assert data[key]["serving"]["max_batch"] == cap.batch_size > 0
+        assert data[key]["serving"]["limited_by"] == "time per output token"
+        assert data[key]["serving"]["generated_tokens_per_s"] == pytest.approx(cap.tokens_per_s)
+        assert f"serving capacity of {cap.model} on {cap.device.name}" in r.stdout
+        assert f"most concurrent sequences: {cap.batch_size} (limited by time per output token" in r.stdout
+    assert r.stdout.count("per 1M generated tokens at $") == 4     # the forecast's cost and the capacity's, per GPU

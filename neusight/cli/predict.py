@@ -132,7 +132,10 @@ class PredictConfig:
     timeline: Optional[str] = None       # write the forecast as a Chrome / Perfetto trace (JSON), one per GPU
     layers_csv: Optional[str] = None     # write the per-layer report (time, share, bound, saved memory) as CSV
     plot: Optional[str] = None           # directory for the pictures (roofline, time roofline, memory, layers)
-    find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory
+    find_max_batch: bool = False         # also search the largest batch that fits in each GPU's memory (with
+    #                                      new_tokens: whose generate() fits and meets max_tpot_ms / max_ttft_ms)
+    max_tpot_ms: Optional[float] = None  # new_tokens + find_max_batch: the most ms per output token (mean step)
+    max_ttft_ms: Optional[float] = None  # new_tokens + find_max_batch: the most ms to the first token (prefill)
     find_max_seq_len: bool = False       # also search the longest sequence (multiple of 64) that fits at batch_size
     #                                      (with gpus=N instead of a plan: each layout's longest, seq_len left out)
     spec: Dict[str, Any] = field(default_factory=dict)   # what-if: spec numbers changed on every GPU, e.g.
@@ -610,6 +613,7 @@ def _app(cfg: PredictConfig) -> float:
         return 0.0
     _check_counts(cfg)
     _say_what_short_names_leave_out(cfg)
+    _check_serving_targets(cfg)
     if cfg.new_tokens is not None:
         return _generation(cfg)
     if cfg.gpus is not None:
@@ -749,7 +753,8 @@ def _generation(cfg: PredictConfig) -> float:
 
     other = [k for k in ("layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
-    other += [k for k in ("find_max_batch", "find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
+    other += ["find_max_batch"] if cfg.find_max_batch and cfg.gpus is not None else []   # a plan: not searched
+    other += [k for k in ("find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp", "cp")
               if getattr(cfg, k) not in (1, None)]
@@ -758,7 +763,7 @@ def _generation(cfg: PredictConfig) -> float:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
                          "length; tp= splits the model over GPUs; data-parallel replicas generate independently, "
-                         "gpus=N plans them)")
+                         "gpus=N plans them; find_max_batch=true searches one GPU or tp GPUs, not a plan)")
     devices, ranking = _gpus(cfg), names_all(cfg.device)
     prices = dict(zip((d.key for d in devices), _prices(cfg)))
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
@@ -811,9 +816,101 @@ def _generation(cfg: PredictConfig) -> float:
         table = table.drop(columns="memory_peak_bytes").T
         print("\nside by side:\n"
               + table.to_string(float_format=lambda v: f"{v:,.2f}" if abs(v) >= 10 else f"{v:,.4g}"))
+    if cfg.find_max_batch:
+        caps = _serving_searches(cfg, forecasts, kw, prices, ranking)
+        for row, cap in zip(rows, caps):
+            row["serving"] = _serving_record(cap)
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
     return float(rows[0]["total_ms"])
+
+
+def _check_serving_targets(cfg: PredictConfig) -> None:
+    """max_tpot_ms / max_ttft_ms are targets of the serving search: generation (new_tokens) with find_max_batch."""
+    from neusight.errors import InputError
+
+    given = [f"{k}={getattr(cfg, k)}" for k in ("max_tpot_ms", "max_ttft_ms") if getattr(cfg, k) is not None]
+    if given and (cfg.new_tokens is None or not cfg.find_max_batch):
+        raise InputError(f"{given[0]} is a latency target of the serving search (the largest batch whose generate() "
+                         "meets it). Fix: add new_tokens=<tokens to generate> find_max_batch=true, or leave "
+                         f"{given[0].split('=')[0]} out")
+
+
+def _serving_searches(cfg: PredictConfig, forecasts: list, kw: dict[str, Any], prices: dict[str, Any],
+                      ranking: bool) -> list:
+    """``new_tokens=`` with ``find_max_batch=true``: each GPU's serving capacity (neusight.serving.serving_capacity:
+    the largest batch whose generate() fits and meets max_tpot_ms / max_ttft_ms), printed per GPU, or ranked by
+    generated tokens/s at it with ``device=all``; the searches share their traces."""
+    from neusight.serving import serving_capacity
+
+    run = {k: v for k, v in kw.items() if k not in ("prompt_len", "new_tokens")}
+    shared: dict = {}
+    caps = [serving_capacity(cfg.model, dev, kw["prompt_len"], kw["new_tokens"], max_tpot_ms=cfg.max_tpot_ms,
+                             max_ttft_ms=cfg.max_ttft_ms, tp=cfg.tp, cache=shared, **run)
+            for dev in (f.device for f in forecasts)]
+    if not ranking:
+        for cap, f in zip(caps, forecasts):
+            print("\n" + cap.summary(known_notes=f.notes))
+            price = prices[cap.device.key]
+            if price is not None and cap.forecast is not None:
+                print(_cost_text(_cost(cap.tokens_per_s, "generated tokens/s", price, cap.tp)))
+        return caps
+    print("\n" + serving_ranking_text(caps, prices))
+    return caps
+
+
+def serving_ranking_text(caps: list, prices: dict[str, Any]) -> str:
+    """``device=all`` with ``new_tokens=`` and ``find_max_batch=true``: every GPU's serving capacity, the most
+    generated tokens/s (at its largest batch within the targets) first; GPUs that serve no batch at the end."""
+    import pandas as pd
+
+    from neusight.api import table_formats
+
+    rows = []
+    for cap in caps:
+        f = cap.forecast
+        row: dict[str, Any] = {"GPU": cap.device.key, "max batch": cap.batch_size, "limited by": cap.limited_by,
+                               "generated tokens/s": cap.tokens_per_s,
+                               "time to first token ms": f.prefill_ms if f is not None else float("nan"),
+                               "per output token ms": f.time_per_output_token_ms if f is not None else float("nan"),
+                               "memory GiB": (f"{f.memory_peak_bytes / 2**30:,.1f} of {cap.device.memory_gib:g}"
+                                              if f is not None else "-")}
+        price = prices.get(cap.device.key)
+        if price is not None:
+            row["USD per 1M generated tokens"] = (_cost(cap.tokens_per_s, "generated tokens/s", price, cap.tp)["usd"]
+                                                  if f is not None else float("nan"))
+        rows.append(row)
+    table = pd.DataFrame(rows).sort_values(["generated tokens/s", "GPU"], ascending=[False, True], kind="stable")
+    table.insert(0, "rank", range(1, len(table) + 1))
+    first, targets = caps[0], ""
+    if first.max_tpot_ms is not None:
+        targets += f", per output token <= {first.max_tpot_ms:,g} ms"
+    if first.max_ttft_ms is not None:
+        targets += f", time to first token <= {first.max_ttft_ms:,g} ms"
+    gpus = f"each {first.tp} GPUs of a type (tp)" if first.tp > 1 else "each GPU"
+    lines = [f"serving capacity: the largest batch {gpus} serves in one generate() call within its memory{targets}; "
+             "most generated tokens/s first"]
+    with pd_wide():
+        lines.append(table.to_string(index=False, formatters=table_formats(table.columns), na_rep="-"))
+    served = table[table["max batch"] > 0]
+    if len(served):
+        top = served.iloc[0]
+        lines.append(f"most tokens/s: {top['GPU']} ({top['generated tokens/s']:,.0f} generated tokens/s at batch "
+                     f"{top['max batch']:,})")
+    if len(served) < len(table):
+        empty = len(table) - len(served)
+        lines.append(f"no batch within the targets on {empty} GPU{'s' if empty > 1 else ''}: "
+                     + ", ".join(table[table["max batch"] == 0]["GPU"]))
+    return "\n".join(lines)
+
+
+def _serving_record(cap: Any) -> dict[str, Any]:
+    """A serving search's result for the JSON output."""
+    f = cap.forecast
+    return {"max_batch": cap.batch_size, "limited_by": cap.limited_by, "max_tpot_ms": cap.max_tpot_ms,
+            "max_ttft_ms": cap.max_ttft_ms, "time_to_first_token_ms": f.prefill_ms if f else None,
+            "time_per_output_token_ms": f.time_per_output_token_ms if f else None,
+            "generated_tokens_per_s": cap.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes if f else None}
 
 
 def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[str, Any]) -> float:

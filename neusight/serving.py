@@ -1,0 +1,167 @@
+"""How many sequences a GPU can serve at once: the largest batch whose ``generate()`` fits and meets latency targets.
+
+``serving_capacity("llama-3-8b", "h100-sxm5-80gb", prompt_len=1024, new_tokens=256, max_tpot_ms=50,
+dtype="bfloat16", attn_implementation="sdpa", static_cache=True)`` searches the most concurrent sequences whose
+:func:`neusight.predict_generation` forecast (the whole batch's prefill, then its decode steps) fits in the GPU's
+memory, decodes each token within ``max_tpot_ms`` on average and, with ``max_ttft_ms``, delivers the first token
+within that; the answer says which of them stops a larger batch, and what the batch generates per second.
+
+A batch's memory, time to first token and time per output token all grow with its size (the laws of
+DESIGN.md), so the largest batch within every target is one search (:func:`neusight.memory.largest_within` over the
+highest of the three ratios to their targets) instead of three. The batch is static, as ``generate()`` runs it:
+every sequence's prompt is prefilled together, and all decode together until the last token. A serving engine
+that batches continuously (vLLM, SGLang, TensorRT-LLM) interleaves prefills with other sequences' decode steps
+and frees a sequence's cache when it ends; its capacity at the same targets is not forecast here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from neusight.errors import InputError
+
+__all__ = ["ServingCapacity", "serving_capacity"]
+
+# what stops a larger batch, in the order a tie is named
+LIMITS = ("memory", "time to first token", "time per output token")
+# the search's default upper end (a cap, named as the limit when it is reached)
+MAX_BATCH = 4096
+
+
+@dataclass
+class ServingCapacity:
+    """The most concurrent sequences one ``generate()`` call can serve on ``tp`` GPUs of ``device``."""
+
+    model: str
+    device: Any
+    prompt_len: int
+    new_tokens: int
+    batch_size: int                     # the most sequences within every target; 0: not even one
+    limited_by: str                     # one of LIMITS, or "max_batch" (the search's upper end)
+    forecast: Any = None                # the GenerationForecast at batch_size (None at 0)
+    over: Any = None                    # the forecast at batch_size + 1 (or 1), which misses a target
+    max_tpot_ms: float | None = None
+    max_ttft_ms: float | None = None
+    max_batch: int = MAX_BATCH
+    tp: int = 1
+    forecasts: int = 0                  # generate() forecasts the search made
+    seconds: float = 0.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second at the largest batch (0 when none fits)."""
+        return self.forecast.tokens_per_s if self.forecast is not None else 0.0
+
+    def summary(self, known_notes: tuple[str, ...] = ()) -> str:
+        """What the search found, with the notes of its forecast that are not among ``known_notes`` (those
+        printed already with another forecast of the run)."""
+        gpus = f"{self.tp} x {self.device.name} (tensor parallel)" if self.tp > 1 else self.device.name
+        targets = [f"memory <= {self.device.memory_gib:g} GiB{' per GPU' if self.tp > 1 else ''}"]
+        if self.max_ttft_ms is not None:
+            targets.append(f"time to first token <= {self.max_ttft_ms:,g} ms")
+        if self.max_tpot_ms is not None:
+            targets.append(f"per output token <= {self.max_tpot_ms:,g} ms")
+        lines = [f"serving capacity of {self.model} on {gpus}: prompts of {self.prompt_len:,} tokens, "
+                 f"{self.new_tokens:,} new tokens each, one generate() call (static batch)",
+                 f"targets: {', '.join(targets)}"]
+        if self.batch_size == 0:
+            lines.append(f"no batch meets them: one sequence needs {_miss(self.over, self.limited_by)}")
+        elif self.limited_by == "max_batch":
+            lines.append(f"most concurrent sequences: {self.batch_size:,} or more (the search's max_batch; every "
+                         "target still met)")
+        else:
+            lines.append(f"most concurrent sequences: {self.batch_size:,} (limited by {self.limited_by}: "
+                         f"{self.batch_size + 1:,} need {_miss(self.over, self.limited_by)})")
+        if self.forecast is not None:
+            f = self.forecast
+            lines.append(f"at {self.batch_size:,}: time to first token {f.prefill_ms:,.1f} ms | per output token "
+                         f"{f.time_per_output_token_ms:,.2f} ms | {f.tokens_per_s:,.0f} generated tokens/s | memory "
+                         f"{f.memory_peak_bytes / 2**30:,.1f} of {self.device.memory_gib:g} GiB")
+        lines.append(f"({self.forecasts} generate() forecasts, {self.seconds:.1f} s)")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes if n not in known_notes])
+
+
+def _ratios(f: Any, device: Any, max_tpot_ms: float | None, max_ttft_ms: float | None) -> dict[str, float]:
+    """Each target's use by forecast ``f`` (above 1: missed)."""
+    out = {"memory": f.memory_peak_bytes / device.memory_bytes}
+    if max_ttft_ms is not None:
+        out["time to first token"] = f.prefill_ms / max_ttft_ms
+    if max_tpot_ms is not None:
+        out["time per output token"] = f.time_per_output_token_ms / max_tpot_ms
+    return out
+
+
+def _miss(f: Any, limit: str) -> str:
+    """What forecast ``f`` needs of the target ``limit``."""
+    if limit == "memory":
+        return f"{f.memory_peak_bytes / 2**30:,.1f} GiB{' per GPU' if f.tp > 1 else ''}"
+    if limit == "time to first token":
+        return f"{f.prefill_ms:,.1f} ms to the first token"
+    return f"{f.time_per_output_token_ms:,.2f} ms per output token"
+
+
+def _check_target(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InputError(f"{name}={value!r} is not a positive number of milliseconds. Fix: e.g. {name}=50, or "
+                         "leave it out (no such target)")
+    return float(value)
+
+
+def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens: int = 128, *,
+                     max_tpot_ms: float | None = None, max_ttft_ms: float | None = None,
+                     max_batch: int = MAX_BATCH, tp: int = 1, cache: dict | None = None,
+                     **kwargs: Any) -> ServingCapacity:
+    """The largest batch of sequences (``prompt_len`` prompt tokens, ``new_tokens`` new ones each) whose
+    ``generate()`` on ``tp`` GPUs of ``device`` fits in memory and, where given, takes at most ``max_tpot_ms`` per
+    output token (the mean decode step) and ``max_ttft_ms`` to the first token (the batch's prefill); see the module
+    docstring. ``max_batch`` caps the search (the answer is then ``max_batch``, limited by "max_batch").
+    ``cache``: a dict kept between searches of the same run on several GPUs (or prompts), which share the traces
+    of the batches they both probe (:func:`neusight.predict_generation`'s ``cache``). ``kwargs`` go to
+    :func:`neusight.predict_generation` (``dtype``, ``attn_implementation``, ``static_cache``, ``kv_cache_dtype``,
+    ``host_us``, ``predictor``, ``nvls``, ...); ``batch_size`` is what is searched.
+
+    >>> cap = serving_capacity("gpt2", "t4", prompt_len=64, new_tokens=8, max_tpot_ms=5, max_batch=64)
+    >>> cap.limited_by, cap.forecast.time_per_output_token_ms <= 5 < cap.over.time_per_output_token_ms
+    ('time per output token', True)
+    """
+    from neusight.devices import load_device
+    from neusight.generation import predict_generation
+    from neusight.memory import largest_within
+
+    if "batch_size" in kwargs:
+        raise InputError(f"batch_size={kwargs['batch_size']!r} is what serving_capacity searches. Fix: leave it out "
+                         "(max_batch= caps the search)")
+    max_tpot_ms, max_ttft_ms = _check_target("max_tpot_ms", max_tpot_ms), _check_target("max_ttft_ms", max_ttft_ms)
+    if max_tpot_ms is not None and isinstance(new_tokens, int) and new_tokens == 1:
+        raise InputError("max_tpot_ms= bounds the decode steps, and new_tokens=1 has none (the prefill makes the one "
+                         "token). Fix: new_tokens >= 2, or max_ttft_ms= for the prefill")
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise InputError(f"max_batch={max_batch!r} is not a positive integer. Fix: e.g. max_batch=4096")
+    device = load_device(device)
+    cache = {} if cache is None else cache
+    start = time.perf_counter()
+    runs: dict[int, Any] = {}
+
+    def run(b: int) -> Any:
+        if b not in runs:
+            runs[b] = predict_generation(model, device, b, prompt_len, new_tokens, tp=tp, cache=cache, **kwargs)
+        return runs[b]
+
+    run(1)    # the run's own checks (prompt, positions, options) fail here, as predict_generation's
+    best = largest_within(lambda b: max(_ratios(run(b), device, max_tpot_ms, max_ttft_ms).values()), 1.0, max_batch)
+    if best == max_batch:
+        limited_by, over = "max_batch", None
+    else:
+        over = run(best + 1)
+        ratios = _ratios(over, device, max_tpot_ms, max_ttft_ms)
+        limited_by = max(LIMITS, key=lambda k: (ratios.get(k, 0.0), -LIMITS.index(k)))
+    at = runs[best] if best else None
+    return ServingCapacity(runs[1].model, device, prompt_len, new_tokens, best, limited_by, at, over, max_tpot_ms,
+                           max_ttft_ms, max_batch, tp, len(runs), time.perf_counter() - start,
+                           (at or runs[1]).notes)
