@@ -1707,3 +1707,22 @@ def test_logits_to_keep_runs_the_head_on_the_last_positions_only():
 def test_bad_logits_to_keep_is_refused(model, kw, fragment):
     with pytest.raises(InputError, match=re.escape(fragment)):
         neusight.trace(model, **{"batch_size": 1, "seq_len": 64, **kw})
+
+
+@pytest.mark.parametrize("model, kw", [("gpt2", {}), ("deepseek-v2-lite", {"tensor_parallel": 2}),
+                                       ("llama-3.2-1b", {"static_cache": True, "attn_implementation": "sdpa"})])
+def test_a_kv_cache_shaped_from_a_kept_first_step_traces_as_a_fresh_one(model, kw):
+    """The first step that shapes a plain KV cache runs once per model (tracer._plain_cache_layers): a decode step
+    traced with the kept shapes has the kernels and the memory of one traced after probing the model afresh (latent
+    attention's keys and values differ in width; tensor-parallel shards are another model)."""
+    from neusight.graph import tracer
+    from neusight.memory import estimate_memory
+
+    run = dict(batch_size=3, seq_len=1, kv_cache=40, dtype="bfloat16", **kw)
+    tracer._PLAIN_CACHES.clear()
+    fresh = neusight.trace(model, **run)
+    assert len(tracer._PLAIN_CACHES) == 1
+    kept = neusight.trace(model, **run)
+    cols = ["aten_op", "module", "dims", "flops", "bytes"]
+    assert fresh.kernels[cols].reset_index(drop=True).equals(kept.kernels[cols].reset_index(drop=True))
+    assert estimate_memory(fresh, "l4").peak_bytes == estimate_memory(kept, "l4").peak_bytes

@@ -1456,20 +1456,15 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     from transformers import DynamicCache
 
     from_config = _config_cache(module)
-    # one token through the model into an empty cache: each layer's (1, kv heads, 1, head_dim) keys and values and
-    # their dtypes (values may differ from keys: DeepSeek's latent attention caches its 512-wide compressed keys and
-    # values as "keys" and the 64-wide rotary key as "values")
-    probe = from_config() if from_config is not None else DynamicCache()
-    with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
-        module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=probe, use_cache=True)
     if from_config is not None:
+        probe = from_config()
+        _first_step(module, probe, amp)
         cache = _grown_config_cache(probe, batch, length)
     else:
         cache = DynamicCache()
-        for i, layer in enumerate(probe.layers):
-            keys, values = (torch.zeros(batch, t.shape[1], length, t.shape[3], dtype=t.dtype, device="meta")
-                            for t in (layer.keys, layer.values))
-            cache.update(keys, values, i)
+        for i, (k_heads, k_dim, k_dtype, v_heads, v_dim, v_dtype) in enumerate(_plain_cache_layers(module, amp)):
+            cache.update(torch.zeros(batch, k_heads, length, k_dim, dtype=k_dtype, device="meta"),
+                         torch.zeros(batch, v_heads, length, v_dim, dtype=v_dtype, device="meta"), i)
     if room:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -1482,6 +1477,42 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
                 cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage,
                                                           seen=layer.cumulative_length)
     return {"cache": cache, "use_cache": True}
+
+
+def _first_step(module: torch.nn.Module, cache: Any, amp: torch.dtype | None) -> None:
+    """One token of one sequence through the model into the empty ``cache``: each layer's (1, kv heads, 1, head_dim)
+    keys and values in their dtypes (values may differ from keys: DeepSeek's latent attention caches its 512-wide
+    compressed keys and values as "keys" and the 64-wide rotary key as "values")."""
+    with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
+        module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
+
+
+# plain caches' layers by the model they were probed on (_plain_cache_layers); at most PLAIN_CACHE_MODELS kept
+_PLAIN_CACHES: dict[tuple, list[tuple]] = {}
+PLAIN_CACHE_MODELS = 32
+
+
+def _plain_cache_layers(module: torch.nn.Module, amp: torch.dtype | None) -> list[tuple]:
+    """Per layer of a plain DynamicCache, (kv heads, head_dim, dtype) of its keys then of its values, as the model's
+    first step (:func:`_first_step`) stores them. The step is run once per model: a model of the same class, config,
+    parameters (names, shapes and dtypes: tensor-parallel shards, adapters and FP8 layers included) and autocast
+    stores the same, so the searches and generation forecasts that trace a model at many batch sizes and contexts
+    probe it once."""
+    from transformers import DynamicCache
+
+    config = getattr(module, "config", None)
+    key = (type(module), config.to_json_string() if hasattr(config, "to_json_string") else repr(config), amp,
+           tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+    layers = _PLAIN_CACHES.get(key)
+    if layers is None:
+        probe = DynamicCache()
+        _first_step(module, probe, amp)
+        layers = [(k.shape[1], k.shape[3], k.dtype, v.shape[1], v.shape[3], v.dtype)
+                  for k, v in ((layer.keys, layer.values) for layer in probe.layers)]
+        if len(_PLAIN_CACHES) >= PLAIN_CACHE_MODELS:
+            _PLAIN_CACHES.clear()
+        _PLAIN_CACHES[key] = layers
+    return layers
 
 
 @functools.lru_cache(maxsize=None)
