@@ -618,10 +618,12 @@ def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int, star
     is close to a quadratic in its batch or sequence (affine, plus attention scores' square without fused
     attention), so each round fits one through the three probes nearest the bracket of the largest fit and the
     smallest miss (a line through two, n = 2 the first probe after n = 1), estimates where it crosses ``limit``
-    (before the first miss at most :data:`MAX_GROWTH` times the largest fit, and after an estimate that fitted at
-    least twice it) and probes that n and its neighbour on the far side (n + 1 after a fit, n - 1 after a miss),
-    which closes the bracket when the estimate is right. A round that does not halve the bracket is followed by a
-    bisection step, so a search takes at most about twice bisection's probes. ``start``: n to probe first (e.g.
+    (before the first miss at most :data:`MAX_GROWTH` times the largest fit, and after an estimate that fell short,
+    fitting with a peak less than half the way from the last fit's to the limit, at least twice it) and probes that
+    n and, unless its peak lies more than two steps' rise (the rise per n from the largest fit) from the limit, its
+    neighbour on the far side (n + 1 after a fit, n - 1 after a miss), which closes the bracket when the estimate is
+    right. A round that does not halve the bracket is followed by a bisection step, so a search takes at most about
+    twice bisection's probes. ``start``: n to probe first (e.g.
     those several searches share, whose traces are kept); n = 1 is then probed only when none of them fits.
     """
     seen: dict[int, float] = {}
@@ -638,7 +640,7 @@ def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int, star
         return 0
     lo = max(fitting, default=1)    # lo fits; hi does not (hi_cap + 1: none seen yet)
     hi = min((n for n, v in seen.items() if v > limit), default=hi_cap + 1)
-    bisect = fitted = False
+    bisect = slow = False
     while hi - lo > 1:
         width, missed, estimate = hi - lo, hi <= hi_cap, 0
         if bisect:
@@ -648,19 +650,26 @@ def largest_within(peak: Callable[[int], float], limit: float, hi_cap: int, star
         else:
             estimate = guess = _crossing(seen, limit, lo, hi if missed else None)
             if not missed:
-                guess = max(guess, 2 * lo) if fitted else guess      # the last estimate fitted: at least double
+                guess = max(guess, 2 * lo) if slow else guess      # the last estimate fell short: at least double
                 guess = min(guess, MAX_GROWTH * lo)
         guess = min(max(guess, lo + 1), hi - 1)
-        fitted = guess == estimate          # (if it fits)
         # an estimate is checked by its neighbour; a bisection, n = 2 or a bound (the estimate moved) is not one
         check = not bisect and len(seen) > 1 and guess == estimate and lo + 1 < guess < hi - 1
-        if probe(guess):
+        below = seen[lo]
+        fits = probe(guess)
+        # the peaks' rise per n from lo to the guess: a neighbour more than two such rises from the limit lies on
+        # the guess's side of it, and checking it would not close the bracket
+        rise = (seen[guess] - below) / (guess - lo)
+        if fits:
+            # an estimate that fitted but rose less than half the way to the limit fell short: double next time
+            slow = guess == estimate and seen[guess] - below < 0.5 * (limit - below)
             lo = guess
-            if check:
+            if check and limit - seen[guess] <= 2 * rise:
                 lo, hi = (lo + 1, hi) if probe(lo + 1) else (lo, lo + 1)
         else:
+            slow = False
             hi = guess
-            if check:
+            if check and seen[guess] - limit <= 2 * rise:
                 lo, hi = (hi - 1, hi) if probe(hi - 1) else (lo, hi - 1)
         bisect = missed and 2 * (hi - lo) > width and not bisect
     return lo

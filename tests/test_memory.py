@@ -379,6 +379,21 @@ def test_largest_within_needs_fewer_probes_on_a_runs_memory():
             assert len(calls) <= 6 < bisected
 
 
+@pytest.mark.parametrize("peak, limit, cap, most", [
+    (lambda n: 0.31 + 5.88e-4 * max(0, n - 150), 1.0, 4096, 8),    # a decode step's time over its target
+    (lambda n: 0.54 + 2.4e-3 * max(0, n - 20), 1.0, 4096, 7),
+    (lambda n: math.sqrt(n), 50.0, 1 << 16, 10),                    # concave: estimates fall short
+])
+def test_largest_within_needs_few_probes_where_the_peak_is_flat_then_rises(peak, limit, cap, most):
+    """A decode step's time is flat while reading the weights bounds it, then rises with the batch (serving
+    searches); a concave peak makes every quadratic estimate fall short. Neither takes many probes: a neighbour is
+    not checked where the probe lies far from the limit, and an estimate that fell short is followed by doubling."""
+    calls = []
+    found = largest_within(lambda n: calls.append(n) or peak(n), limit, cap)
+    want, bisected = _bisected(peak, limit, cap)
+    assert found == want and len(calls) <= most < bisected
+
+
 def test_find_max_seq_len_refuses_more_positions_than_the_model_has():
     with pytest.raises(InputError, match=r"max_seq_len=4096 exceeds .*1024 positions.*Fix: max_seq_len <= 1024"):
         find_max_seq_len("gpt2", "l4", max_seq_len=4096)
