@@ -21,9 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import pandas as pd
+
 from neusight.errors import InputError
 
-__all__ = ["ServingCapacity", "serving_capacity"]
+__all__ = ["ServingCapacity", "ServingPlan", "plan_serving", "serving_capacity"]
 
 # what stops a larger batch, in the order a tie is named
 LIMITS = ("memory", "time to first token", "time per output token")
@@ -165,3 +167,132 @@ def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens:
     return ServingCapacity(runs[1].model, device, prompt_len, new_tokens, best, limited_by, at, over, max_tpot_ms,
                            max_ttft_ms, max_batch, tp, len(runs), time.perf_counter() - start,
                            (at or runs[1]).notes)
+
+
+@dataclass
+class ServingPlan:
+    """The ways ``gpus`` GPUs of one type can serve as many sequences as possible within the targets: ``dp``
+    replicas of the model, each split over ``tp`` GPUs and serving its own largest batch (:func:`serving_capacity`
+    with ``tp``); ``candidates`` has a row per layout."""
+
+    model: str
+    device: Any
+    gpus: int
+    prompt_len: int
+    new_tokens: int
+    max_tpot_ms: float | None
+    max_ttft_ms: float | None
+    candidates: pd.DataFrame
+    skipped: dict[str, str]              # layout label -> why it was left out
+    capacities: dict[str, ServingCapacity] = field(default_factory=dict)   # layout label -> its replica's search
+    seconds: float = 0.0
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """The layouts, the most generated tokens/s first (ties: fewer GPUs per replica), with ``rank``; a layout
+        whose replicas serve no sequence within the targets last."""
+        c = self.candidates
+        if c.empty:
+            return c
+        t = c.sort_values(["generated tokens/s", "tp"], ascending=[False, True], kind="stable").reset_index(drop=True)
+        t.insert(0, "rank", range(1, len(t) + 1))
+        return t
+
+    @property
+    def best(self) -> pd.Series | None:
+        """The layout that serves the most generated tokens/s, or None when none serves a sequence."""
+        t = self.table
+        return t.iloc[0] if len(t) and t.iloc[0]["sequences"] > 0 else None
+
+    def summary(self) -> str:
+        from neusight.api import table_formats
+        from neusight.plan import _left_out_lines
+
+        targets = "".join([f", per output token <= {self.max_tpot_ms:,g} ms" if self.max_tpot_ms else "",
+                           f", time to first token <= {self.max_ttft_ms:,g} ms" if self.max_ttft_ms else ""])
+        t = self.table
+        lines = [f"{self.model}: serving capacity of {self.gpus} x {self.device.name}: prompts of {self.prompt_len:,} "
+                 f"tokens, {self.new_tokens:,} new tokens each, within each GPU's {self.device.memory_gib:g} GiB"
+                 f"{targets}",
+                 f"{len(t)} layouts (dp replicas x tp GPUs each, every replica its largest batch; "
+                 f"{len(self.skipped)} left out) searched in {self.seconds:.1f} s, the most generated tokens/s first:"]
+        if len(t):
+            shown = t.drop(columns=["dp", "tp"])
+            fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format}
+            with pd.option_context("display.width", 250, "display.max_columns", 50):
+                lines.append(shown.to_string(index=False, formatters=fmt, na_rep="-"))
+        else:
+            lines.append("no layout could be searched: each is left out below")
+        best = self.best
+        if best is not None:
+            lines.append(f"best: {best['layout']}: {best['sequences']:,} sequences at once, "
+                         f"{best['generated tokens/s']:,.0f} generated tokens/s, {best['per output token ms']:,.2f} ms "
+                         f"per output token, time to first token {best['time to first token ms']:,.1f} ms")
+        elif len(t):
+            lines.append("no layout serves a sequence within the targets")
+        return "\n".join(lines + _left_out_lines(self.skipped))
+
+
+def plan_serving(model: Any, device: Any, gpus: int, prompt_len: int = 128, new_tokens: int = 128, *,
+                 max_tpot_ms: float | None = None, max_ttft_ms: float | None = None,
+                 usd_per_gpu_hour: float | None = None, **kwargs: Any) -> ServingPlan:
+    """Every ``dp x tp`` layout of ``gpus`` GPUs of ``device`` (as :func:`neusight.plan_generation` splits them),
+    each replica serving its largest batch within memory and the targets (:func:`serving_capacity` with ``tp``),
+    ranked by the generated tokens/s of all ``dp`` replicas together. ``usd_per_gpu_hour`` adds the cost per 1M
+    generated tokens, all ``gpus`` GPUs counted; ``kwargs`` go to :func:`serving_capacity` (``dtype``,
+    ``attn_implementation``, ``static_cache``, ``max_batch``, ...).
+
+    >>> plan = plan_serving("gpt2", "l4", gpus=2, prompt_len=32, new_tokens=8, max_tpot_ms=4, max_batch=64)
+    >>> sorted(plan.table["layout"]), plan.best["layout"]      # one L4 takes over 4 ms a token even for one
+    (['dp 1 x tp 2', 'dp 2 x tp 1'], 'dp 1 x tp 2')
+    """
+    from neusight.devices import load_device
+    from neusight.errors import ModelError
+    from neusight.plan import _divisors
+
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    fixed = [k for k in ("tp", "dp", "batch_size") if k in kwargs]
+    if fixed:
+        raise InputError(f"{fixed[0]}= is what plan_serving searches. Fix: leave it out, or search one replica with "
+                         "neusight.serving_capacity(..., tp=)")
+    max_tpot_ms, max_ttft_ms = _check_target("max_tpot_ms", max_tpot_ms), _check_target("max_ttft_ms", max_ttft_ms)
+    if usd_per_gpu_hour is not None:
+        from neusight.api import check_price
+
+        check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
+    device = load_device(device)
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    caps: dict[str, ServingCapacity] = {}
+    skipped: dict[str, str] = {}
+    errors: list[Exception] = []
+    name = model if isinstance(model, str) else type(model).__name__
+    for tp in _divisors(gpus):
+        dp = gpus // tp
+        label = f"dp {dp} x tp {tp}"
+        try:
+            cap = serving_capacity(model, device, prompt_len, new_tokens, max_tpot_ms=max_tpot_ms,
+                                   max_ttft_ms=max_ttft_ms, tp=tp, **kwargs)
+        except (InputError, ModelError) as e:
+            errors.append(e)
+            skipped[label] = str(e).split(". Fix:")[0]
+            continue
+        name, caps[label], f = cap.model, cap, cap.forecast
+        row = {"layout": label, "dp": dp, "tp": tp, "sequences per replica": cap.batch_size,
+               "sequences": dp * cap.batch_size, "limited by": cap.limited_by,
+               "generated tokens/s": dp * cap.tokens_per_s,
+               "time to first token ms": f.prefill_ms if f is not None else float("nan"),
+               "per output token ms": f.time_per_output_token_ms if f is not None else float("nan"),
+               "memory GiB": f.memory_peak_bytes / 2**30 if f is not None else float("nan")}
+        if usd_per_gpu_hour is not None:
+            from neusight.api import unit_cost
+
+            row["USD per 1M generated tokens"] = (unit_cost(row["generated tokens/s"], "generated tokens/s",
+                                                             usd_per_gpu_hour, gpus)[0] if f is not None
+                                                   else float("nan"))
+        rows.append(row)
+    if not rows and errors:
+        raise errors[0]
+    return ServingPlan(name, device, gpus, prompt_len, new_tokens, max_tpot_ms, max_ttft_ms, pd.DataFrame(rows),
+                       skipped, caps, time.perf_counter() - start)

@@ -60,8 +60,8 @@ BAD = {
                                                "max_tpot_ms=20"), "max_tpot_ms=20.0 is a latency target"),
     "predict-serving-target-zero": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8",
                                      "find_max_batch=true", "max_ttft_ms=0"), "max_ttft_ms=0.0 is not a positive"),
-    "predict-serving-plan": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "new_tokens=8",
-                              "find_max_batch=true"), "takes no find_max_batch"),
+    "predict-serving-plan-of-one-layout": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "tp=2",
+                                            "new_tokens=8", "find_max_batch=true"), "tp=2 fixes one"),
     "collect-without-out": (("neusight-collect",), "out= is required"),
     "train-zero-width-layer": (("neusight-train", "predictor.families.linear.hidden=[0]", "out={bad_yaml}.d",
                                 "progress=false"), "predictor.families.linear.hidden=(0,)"),
@@ -682,3 +682,21 @@ def test_generation_with_find_max_batch_searches_each_gpus_serving_capacity(tmp_
         assert f"serving capacity of {cap.model} on {cap.device.name}" in r.stdout
         assert f"most concurrent sequences: {cap.batch_size} (limited by time per output token" in r.stdout
     assert r.stdout.count("per 1M generated tokens at $") == 4     # the forecast's cost and the capacity's, per GPU
+
+
+def test_a_serving_plan_from_the_command_line(tmp_path):
+    """gpus=N with new_tokens and find_max_batch=true: every dp x tp layout at its replicas' largest batch within
+    the targets, ranked by tokens/s (neusight.serving.plan_serving), as JSON too; the batch_size given is not used."""
+    from neusight.serving import plan_serving
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**_TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512}))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=l4", "gpus=2", "batch_size=3",
+                        "seq_len=64", "new_tokens=8", "find_max_batch=true", "max_tpot_ms=1", "json=plan.json",
+                        f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    plan = plan_serving(str(cfg), "l4", 2, 64, 8, max_tpot_ms=1.0)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert len(data) == 1 and data[0]["best"]["layout"] == plan.best["layout"]
+    assert [d["sequences"] for d in data[0]["layouts"]] == list(plan.table["sequences"])
+    assert "serving capacity of 2 x NVIDIA L4" in r.stdout and f"best: {plan.best['layout']}:" in r.stdout

@@ -126,3 +126,39 @@ def test_the_serving_ranking_puts_the_most_tokens_per_second_first(tiny, togethe
     assert f"most tokens/s: {best[0].device.key} ({best[0].tokens_per_s:,.0f} generated tokens/s" in text
     assert "no batch within the targets on 1 GPU: p4" in text
     assert "per output token <= 0.5 ms" in text          # the targets of the first search
+
+
+def test_a_serving_plan_ranks_each_layouts_replicas_by_their_tokens_per_second(tiny):
+    """plan_serving: every dp x tp layout of the GPUs, each replica at its own largest batch within the targets
+    (serving_capacity with tp), dp replicas together; the most generated tokens/s first, a layout that serves
+    nothing last, the cost of all the GPUs per 1M generated tokens."""
+    from neusight.serving import plan_serving
+
+    plan = plan_serving(tiny, "l4", gpus=2, **RUN, max_tpot_ms=1.0, usd_per_gpu_hour=2.0)
+    t = plan.table
+    assert sorted(t["layout"]) == ["dp 1 x tp 2", "dp 2 x tp 1"] and plan.skipped == {}
+    for _, row in t.iterrows():
+        cap = serving_capacity(tiny, "l4", **RUN, max_tpot_ms=1.0, tp=int(row["tp"]))
+        assert row["sequences"] == row["dp"] * cap.batch_size == row["dp"] * row["sequences per replica"]
+        assert row["generated tokens/s"] == pytest.approx(row["dp"] * cap.tokens_per_s)
+        assert plan.capacities[row["layout"]].batch_size == cap.batch_size
+    assert list(t["generated tokens/s"]) == sorted(t["generated tokens/s"], reverse=True)
+    usd = t["USD per 1M generated tokens"] * t["generated tokens/s"]
+    assert usd.iloc[0] == pytest.approx(2 * 2.0 / 3600 * 1e6)      # both GPUs' hours per 1M tokens at that rate
+    best = plan.best
+    assert best["layout"] == t.iloc[0]["layout"]
+    assert f"best: {best['layout']}: {best['sequences']:,} sequences at once" in plan.summary()
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(gpus=0), "gpus=0 is not a positive number of GPUs"),
+    (dict(gpus=2, tp=2), "tp= is what plan_serving searches"),
+    (dict(gpus=2, batch_size=8), "batch_size= is what plan_serving searches"),
+    (dict(gpus=2, max_tpot_ms=-1), "max_tpot_ms=-1 is not a positive number"),
+    (dict(gpus=2, usd_per_gpu_hour=-3), "usd_per_gpu_hour=-3"),
+])
+def test_bad_serving_plans_are_refused(kw, fragment):
+    from neusight.serving import plan_serving
+
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        plan_serving("gpt2", "t4", **{**RUN, **kw})

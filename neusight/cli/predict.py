@@ -753,7 +753,6 @@ def _generation(cfg: PredictConfig) -> float:
 
     other = [k for k in ("layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
-    other += ["find_max_batch"] if cfg.find_max_batch and cfg.gpus is not None else []   # a plan: not searched
     other += [k for k in ("find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
                           "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp", "cp")
@@ -763,7 +762,7 @@ def _generation(cfg: PredictConfig) -> float:
         raise InputError(f"new_tokens={cfg.new_tokens} forecasts generation (an inference run) and takes no "
                          f"{', '.join(other) or 'mode=' + cfg.mode}. Fix: leave those out (seq_len is the prompt "
                          "length; tp= splits the model over GPUs; data-parallel replicas generate independently, "
-                         "gpus=N plans them; find_max_batch=true searches one GPU or tp GPUs, not a plan)")
+                         "gpus=N plans them)")
     devices, ranking = _gpus(cfg), names_all(cfg.device)
     prices = dict(zip((d.key for d in devices), _prices(cfg)))
     kw = dict(prompt_len=cfg.seq_len or 128, new_tokens=cfg.new_tokens, predictor=cfg.checkpoint, dtype=cfg.dtype,
@@ -772,7 +771,8 @@ def _generation(cfg: PredictConfig) -> float:
               **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype else {}),
               **({"nvls": cfg.nvls} if cfg.tp > 1 or cfg.gpus is not None else {}))
     if cfg.gpus is not None:
-        return _plan_generation(cfg, devices, list(prices.values()), kw)
+        plan = _plan_serving if cfg.find_max_batch else _plan_generation
+        return plan(cfg, devices, list(prices.values()), kw)
     skipped: dict[str, str] = {}
     if cfg.tp == 1:   # one GPU each: the traces shared between the GPUs
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
@@ -938,6 +938,51 @@ def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[s
     _finish_plans(cfg, plans, records)
     first = plans[0].best
     return float(first["total ms"]) if first is not None else float("nan")
+
+
+def _plan_serving(cfg: PredictConfig, devices: list, prices: list, kw: dict[str, Any]) -> float:
+    """``gpus=N new_tokens=M find_max_batch=true``: every dp x tp layout of N GPUs, each replica serving its largest
+    batch within memory and max_tpot_ms / max_ttft_ms, ranked by generated tokens/s, per GPU type
+    (neusight.serving.plan_serving); the layouts as CSV, the plans as JSON on request. ``batch_size`` is what the
+    search finds, so the one given is not used."""
+    from neusight.api import names_all
+    from neusight.errors import InputError
+    from neusight.serving import plan_serving
+    from neusight.util import atomic_write_text
+
+    if cfg.tp != 1:
+        raise InputError(f"gpus={cfg.gpus} searches the dp x tp layouts, and tp={cfg.tp} fixes one. Fix: leave tp out "
+                         "to search, or gpus out to search that layout's capacity")
+    if names_all(cfg.device):
+        raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
+                         "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    run = {k: v for k, v in kw.items() if k not in ("prompt_len", "new_tokens")}
+    plans = []
+    for dev, price in zip(devices, prices):
+        for n in _gpu_counts(cfg.gpus):
+            plan = plan_serving(cfg.model, dev, n, kw["prompt_len"], kw["new_tokens"], max_tpot_ms=cfg.max_tpot_ms,
+                                max_ttft_ms=cfg.max_ttft_ms, usd_per_gpu_hour=price, **run)
+            print(("\n" if plans else "") + plan.summary())
+            plans.append(plan)
+    best = [p for p in plans if p.best is not None]
+    if len(plans) > 1 and best:
+        top = max(best, key=lambda p: p.best["generated tokens/s"])
+        print(f"\nmost generated tokens/s of the {len(plans)} plans: {top.gpus} x {top.device.key}, "
+              f"{top.best['layout']} ({top.best['generated tokens/s']:,.0f} tokens/s, {top.best['sequences']:,} "
+              "sequences)")
+    if cfg.csv:
+        import pandas as pd
+
+        atomic_write_text(_out_path(cfg.csv), pd.concat([p.table.assign(device=p.device.key, gpus=p.gpus)
+                                                         for p in plans]).to_csv(index=False))
+    if cfg.json:
+        records = [{"device": p.device.key, "gpus": p.gpus, "prompt_len": p.prompt_len, "new_tokens": p.new_tokens,
+                    "max_tpot_ms": p.max_tpot_ms, "max_ttft_ms": p.max_ttft_ms,
+                    "best": None if p.best is None else p.best.drop("rank").to_dict(),
+                    "layouts": p.table.to_dict(orient="records"), "skipped": p.skipped} for p in plans]
+        atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
+    first = plans[0].best
+    return float(first["generated tokens/s"]) if first is not None else float("nan")
 
 
 def _finish_plans(cfg: PredictConfig, plans: list, records: list[dict[str, Any]]) -> None:
