@@ -908,24 +908,32 @@ def _serving_record(cap: Any) -> dict[str, Any]:
     """A serving search's result for the JSON output."""
     f = cap.forecast
     return {"max_batch": cap.batch_size, "limited_by": cap.limited_by, "max_tpot_ms": cap.max_tpot_ms,
-            "max_ttft_ms": cap.max_ttft_ms, "time_to_first_token_ms": f.prefill_ms if f else None,
-            "time_per_output_token_ms": f.time_per_output_token_ms if f else None,
-            "generated_tokens_per_s": cap.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes if f else None}
+            "max_ttft_ms": cap.max_ttft_ms, "time_to_first_token_ms": f.prefill_ms if f is not None else None,
+            "time_per_output_token_ms": f.time_per_output_token_ms if f is not None else None,
+            "generated_tokens_per_s": cap.tokens_per_s,
+            "memory_peak_bytes": f.memory_peak_bytes if f is not None else None}
+
+
+def _check_serving_layouts(cfg: PredictConfig, instead: str) -> None:
+    """A generation plan (gpus=N with new_tokens) searches tp itself, one GPU type at a time; ``instead``: what
+    leaving gpus out does (the fix's alternative)."""
+    from neusight.api import names_all
+    from neusight.errors import InputError
+
+    if cfg.tp != 1:
+        raise InputError(f"gpus={cfg.gpus} searches the dp x tp layouts, and tp={cfg.tp} fixes one. Fix: leave tp out "
+                         f"to search, or gpus out to {instead}")
+    if names_all(cfg.device):
+        raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
+                         "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
 
 
 def _plan_generation(cfg: PredictConfig, devices: list, prices: list, kw: dict[str, Any]) -> float:
     """``gpus=N new_tokens=M``: every dp x tp layout of N GPUs serving ``batch_size`` sequences, ranked, per GPU type
     (neusight.plan.plan_generation); the layouts as CSV, the plans as JSON on request."""
-    from neusight.api import names_all
-    from neusight.errors import InputError
     from neusight.plan import plan_generation
 
-    if cfg.tp != 1:
-        raise InputError(f"gpus={cfg.gpus} searches the dp x tp layouts, and tp={cfg.tp} fixes one. Fix: leave tp out "
-                         "to search, or gpus out to forecast that layout")
-    if names_all(cfg.device):
-        raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
-                         "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    _check_serving_layouts(cfg, "forecast that layout")
     plans = []
     for dev, price in zip(devices, prices):
         for n in _gpu_counts(cfg.gpus):
@@ -945,17 +953,10 @@ def _plan_serving(cfg: PredictConfig, devices: list, prices: list, kw: dict[str,
     batch within memory and max_tpot_ms / max_ttft_ms, ranked by generated tokens/s, per GPU type
     (neusight.serving.plan_serving); the layouts as CSV, the plans as JSON on request. ``batch_size`` is what the
     search finds, so the one given is not used."""
-    from neusight.api import names_all
-    from neusight.errors import InputError
     from neusight.serving import plan_serving
     from neusight.util import atomic_write_text
 
-    if cfg.tp != 1:
-        raise InputError(f"gpus={cfg.gpus} searches the dp x tp layouts, and tp={cfg.tp} fixes one. Fix: leave tp out "
-                         "to search, or gpus out to search that layout's capacity")
-    if names_all(cfg.device):
-        raise InputError(f"gpus={cfg.gpus} plans the layouts of one GPU type at a time, not of device={cfg.device}. "
-                         "Fix: name the GPUs, e.g. device=[a100-80gb-pcie,h100-sxm5-80gb]")
+    _check_serving_layouts(cfg, "search that layout's capacity")
     run = {k: v for k, v in kw.items() if k not in ("prompt_len", "new_tokens")}
     plans = []
     for dev, price in zip(devices, prices):
