@@ -71,13 +71,13 @@ class ServingCapacity:
                  f"{self.new_tokens:,} new tokens each, one generate() call (static batch)",
                  f"targets: {', '.join(targets)}"]
         if self.batch_size == 0:
-            lines.append(f"no batch meets them: one sequence needs {_miss(self.over, self.limited_by)}")
+            lines.append(f"no batch meets them: one sequence needs {_miss(self.over, self.limited_by, self)}")
         elif self.limited_by == "max_batch":
             lines.append(f"most concurrent sequences: {self.batch_size:,} or more (the search's max_batch; every "
                          "target still met)")
         else:
             lines.append(f"most concurrent sequences: {self.batch_size:,} (limited by {self.limited_by}: "
-                         f"{self.batch_size + 1:,} need {_miss(self.over, self.limited_by)})")
+                         f"{self.batch_size + 1:,} need {_miss(self.over, self.limited_by, self)})")
         if self.forecast is not None:
             f = self.forecast
             lines.append(f"at {self.batch_size:,}: time to first token {f.prefill_ms:,.1f} ms | per output token "
@@ -97,13 +97,23 @@ def _ratios(f: Any, device: Any, max_tpot_ms: float | None, max_ttft_ms: float |
     return out
 
 
-def _miss(f: Any, limit: str) -> str:
-    """What forecast ``f`` needs of the target ``limit``."""
+def _beyond(value: float, target: float | None, digits: int) -> str:
+    """``value`` to ``digits`` decimals, or up to four more where those would not show it above ``target``."""
+    for d in range(digits, digits + 5):
+        shown = f"{value:,.{d}f}"
+        if target is None or value <= target or float(shown.replace(",", "")) > target:
+            break
+    return shown
+
+
+def _miss(f: Any, limit: str, cap: "ServingCapacity") -> str:
+    """What forecast ``f`` needs of the target ``limit`` (of the search ``cap``)."""
     if limit == "memory":
-        return f"{f.memory_peak_bytes / 2**30:,.1f} GiB{' per GPU' if f.tp > 1 else ''}"
+        return (f"{_beyond(f.memory_peak_bytes / 2**30, cap.device.memory_gib, 1)} GiB"
+                f"{' per GPU' if f.tp > 1 else ''}")
     if limit == "time to first token":
-        return f"{f.prefill_ms:,.1f} ms to the first token"
-    return f"{f.time_per_output_token_ms:,.2f} ms per output token"
+        return f"{_beyond(f.prefill_ms, cap.max_ttft_ms, 1)} ms to the first token"
+    return f"{_beyond(f.time_per_output_token_ms, cap.max_tpot_ms, 2)} ms per output token"
 
 
 def _check_target(name: str, value: Any) -> float | None:
