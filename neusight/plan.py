@@ -892,6 +892,21 @@ class GenerationPlan:
         return "\n".join(lines + _left_out_lines(self.skipped) + [f"note: {n}" for n in self.notes])
 
 
+def check_replica_plan(gpus: Any, usd_per_gpu_hour: Any, kwargs: dict[str, Any], searched: tuple[str, ...],
+                       name: str, fix: str) -> None:
+    """The arguments of a plan of ``dp`` replicas x ``tp`` GPUs (``name``: plan_generation, plan_serving): a positive
+    GPU count, none of the ``searched`` keywords among ``kwargs`` (else ``fix``), a valid price if given."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    fixed = [k for k in searched if k in kwargs]
+    if fixed:
+        raise InputError(f"{fixed[0]}= is what {name} searches. Fix: leave it out, or {fix}")
+    if usd_per_gpu_hour is not None:
+        from neusight.api import check_price
+
+        check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
+
+
 def plan_generation(model: Any, device: Device | str, gpus: int, batch_size: int = 1, prompt_len: int = 128,
                     new_tokens: int = 128, *, usd_per_gpu_hour: float | None = None,
                     **kwargs: Any) -> GenerationPlan:
@@ -911,19 +926,11 @@ def plan_generation(model: Any, device: Device | str, gpus: int, batch_size: int
     """
     from neusight.generation import predict_generation
 
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
+    check_replica_plan(gpus, usd_per_gpu_hour, kwargs, ("tp", "dp"), "plan_generation",
+                       "forecast one replica with neusight.predict_generation(..., tp=)")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"batch_size={batch_size!r} is not a positive integer. Fix: the concurrent sequences, "
                          "e.g. 32")
-    fixed = [k for k in ("tp", "dp") if k in kwargs]
-    if fixed:
-        raise InputError(f"{fixed[0]}= is what plan_generation searches. Fix: leave it out, or forecast one replica "
-                         "with neusight.predict_generation(..., tp=)")
-    if usd_per_gpu_hour is not None:
-        from neusight.api import check_price
-
-        check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
     device = load_device(device)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []

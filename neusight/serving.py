@@ -62,11 +62,8 @@ class ServingCapacity:
         """What the search found, with the notes of its forecast that are not among ``known_notes`` (those
         printed already with another forecast of the run)."""
         gpus = f"{self.tp} x {self.device.name} (tensor parallel)" if self.tp > 1 else self.device.name
-        targets = [f"memory <= {self.device.memory_gib:g} GiB{' per GPU' if self.tp > 1 else ''}"]
-        if self.max_ttft_ms is not None:
-            targets.append(f"time to first token <= {self.max_ttft_ms:,g} ms")
-        if self.max_tpot_ms is not None:
-            targets.append(f"per output token <= {self.max_tpot_ms:,g} ms")
+        targets = [f"memory <= {self.device.memory_gib:g} GiB{' per GPU' if self.tp > 1 else ''}",
+                   *targets_text(self.max_tpot_ms, self.max_ttft_ms)]
         lines = [f"serving capacity of {self.model} on {gpus}: prompts of {self.prompt_len:,} tokens, "
                  f"{self.new_tokens:,} new tokens each, one generate() call (static batch)",
                  f"targets: {', '.join(targets)}"]
@@ -85,6 +82,12 @@ class ServingCapacity:
                          f"{f.memory_peak_bytes / 2**30:,.1f} of {self.device.memory_gib:g} GiB")
         lines.append(f"({self.forecasts} generate() forecasts, {self.seconds:.1f} s)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes if n not in known_notes])
+
+
+def targets_text(max_tpot_ms: float | None, max_ttft_ms: float | None) -> list[str]:
+    """The latency targets given, as the summaries and tables say them."""
+    out = [f"per output token <= {max_tpot_ms:,g} ms"] if max_tpot_ms is not None else []
+    return out + ([f"time to first token <= {max_ttft_ms:,g} ms"] if max_ttft_ms is not None else [])
 
 
 def _ratios(f: Any, device: Any, max_tpot_ms: float | None, max_ttft_ms: float | None) -> dict[str, float]:
@@ -218,8 +221,7 @@ class ServingPlan:
         from neusight.api import table_formats
         from neusight.plan import _left_out_lines
 
-        targets = "".join([f", per output token <= {self.max_tpot_ms:,g} ms" if self.max_tpot_ms else "",
-                           f", time to first token <= {self.max_ttft_ms:,g} ms" if self.max_ttft_ms else ""])
+        targets = "".join(f", {t}" for t in targets_text(self.max_tpot_ms, self.max_ttft_ms))
         t = self.table
         lines = [f"{self.model}: serving capacity of {self.gpus} x {self.device.name}: prompts of {self.prompt_len:,} "
                  f"tokens, {self.new_tokens:,} new tokens each, within each GPU's {self.device.memory_gib:g} GiB"
@@ -258,19 +260,11 @@ def plan_serving(model: Any, device: Any, gpus: int, prompt_len: int = 128, new_
     """
     from neusight.devices import load_device
     from neusight.errors import ModelError
-    from neusight.plan import _divisors
+    from neusight.plan import _divisors, check_replica_plan
 
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise InputError(f"gpus={gpus!r} is not a positive number of GPUs. Fix: e.g. gpus=8")
-    fixed = [k for k in ("tp", "dp", "batch_size") if k in kwargs]
-    if fixed:
-        raise InputError(f"{fixed[0]}= is what plan_serving searches. Fix: leave it out, or search one replica with "
-                         "neusight.serving_capacity(..., tp=)")
+    check_replica_plan(gpus, usd_per_gpu_hour, kwargs, ("tp", "dp", "batch_size"), "plan_serving",
+                       "search one replica with neusight.serving_capacity(..., tp=)")
     max_tpot_ms, max_ttft_ms = _check_target("max_tpot_ms", max_tpot_ms), _check_target("max_ttft_ms", max_ttft_ms)
-    if usd_per_gpu_hour is not None:
-        from neusight.api import check_price
-
-        check_price(usd_per_gpu_hour, "usd_per_gpu_hour")
     device = load_device(device)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []

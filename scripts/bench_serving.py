@@ -21,7 +21,7 @@ from bench_trace import machine  # noqa: E402
 
 from neusight.cli.common import quiet_third_party_logs  # noqa: E402
 from neusight.e2e_eval import write_doc_section  # noqa: E402
-from neusight.serving import serving_capacity  # noqa: E402
+from neusight.serving import serving_capacity, targets_text  # noqa: E402
 
 DOC = REPO / "docs" / "serving.md"
 TITLE = ("# Serving capacity: the largest batch within memory and latency targets\n\n"
@@ -35,12 +35,7 @@ LARGE_GPUS = ["a100-80gb-pcie", "h100-sxm5-80gb"]
 
 
 def _targets(t: dict) -> str:
-    parts = []
-    if "max_tpot_ms" in t:
-        parts.append(f"per output token <= {t['max_tpot_ms']:g} ms")
-    if "max_ttft_ms" in t:
-        parts.append(f"first token <= {t['max_ttft_ms']:,g} ms")
-    return ", ".join(parts) or "memory only"
+    return ", ".join(targets_text(t.get("max_tpot_ms"), t.get("max_ttft_ms"))) or "memory only"
 
 
 def _row(cap, targets: dict) -> str:

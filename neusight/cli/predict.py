@@ -865,6 +865,7 @@ def serving_ranking_text(caps: list, prices: dict[str, Any]) -> str:
     import pandas as pd
 
     from neusight.api import table_formats
+    from neusight.serving import targets_text
 
     rows = []
     for cap in caps:
@@ -882,11 +883,8 @@ def serving_ranking_text(caps: list, prices: dict[str, Any]) -> str:
         rows.append(row)
     table = pd.DataFrame(rows).sort_values(["generated tokens/s", "GPU"], ascending=[False, True], kind="stable")
     table.insert(0, "rank", range(1, len(table) + 1))
-    first, targets = caps[0], ""
-    if first.max_tpot_ms is not None:
-        targets += f", per output token <= {first.max_tpot_ms:,g} ms"
-    if first.max_ttft_ms is not None:
-        targets += f", time to first token <= {first.max_ttft_ms:,g} ms"
+    first = caps[0]
+    targets = "".join(f", {t}" for t in targets_text(first.max_tpot_ms, first.max_ttft_ms))
     gpus = f"each {first.tp} GPUs of a type (tp)" if first.tp > 1 else "each GPU"
     lines = [f"serving capacity: the largest batch {gpus} serves in one generate() call within its memory{targets}; "
              "most generated tokens/s first"]
