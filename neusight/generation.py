@@ -54,6 +54,11 @@ class GenerationForecast:
         return self.prefill_ms + self.decode_ms
 
     @property
+    def time_to_first_token_ms(self) -> float:
+        """The prompt's prefill, which makes every sequence's first token."""
+        return self.prefill_ms
+
+    @property
     def time_per_output_token_ms(self) -> float:
         """Mean decode step (each step emits one token per sequence)."""
         return self.decode_ms / max(self.new_tokens - 1, 1)

@@ -9,9 +9,11 @@ within that; the answer says which of them stops a larger batch, and what the ba
 A batch's memory, time to first token and time per output token all grow with its size (the laws of
 DESIGN.md), so the largest batch within every target is one search (:func:`neusight.memory.largest_within` over the
 highest of the three ratios to their targets) instead of three. The batch is static, as ``generate()`` runs it:
-every sequence's prompt is prefilled together, and all decode together until the last token. A serving engine
-that batches continuously (vLLM, SGLang, TensorRT-LLM) interleaves prefills with other sequences' decode steps
-and frees a sequence's cache when it ends; its capacity at the same targets is not forecast here.
+every sequence's prompt is prefilled together, and all decode together until the last token. With
+``batching="continuous"`` the search is over the concurrency of a serving engine that batches continuously (vLLM,
+SGLang, TensorRT-LLM): prefills interleaved with the other sequences' decode steps, a sequence's cache freed when
+it ends, in the steady state of :func:`neusight.engine.predict_continuous`; a step's token budget
+(``max_num_batched_tokens``) is then a fourth limit.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from neusight.errors import InputError
 
 __all__ = ["ServingCapacity", "ServingPlan", "plan_serving", "serving_capacity"]
 
-# what stops a larger batch, in the order a tie is named
-LIMITS = ("memory", "time to first token", "time per output token")
+# what stops a larger batch, in the order a tie is named (the token budget: continuous batching's only)
+LIMITS = ("memory", "time to first token", "time per output token", "token budget")
+# how the sequences are batched: one generate() call, or a continuously batching engine's steady state
+BATCHING = ("static", "continuous")
 # the search's default upper end (a cap, named as the limit when it is reached)
 MAX_BATCH = 4096
 
@@ -49,9 +53,11 @@ class ServingCapacity:
     max_ttft_ms: float | None = None
     max_batch: int = MAX_BATCH
     tp: int = 1
-    forecasts: int = 0                  # generate() forecasts the search made
+    forecasts: int = 0                  # generate() (or engine) forecasts the search made
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    batching: str = "static"            # one of BATCHING
+    max_num_batched_tokens: int | None = None   # continuous batching: a step's token budget
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,8 +70,10 @@ class ServingCapacity:
         gpus = f"{self.tp} x {self.device.name} (tensor parallel)" if self.tp > 1 else self.device.name
         targets = [f"memory <= {self.device.memory_gib:g} GiB{' per GPU' if self.tp > 1 else ''}",
                    *targets_text(self.max_tpot_ms, self.max_ttft_ms)]
+        how = ("one generate() call (static batch)" if self.batching == "static" else
+               f"continuous batching (steady state, max_num_batched_tokens={self.max_num_batched_tokens:,})")
         lines = [f"serving capacity of {self.model} on {gpus}: prompts of {self.prompt_len:,} tokens, "
-                 f"{self.new_tokens:,} new tokens each, one generate() call (static batch)",
+                 f"{self.new_tokens:,} new tokens each, {how}",
                  f"targets: {', '.join(targets)}"]
         if self.batch_size == 0:
             lines.append(f"no batch meets them: one sequence needs {_miss(self.over, self.limited_by, self)}")
@@ -77,10 +85,12 @@ class ServingCapacity:
                          f"{self.batch_size + 1:,} need {_miss(self.over, self.limited_by, self)})")
         if self.forecast is not None:
             f = self.forecast
-            lines.append(f"at {self.batch_size:,}: time to first token {f.prefill_ms:,.1f} ms | per output token "
+            lines.append(f"at {self.batch_size:,}: time to first token {f.time_to_first_token_ms:,.1f} ms | "
+                         "per output token "
                          f"{f.time_per_output_token_ms:,.2f} ms | {f.tokens_per_s:,.0f} generated tokens/s | memory "
                          f"{f.memory_peak_bytes / 2**30:,.1f} of {self.device.memory_gib:g} GiB")
-        lines.append(f"({self.forecasts} generate() forecasts, {self.seconds:.1f} s)")
+        kind = "generate()" if self.batching == "static" else "engine"
+        lines.append(f"({self.forecasts} {kind} forecasts, {self.seconds:.1f} s)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes if n not in known_notes])
 
 
@@ -94,7 +104,7 @@ def _ratios(f: Any, device: Any, max_tpot_ms: float | None, max_ttft_ms: float |
     """Each target's use by forecast ``f`` (above 1: missed)."""
     out = {"memory": f.memory_peak_bytes / device.memory_bytes}
     if max_ttft_ms is not None:
-        out["time to first token"] = f.prefill_ms / max_ttft_ms
+        out["time to first token"] = f.time_to_first_token_ms / max_ttft_ms
     if max_tpot_ms is not None:
         out["time per output token"] = f.time_per_output_token_ms / max_tpot_ms
     return out
@@ -114,9 +124,18 @@ def _miss(f: Any, limit: str, cap: "ServingCapacity") -> str:
     if limit == "memory":
         return (f"{_beyond(f.memory_peak_bytes / 2**30, cap.device.memory_gib, 1)} GiB"
                 f"{' per GPU' if f.tp > 1 else ''}")
+    if limit == "token budget":
+        tokens = _step_tokens(cap.batch_size + 1, cap.prompt_len, cap.new_tokens)
+        return f"{tokens:,} tokens a step (max_num_batched_tokens={cap.max_num_batched_tokens:,})"
     if limit == "time to first token":
-        return f"{_beyond(f.prefill_ms, cap.max_ttft_ms, 1)} ms to the first token"
+        return f"{_beyond(f.time_to_first_token_ms, cap.max_ttft_ms, 1)} ms to the first token"
     return f"{_beyond(f.time_per_output_token_ms, cap.max_tpot_ms, 2)} ms per output token"
+
+
+def _step_tokens(batch: int, prompt_len: int, new_tokens: int) -> int:
+    """Tokens a continuously batching engine's step forwards with ``batch`` sequences decoding: theirs and the
+    prompt tokens of the sequences admitted as they finish (:func:`neusight.engine.predict_continuous`)."""
+    return batch + math.ceil(batch * prompt_len / (new_tokens - 1))
 
 
 def _check_target(name: str, value: Any) -> float | None:
@@ -131,7 +150,7 @@ def _check_target(name: str, value: Any) -> float | None:
 def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens: int = 128, *,
                      max_tpot_ms: float | None = None, max_ttft_ms: float | None = None,
                      max_batch: int = MAX_BATCH, tp: int = 1, cache: dict | None = None,
-                     **kwargs: Any) -> ServingCapacity:
+                     batching: str = "static", **kwargs: Any) -> ServingCapacity:
     """The largest batch of sequences (``prompt_len`` prompt tokens, ``new_tokens`` new ones each) whose
     ``generate()`` on ``tp`` GPUs of ``device`` fits in memory and, where given, takes at most ``max_tpot_ms`` per
     output token (the mean decode step) and ``max_ttft_ms`` to the first token (the batch's prefill); see the module
@@ -140,15 +159,28 @@ def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens:
     of the batches they both probe (:func:`neusight.predict_generation`'s ``cache``). ``kwargs`` go to
     :func:`neusight.predict_generation` (``dtype``, ``attn_implementation``, ``static_cache``, ``kv_cache_dtype``,
     ``host_us``, ``predictor``, ``nvls``, ...); ``batch_size`` is what is searched.
+    ``batching="continuous"``: the most sequences a continuously batching engine keeps decoding at once
+    (:func:`neusight.engine.predict_continuous`, which then takes ``kwargs``, e.g. ``max_num_batched_tokens``):
+    the time per output token its mean step, the time to first token a prompt's prefill beside them, and a step's
+    tokens (decode and prompt) within ``max_num_batched_tokens``.
 
     >>> cap = serving_capacity("gpt2", "t4", prompt_len=64, new_tokens=8, max_tpot_ms=5, max_batch=64)
     >>> cap.limited_by, cap.forecast.time_per_output_token_ms <= 5 < cap.over.time_per_output_token_ms
     ('time per output token', True)
     """
     from neusight.devices import load_device
+    from neusight.engine import MAX_BATCHED_TOKENS, predict_continuous
     from neusight.generation import predict_generation
     from neusight.memory import largest_within
 
+    if batching not in BATCHING:
+        raise InputError(f"batching={batching!r} is not known. Fix: one of {', '.join(BATCHING)} (static: one "
+                         "generate() call; continuous: a serving engine's steady state)")
+    continuous = batching == "continuous"
+    budget = kwargs.get("max_num_batched_tokens", MAX_BATCHED_TOKENS) if continuous else None
+    if not continuous and "max_num_batched_tokens" in kwargs:
+        raise InputError(f"max_num_batched_tokens={kwargs['max_num_batched_tokens']!r} is the token budget of a "
+                         "continuously batching engine's step. Fix: add batching='continuous', or leave it out")
     if "batch_size" in kwargs:
         raise InputError(f"batch_size={kwargs['batch_size']!r} is what serving_capacity searches. Fix: leave it out "
                          "(max_batch= caps the search)")
@@ -163,15 +195,30 @@ def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens:
     start = time.perf_counter()
     runs: dict[int, Any] = {}
 
+    forecast = predict_continuous if continuous else predict_generation
+
     def run(b: int) -> Any:
         if b not in runs:
-            runs[b] = predict_generation(model, device, b, prompt_len, new_tokens, tp=tp, cache=cache, **kwargs)
+            runs[b] = forecast(model, device, b, prompt_len, new_tokens, tp=tp, cache=cache, **kwargs)
         return runs[b]
 
-    run(1)    # the run's own checks (prompt, positions, options) fail here, as predict_generation's
-    best = largest_within(lambda b: max(_ratios(run(b), device, max_tpot_ms, max_ttft_ms).values()), 1.0, max_batch)
+    def budget_use(b: int) -> float:
+        """A continuous engine's step tokens with ``b`` sequences decoding, against its budget (0: static)."""
+        return _step_tokens(b, prompt_len, new_tokens) / budget if continuous else 0.0
+
+    def use(b: int) -> float:
+        """The highest use of a target by ``b`` sequences (a step beyond the token budget is not forecast)."""
+        if budget_use(b) > 1.0:
+            return budget_use(b)
+        return max(_ratios(run(b), device, max_tpot_ms, max_ttft_ms).values())
+
+    run(1)    # the run's own checks (prompt, positions, options) fail here, as the forecast's
+    best = largest_within(use, 1.0, max_batch)
+    over = None
     if best == max_batch:
-        limited_by, over = "max_batch", None
+        limited_by = "max_batch"
+    elif budget_use(best + 1) > 1.0:
+        limited_by = "token budget"
     else:
         over = run(best + 1)
         ratios = _ratios(over, device, max_tpot_ms, max_ttft_ms)
@@ -179,7 +226,7 @@ def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens:
     at = runs[best] if best else None
     return ServingCapacity(runs[1].model, device, prompt_len, new_tokens, best, limited_by, at, over, max_tpot_ms,
                            max_ttft_ms, max_batch, tp, len(runs), time.perf_counter() - start,
-                           (at or runs[1]).notes)
+                           (at or runs[1]).notes, batching, budget)
 
 
 @dataclass
@@ -199,6 +246,7 @@ class ServingPlan:
     skipped: dict[str, str]              # layout label -> why it was left out
     capacities: dict[str, ServingCapacity] = field(default_factory=dict)   # layout label -> its replica's search
     seconds: float = 0.0
+    batching: str = "static"             # one of BATCHING
 
     @property
     def table(self) -> pd.DataFrame:
@@ -227,7 +275,8 @@ class ServingPlan:
                  f"tokens, {self.new_tokens:,} new tokens each, within each GPU's {self.device.memory_gib:g} GiB"
                  f"{targets}",
                  f"{len(t)} layouts (dp replicas x tp GPUs each, every replica its largest batch; "
-                 f"{len(self.skipped)} left out) searched in {self.seconds:.1f} s, the most generated tokens/s first:"]
+                 f"{len(self.skipped)} left out) searched in {self.seconds:.1f} s, the most generated tokens/s first"
+                 + (":" if self.batching == "static" else ", each replica batching continuously (steady state):")]
         if len(t):
             shown = t.drop(columns=["dp", "tp"])
             fmt = {**table_formats(shown.columns), "memory GiB": "{:,.1f}".format}
@@ -286,7 +335,7 @@ def plan_serving(model: Any, device: Any, gpus: int, prompt_len: int = 128, new_
         row = {"layout": label, "dp": dp, "tp": tp, "sequences per replica": cap.batch_size,
                "sequences": dp * cap.batch_size, "limited by": cap.limited_by,
                "generated tokens/s": dp * cap.tokens_per_s,
-               "time to first token ms": f.prefill_ms if f is not None else float("nan"),
+               "time to first token ms": f.time_to_first_token_ms if f is not None else float("nan"),
                "per output token ms": f.time_per_output_token_ms if f is not None else float("nan"),
                "memory GiB": f.memory_peak_bytes / 2**30 if f is not None else float("nan")}
         if usd_per_gpu_hour is not None:
@@ -299,4 +348,4 @@ def plan_serving(model: Any, device: Any, gpus: int, prompt_len: int = 128, new_
     if not rows and errors:
         raise errors[0]
     return ServingPlan(name, device, gpus, prompt_len, new_tokens, max_tpot_ms, max_ttft_ms, pd.DataFrame(rows),
-                       skipped, caps, time.perf_counter() - start)
+                       skipped, caps, time.perf_counter() - start, kwargs.get("batching", "static"))

@@ -4,6 +4,7 @@ good input -> the summary, the side-by-side table and the files asked for."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -62,6 +63,16 @@ BAD = {
                                      "find_max_batch=true", "max_ttft_ms=0"), "max_ttft_ms=0.0 is not a positive"),
     "predict-serving-plan-of-one-layout": (("neusight-predict", "model=gpt2", "device=t4", "gpus=4", "tp=2",
                                             "new_tokens=8", "find_max_batch=true"), "tp=2 fixes one"),
+    "predict-unknown-batching": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8", "batching=paged"),
+                                 "batching='paged' is not known"),
+    "predict-token-budget-of-a-static-batch": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8",
+                                                "max_num_batched_tokens=512"), "add batching=continuous"),
+    "predict-continuous-with-static-cache": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=8",
+                                              "batching=continuous", "static_cache=true"), "static_cache=true"),
+    "predict-continuous-plan-without-search": (("neusight-predict", "model=gpt2", "device=t4", "gpus=2",
+                                                "new_tokens=8", "batching=continuous"), "find_max_batch=true"),
+    "predict-continuous-one-new-token": (("neusight-predict", "model=gpt2", "device=t4", "new_tokens=1",
+                                          "batching=continuous"), "new_tokens=1"),
     "collect-without-out": (("neusight-collect",), "out= is required"),
     "train-zero-width-layer": (("neusight-train", "predictor.families.linear.hidden=[0]", "out={bad_yaml}.d",
                                 "progress=false"), "predictor.families.linear.hidden=(0,)"),
@@ -682,6 +693,35 @@ def test_generation_with_find_max_batch_searches_each_gpus_serving_capacity(tmp_
         assert f"serving capacity of {cap.model} on {cap.device.name}" in r.stdout
         assert f"most concurrent sequences: {cap.batch_size} (limited by time per output token" in r.stdout
     assert r.stdout.count("per 1M generated tokens at $") == 4     # the forecast's cost and the capacity's, per GPU
+
+
+def test_continuous_batching_from_the_command_line(tmp_path):
+    """new_tokens with batching=continuous: each GPU's engine at batch_size sequences at once
+    (neusight.engine.predict_continuous, compiled, SDPA attention), then its capacity within max_tpot_ms, in the
+    JSON too."""
+    from neusight.engine import predict_continuous
+    from neusight.serving import serving_capacity
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({**_TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512}))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=[t4,l4]", "batch_size=4",
+                        "seq_len=64", "new_tokens=8", "batching=continuous", "max_num_batched_tokens=256",
+                        "find_max_batch=true", "max_tpot_ms=0.5", "json=engine.json", f"hydra.run.dir={tmp_path}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = {d["device"]: d for d in json.loads((tmp_path / "engine.json").read_text())}
+    for key in ("t4", "l4"):
+        f = predict_continuous(str(cfg), key, 4, 64, 8, max_num_batched_tokens=256)
+        assert data[key]["time_per_output_token_ms"] == pytest.approx(f.step_ms)
+        assert data[key]["generated_tokens_per_s"] == pytest.approx(f.tokens_per_s)
+        assert data[key]["step_tokens"] == f.step_tokens == 4 + math.ceil(4 * 64 / 7)
+        cap = serving_capacity(str(cfg), key, 64, 8, max_tpot_ms=0.5, batching="continuous",
+                               max_num_batched_tokens=256)
+        assert data[key]["serving"]["max_batch"] == cap.batch_size > 0
+        assert data[key]["serving"]["batching"] == "continuous"
+        assert data[key]["serving"]["limited_by"] == cap.limited_by
+        assert "continuous batching, 4 sequences at once" in r.stdout
+    assert r.stdout.count("continuous batching (steady state, max_num_batched_tokens=256)") == 2
 
 
 def test_a_serving_plan_from_the_command_line(tmp_path):

@@ -136,6 +136,10 @@ class PredictConfig:
     #                                      new_tokens: whose generate() fits and meets max_tpot_ms / max_ttft_ms)
     max_tpot_ms: Optional[float] = None  # new_tokens + find_max_batch: the most ms per output token (mean step)
     max_ttft_ms: Optional[float] = None  # new_tokens + find_max_batch: the most ms to the first token (prefill)
+    batching: str = "static"             # new_tokens: static (one generate() call of batch_size sequences) |
+    #                                      continuous (a serving engine's steady state, batch_size sequences
+    #                                      decoding at once: vLLM / SGLang; compiled, sdpa unless named, in place)
+    max_num_batched_tokens: Optional[int] = None  # continuous: a step's token budget (null = 8192, vLLM's)
     find_max_seq_len: bool = False       # also search the longest sequence (multiple of 64) that fits at batch_size
     #                                      (with gpus=N instead of a plan: each layout's longest, seq_len left out)
     spec: Dict[str, Any] = field(default_factory=dict)   # what-if: spec numbers changed on every GPU, e.g.
@@ -751,10 +755,12 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.generation import predict_generation, predict_generation_many
     from neusight.util import atomic_write_text
 
+    continuous = _check_batching(cfg)
     other = [k for k in ("layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
     other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
-    other += [k for k in ("find_max_seq_len", "megatron", "fused", "gradient_checkpointing", "lora_rank",
-                          "total_tokens", "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
+    other += [k for k in ("find_max_seq_len", "megatron", "gradient_checkpointing", "lora_rank", "total_tokens",
+                          "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
+    other += ["fused"] if cfg.fused and not continuous else []  # an engine's forecast is compiled anyway
     other += [f"{k}={getattr(cfg, k)}" for k in ("dp", "pp", "microbatches", "ep", "vpp", "cp")
               if getattr(cfg, k) not in (1, None)]
     other += [f"{k}=true" for k in ("sp", "overlap_grad_reduce", "overlap_param_gather") if getattr(cfg, k)]
@@ -770,9 +776,17 @@ def _generation(cfg: PredictConfig) -> float:
               weight_quant=cfg.weight_quant, static_cache=cfg.static_cache, host_us=cfg.host_us,
               **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype else {}),
               **({"nvls": cfg.nvls} if cfg.tp > 1 or cfg.gpus is not None else {}))
+    if continuous:   # an engine writes its cache in place; its attention is fused (sdpa unless another is named)
+        del kw["static_cache"]
+        kw.update(batching="continuous", attn_implementation=("sdpa" if cfg.attn_implementation == "eager"
+                                                              else cfg.attn_implementation),
+                  **({"max_num_batched_tokens": cfg.max_num_batched_tokens}
+                     if cfg.max_num_batched_tokens is not None else {}))
     if cfg.gpus is not None:
         plan = _plan_serving if cfg.find_max_batch else _plan_generation
         return plan(cfg, devices, list(prices.values()), kw)
+    if continuous:
+        return _continuous(cfg, devices, prices, kw)
     skipped: dict[str, str] = {}
     if cfg.tp == 1:   # one GPU each: the traces shared between the GPUs
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
@@ -825,6 +839,77 @@ def _generation(cfg: PredictConfig) -> float:
     return float(rows[0]["total_ms"])
 
 
+def _check_batching(cfg: PredictConfig) -> bool:
+    """``batching`` is static or continuous; continuous serving's own options only with it. True: continuous."""
+    from neusight.errors import InputError
+    from neusight.serving import BATCHING
+
+    if cfg.batching not in BATCHING:
+        raise InputError(f"batching={cfg.batching!r} is not known. Fix: batching=static (one generate() call) or "
+                         "batching=continuous (a serving engine's steady state)")
+    if cfg.batching == "static":
+        if cfg.max_num_batched_tokens is not None:
+            raise InputError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is the token budget of a "
+                             "continuously batching engine's step. Fix: add batching=continuous, or leave it out")
+        return False
+    if cfg.static_cache:
+        raise InputError("static_cache=true: a continuously batching engine writes its cache in place already "
+                         "(batching=continuous). Fix: leave static_cache out")
+    if cfg.gpus is not None and not cfg.find_max_batch:
+        raise InputError(f"batching=continuous with gpus={cfg.gpus} plans the layouts serving the most sequences: "
+                         "it needs find_max_batch=true. Fix: add find_max_batch=true, or leave gpus out to forecast "
+                         "batch_size sequences at once")
+    return True
+
+
+def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: dict[str, Any]) -> float:
+    """``new_tokens=N batching=continuous``: each GPU's engine in its steady state with ``batch_size`` sequences
+    decoding at once (neusight.engine.predict_continuous), printed, or ranked by generated tokens/s with
+    ``device=all``; then the serving searches on request. Returns the first GPU's time per output token."""
+    from neusight.api import left_out_reason, names_all, unrunnable_error
+    from neusight.engine import continuous_ranking_table, predict_continuous
+    from neusight.errors import InputError
+    from neusight.util import atomic_write_text
+
+    ranking = names_all(cfg.device)
+    run = {k: v for k, v in kw.items() if k != "batching"}
+    forecasts, errors, skipped, shared = [], {}, {}, {}
+    for dev in devices:
+        try:
+            forecasts.append(predict_continuous(cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **run))
+        except InputError as e:
+            if not ranking:
+                raise
+            errors[dev.key], skipped[dev.key] = e, left_out_reason(e)
+    if not forecasts:
+        raise unrunnable_error(errors)
+    rows, costs = [], []
+    for i, f in enumerate(forecasts):
+        costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
+        if not ranking:
+            print(("\n" if i else "") + f.summary())
+            if costs[-1] is not None:
+                print(_cost_text(costs[-1]))
+        rows.append({"device": f.device.key, "gpus": f.tp, "batching": "continuous", "sequences": f.batch_size,
+                     "time_to_first_token_ms": f.ttft_ms, "time_per_output_token_ms": f.step_ms,
+                     "decode_ms": f.decode_ms, "prompt_ms": f.prompt_ms, "step_tokens": f.step_tokens,
+                     "generated_tokens_per_s": f.tokens_per_s, "requests_per_s": f.requests_per_s,
+                     "memory_peak_bytes": f.memory_peak_bytes, "memory_fits": f.memory_fits,
+                     **({"usd_per_1m_generated_tokens": costs[-1]["usd"]} if costs[-1] is not None else {})})
+    if ranking:
+        f = forecasts[0]
+        what = (f"{f.model}: continuous batching, {f.batch_size} sequences at once, prompts of {f.prompt_len}, "
+                f"{f.new_tokens} new tokens" + (f", tensor parallel over {f.tp} GPUs of each type" if f.tp > 1 else ""))
+        print(ranking_text(continuous_ranking_table(forecasts, costs), "per output token ms", what, skipped))
+    if cfg.find_max_batch:
+        caps = _serving_searches(cfg, forecasts, kw, prices, ranking)
+        for row, cap in zip(rows, caps):
+            row["serving"] = _serving_record(cap)
+    if cfg.json:
+        atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
+    return float(rows[0]["time_per_output_token_ms"])
+
+
 def _check_serving_targets(cfg: PredictConfig) -> None:
     """max_tpot_ms / max_ttft_ms are targets of the serving search: generation (new_tokens) with find_max_batch."""
     from neusight.errors import InputError
@@ -872,7 +957,8 @@ def serving_ranking_text(caps: list, prices: dict[str, Any]) -> str:
         f = cap.forecast
         row: dict[str, Any] = {"GPU": cap.device.key, "max batch": cap.batch_size, "limited by": cap.limited_by,
                                "generated tokens/s": cap.tokens_per_s,
-                               "time to first token ms": f.prefill_ms if f is not None else float("nan"),
+                               "time to first token ms": (f.time_to_first_token_ms if f is not None
+                                                          else float("nan")),
                                "per output token ms": f.time_per_output_token_ms if f is not None else float("nan"),
                                "memory GiB": (f"{f.memory_peak_bytes / 2**30:,.1f} of {cap.device.memory_gib:g}"
                                               if f is not None else "-")}
@@ -886,7 +972,9 @@ def serving_ranking_text(caps: list, prices: dict[str, Any]) -> str:
     first = caps[0]
     targets = "".join(f", {t}" for t in targets_text(first.max_tpot_ms, first.max_ttft_ms))
     gpus = f"each {first.tp} GPUs of a type (tp)" if first.tp > 1 else "each GPU"
-    lines = [f"serving capacity: the largest batch {gpus} serves in one generate() call within its memory{targets}; "
+    how = ("in one generate() call" if first.batching == "static"
+           else "at once, batching continuously (steady state)")
+    lines = [f"serving capacity: the largest batch {gpus} serves {how} within its memory{targets}; "
              "most generated tokens/s first"]
     with pd_wide():
         lines.append(table.to_string(index=False, formatters=table_formats(table.columns), na_rep="-"))
@@ -906,7 +994,8 @@ def _serving_record(cap: Any) -> dict[str, Any]:
     """A serving search's result for the JSON output."""
     f = cap.forecast
     return {"max_batch": cap.batch_size, "limited_by": cap.limited_by, "max_tpot_ms": cap.max_tpot_ms,
-            "max_ttft_ms": cap.max_ttft_ms, "time_to_first_token_ms": f.prefill_ms if f is not None else None,
+            "max_ttft_ms": cap.max_ttft_ms, "batching": cap.batching,
+            "time_to_first_token_ms": f.time_to_first_token_ms if f is not None else None,
             "time_per_output_token_ms": f.time_per_output_token_ms if f is not None else None,
             "generated_tokens_per_s": cap.tokens_per_s,
             "memory_peak_bytes": f.memory_peak_bytes if f is not None else None}
