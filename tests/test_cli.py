@@ -737,6 +737,6 @@ def test_a_serving_plan_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr
     plan = plan_serving(str(cfg), "l4", 2, 64, 8, max_tpot_ms=1.0)
     data = json.loads((tmp_path / "plan.json").read_text())
-    assert len(data) == 1 and data[0]["best"]["layout"] == plan.best["layout"]
+    assert len(data) == 1 and data[0]["best"]["layout"] == plan.best["layout"] and data[0]["batching"] == "static"
     assert [d["sequences"] for d in data[0]["layouts"]] == list(plan.table["sequences"])
     assert "serving capacity of 2 x NVIDIA L4" in r.stdout and f"best: {plan.best['layout']}:" in r.stdout

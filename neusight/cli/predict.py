@@ -1065,7 +1065,7 @@ def _plan_serving(cfg: PredictConfig, devices: list, prices: list, kw: dict[str,
                                                          for p in plans]).to_csv(index=False))
     if cfg.json:
         records = [{"device": p.device.key, "gpus": p.gpus, "prompt_len": p.prompt_len, "new_tokens": p.new_tokens,
-                    "max_tpot_ms": p.max_tpot_ms, "max_ttft_ms": p.max_ttft_ms,
+                    "batching": p.batching, "max_tpot_ms": p.max_tpot_ms, "max_ttft_ms": p.max_ttft_ms,
                     "best": None if p.best is None else p.best.drop("rank").to_dict(),
                     "layouts": p.table.to_dict(orient="records"), "skipped": p.skipped} for p in plans]
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
