@@ -47,7 +47,7 @@ was measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -89,23 +89,48 @@ def fused_units(g: Graph, device: Any = None) -> list[set[int]]:
 
 
 def _fuse(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
-    """:func:`fused_kernels` and :func:`fused_units` in one pass, kept on the graph per device (a forecast under
+    """:func:`fused_kernels` and :func:`fused_units` in one pass, kept on the graph per outcome of what they ask of
+    the device (:func:`_device_key`: GPUs that run the same attention chains fused share it; a forecast under
     torch.compile needs both: the kernels and the memory); the table is handed out as a copy."""
     cache = g.__dict__.setdefault("_fusion_cache", {})
-    key = None if device is None else (device.key, device.vendor, str(device.compute_capability))
+    key = _device_key(g, device)
     if key not in cache:
         cache[key] = _fuse_graph(g, device)
     table, units = cache[key]
     return table.copy(), units
 
 
+def _flow_of(g: Graph) -> tuple[dict[int, pd.DataFrame], "_Flow"]:
+    """``g``'s kernels by op and its dataflow (:func:`_dataflow`), kept on the graph: neither depends on a GPU."""
+    got = g.__dict__.get("_fusion_flow")
+    if got is None:
+        by_op = {i: d for i, d in g.kernels.groupby("op_index", sort=False)}
+        got = g.__dict__["_fusion_flow"] = (by_op, _dataflow(g, by_op))
+    return got
+
+
+def _device_key(g: Graph, device: Any) -> tuple[bool, ...] | None:
+    """All the fusion of ``g`` asks of ``device``: for each attention chain the rewrite would replace, whether a
+    fused attention kernel takes its inputs there (:func:`neusight.graph.tracer.fused_sdpa_runs`, asked in the
+    order :func:`_attention_rewrites` asks); None without a device. The chains asked about do not depend on the
+    answers, so they are found once per graph."""
+    if device is None:
+        return None
+    asks = g.__dict__.get("_fusion_asks")
+    if asks is None:
+        asked: list[tuple] = []
+        by_op, flow = _flow_of(g)
+        _attention_rewrites(g, by_op, flow, runs=lambda *a: bool(asked.append(a)))
+        asks = g.__dict__["_fusion_asks"] = tuple(asked)
+    return tuple(bool(fused_sdpa_runs(device, *a)) for a in asks)
+
+
 def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
     k = g.kernels
-    by_op = {i: d for i, d in k.groupby("op_index", sort=False)}
-    flow = _dataflow(g, by_op)
+    by_op, flow = _flow_of(g)
     reads, writes, produced, readers = flow.reads, flow.writes, flow.produced, flow.readers
     held = flow.held
-    attention = _attention_rewrites(g, by_op, flow, device)
+    attention = _attention_rewrites(g, by_op, flow, runs=lambda *a: fused_sdpa_runs(device, *a))
     rewritten = {i for chain in attention for i in chain.ops}
 
     # 1-2: groups by union-find inside barrier-free segments
@@ -304,12 +329,14 @@ class _Chain:
     rows: list[dict]
 
 
-def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow, device: Any = None) -> list[_Chain]:
+def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow,
+                        runs: Callable[..., bool]) -> list[_Chain]:
     """The attention chains Inductor rewrites into scaled_dot_product_attention (see REWRITE_SCALES), each with the
     ops it replaces (its copies of q, k and v included) and the fused attention kernel(s) replacing them: one in
     inference; in a training step the forward and the backward (:func:`_attention_backward`). Chains whose inputs
-    no fused kernel takes on ``device`` (:func:`neusight.graph.tracer.fused_sdpa_runs`: MI100, BF16 before compute
-    capability 8.0) are left out: there scaled_dot_product_attention runs its math backend, the same kernels."""
+    no fused kernel takes on the GPU (``runs(dtype, head_dim, masked)`` false: :func:`neusight.graph.tracer.
+    fused_sdpa_runs`: MI100, BF16 before compute capability 8.0) are left out: there scaled_dot_product_attention
+    runs its math backend, the same kernels."""
     aten = {i: str(d["aten_op"].iloc[0]) for i, d in by_op.items()}
     phase = {r.index: r.phase for r in g.ops}
     training = any(p == "backward" for p in phase.values())
@@ -357,7 +384,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow, d
             if training and dropout is None:
                 continue
             ra = by_op[a].iloc[0]
-            if not fused_sdpa_runs(device, ra["dtype"], int(ra["dims"][2]), masked):
+            if not runs(ra["dtype"], int(ra["dims"][2]), masked):
                 continue
             b = cur
             backward: set[int] = set()
