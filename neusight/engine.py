@@ -45,7 +45,7 @@ from typing import Any
 
 from neusight.errors import InputError
 
-__all__ = ["ContinuousForecast", "attention_core", "continuous_ranking_table", "predict_continuous"]
+__all__ = ["ContinuousForecast", "attention_core", "continuous_ranking_table", "predict_continuous", "serving_curve"]
 
 # vLLM's default token budget of a step (max_num_batched_tokens of its OpenAI-compatible server on data-centre GPUs)
 MAX_BATCHED_TOKENS = 8192
@@ -267,3 +267,69 @@ def continuous_ranking_table(forecasts: list[ContinuousForecast],
             row[f"USD per {cost['per']}"] = cost["usd"]
         rows.append(row)
     return ranked(rows, "per output token ms")
+
+
+def budget_batches(prompt_len: int, new_tokens: int, max_num_batched_tokens: int = MAX_BATCHED_TOKENS) -> int:
+    """The most sequences an engine keeps decoding within its token budget: their tokens and the prompt tokens of
+    the sequences replacing those that finish (``b + ceil(b * prompt_len / (new_tokens - 1))``) in one step."""
+    steps = max(new_tokens - 1, 1)
+    lo, hi = 0, max_num_batched_tokens     # b + ceil(...) grows with b: bisect for the largest within
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid + math.ceil(mid * prompt_len / steps) <= max_num_batched_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def serving_curve(model: Any, devices: Any, prompt_len: int = 128, new_tokens: int = 128,
+                  batch_sizes: Any = None, *, cache: dict | None = None, **kwargs: Any) -> Any:
+    """The throughput-latency curve of a continuously batching engine on each of ``devices`` (a GPU, a list or
+    ``"all"``): :func:`predict_continuous` at each of ``batch_sizes`` sequences at once (default: 1, 2, 4, ... up
+    to the most the token budget keeps running, and that most), one row each: GPU, sequences, time per output
+    token, time to first token, generated tokens/s, requests/s, memory and whether it fits (``attrs["model"]``: the
+    model's name). A GPU's curve stops at the first size that does not fit in its memory (that row kept, ``fits``
+    "no"). ``kwargs`` go to
+    :func:`predict_continuous` (``dtype``, ``max_num_batched_tokens``, ``tp``, ...); the GPUs share ``cache``.
+
+    >>> t = serving_curve("gpt2", ["t4", "l4"], prompt_len=64, new_tokens=16, batch_sizes=[1, 8])
+    >>> list(t["sequences"]), bool((t["generated tokens/s"].diff()[1::2] > 0).all())
+    ([1, 8, 1, 8], True)
+    """
+    import pandas as pd
+
+    from neusight.api import names_all
+    from neusight.devices import list_devices, load_device
+
+    most = budget_batches(prompt_len, new_tokens, kwargs.get("max_num_batched_tokens", MAX_BATCHED_TOKENS))
+    if batch_sizes is None:
+        sizes = [2 ** i for i in range(max(most, 1).bit_length()) if 2 ** i <= most]
+        sizes += [most] if most and sizes[-1] != most else []
+    else:
+        sizes = [batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes)
+        for b in sizes:
+            _positive("batch_sizes", b)
+        sizes = sorted(set(sizes))
+    cache = {} if cache is None else cache
+    rows = []
+    if names_all(devices):
+        devices = list_devices()
+    elif isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+        devices = [devices]
+    if not devices:
+        raise InputError("devices=[] names no GPU. Fix: a list of keys such as ['a100-80gb-pcie', "
+                         "'h100-sxm5-80gb'], or 'all'")
+    for device in (load_device(d) for d in devices):
+        for b in sizes:
+            f = predict_continuous(model, device, b, prompt_len, new_tokens, cache=cache, **kwargs)
+            rows.append({"GPU": f.device.key, "sequences": b, "per output token ms": f.step_ms,
+                         "time to first token ms": f.ttft_ms, "generated tokens/s": f.tokens_per_s,
+                         "requests/s": f.requests_per_s,
+                         "memory GiB": None if f.memory_peak_bytes is None else f.memory_peak_bytes / 2**30,
+                         "fits": None if f.memory_fits is None else ("yes" if f.memory_fits else "no")})
+            if f.memory_fits is False:
+                break
+    table = pd.DataFrame(rows)
+    table.attrs["model"] = f.model
+    return table

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from neusight.memory import MemoryReport
 
 __all__ = ["layer_breakdown", "layer_table", "memory_timeline", "module_group", "roofline_chart",
-           "time_roofline"]
+           "serving_curve_chart", "time_roofline"]
 
 log = logging.getLogger(__name__)
 
@@ -429,4 +429,35 @@ def layer_breakdown(kernels: pd.DataFrame, path: str | os.PathLike, top: int = 2
         title += (f"\ntop {len(chosen)} of {len(by)} layers shown; the other {len(by) - len(chosen)}: "
                   f"{rest:.1f} ms ({100 * rest / grand:.1f} %)")
     ax.set_title(title, fontsize=10)
+    return _save(fig, path, formats)
+
+
+def serving_curve_chart(curve: pd.DataFrame, path: str | os.PathLike, *, title: str = "",
+                        formats: Sequence[str] = FORMATS) -> list[Path]:
+    """The throughput-latency curve of a continuously batching engine (:func:`neusight.engine.serving_curve`'s
+    table): generated tokens/s against the time per output token, one line per GPU, each point labelled with its
+    sequences at once; a point that does not fit in the GPU's memory hollow. Both axes logarithmic."""
+    need = ("GPU", "sequences", "per output token ms", "generated tokens/s")
+    missing = [c for c in need if c not in curve.columns]
+    if missing or curve.empty:
+        raise InputError(f"the serving curve {'lacks the columns ' + ', '.join(missing) if missing else 'is empty'}; "
+                         "pass the table of neusight.engine.serving_curve")
+    fig = _figure(8.0, 5.5)
+    ax = fig.add_subplot()
+    for i, (gpu, rows) in enumerate(curve.groupby("GPU", sort=False)):
+        color = _TAB20[i % len(_TAB20)]
+        x, y = rows["per output token ms"].to_numpy(), rows["generated tokens/s"].to_numpy()
+        ax.plot(x, y, "-", color=color, lw=1.2, label=gpu)
+        fits = (rows["fits"] != "no").to_numpy() if "fits" in rows else np.ones(len(rows), bool)
+        ax.scatter(x[fits], y[fits], color=color, s=18, zorder=3)
+        ax.scatter(x[~fits], y[~fits], facecolors="none", edgecolors=color, s=30, zorder=3)
+        for xi, yi, n in zip(x, y, rows["sequences"]):
+            ax.annotate(f"{n:,}", (xi, yi), textcoords="offset points", xytext=(3, -9), fontsize=6, color=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("time per output token (ms, a mean step)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(title or "continuous batching: throughput against latency (labels: sequences at once)", fontsize=9)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path, formats)

@@ -706,7 +706,8 @@ def test_continuous_batching_from_the_command_line(tmp_path):
     cfg.write_text(json.dumps({**_TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512}))
     r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=[t4,l4]", "batch_size=4",
                         "seq_len=64", "new_tokens=8", "batching=continuous", "max_num_batched_tokens=256",
-                        "find_max_batch=true", "max_tpot_ms=0.5", "json=engine.json", f"hydra.run.dir={tmp_path}"],
+                        "find_max_batch=true", "max_tpot_ms=0.5", "json=engine.json", "plot=curve",
+                        f"hydra.run.dir={tmp_path}"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     data = {d["device"]: d for d in json.loads((tmp_path / "engine.json").read_text())}
@@ -722,6 +723,11 @@ def test_continuous_batching_from_the_command_line(tmp_path):
         assert data[key]["serving"]["limited_by"] == cap.limited_by
         assert "continuous batching, 4 sequences at once" in r.stdout
     assert r.stdout.count("continuous batching (steady state, max_num_batched_tokens=256)") == 2
+    # plot=: the throughput-latency curve, 1, 2, 4, ... sequences up to the 25 the 256-token budget keeps running
+    curve = pd.read_csv(tmp_path / "curve" / "serving_curve.csv")
+    assert list(curve["sequences"]) == [1, 2, 4, 8, 16, 25] * 2 and list(curve["GPU"][:1]) == ["t4"]
+    assert (tmp_path / "curve" / "serving_curve.png").stat().st_size > 0
+    assert "throughput against latency" in r.stdout
 
 
 def test_a_serving_plan_from_the_command_line(tmp_path):

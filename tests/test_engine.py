@@ -201,3 +201,38 @@ def test_the_engine_ranking_puts_the_shortest_step_first(tiny):
     assert list(t["generated tokens/s"]) == sorted((f.tokens_per_s for f in fs), reverse=True)
     assert list(t["rank"]) == [1, 2, 3] and set(t["fits"]) == {"yes"}
     assert "USD per 1M generated tokens" in t.columns
+
+
+@pytest.mark.parametrize("prompt_len, new_tokens, budget", [(64, 16, 100), (1024, 256, 8192), (7, 2, 2), (1, 1000, 50)])
+def test_the_budget_keeps_the_most_sequences_whose_step_fits(prompt_len, new_tokens, budget):
+    from neusight.engine import budget_batches
+
+    def tokens(b):
+        return b + math.ceil(b * prompt_len / (new_tokens - 1))
+
+    most = budget_batches(prompt_len, new_tokens, budget)
+    assert tokens(most + 1) > budget and (most == 0 or tokens(most) <= budget)
+
+
+def test_the_serving_curve_doubles_the_sequences_up_to_the_budget_and_stops_where_memory_ends(tiny, tmp_path):
+    """Default sizes: 1, 2, 4, ... and the most the token budget keeps running; a GPU's curve ends at the first
+    size that does not fit (kept, marked). Its rows are predict_continuous's forecasts; the chart is written."""
+    from neusight.engine import serving_curve
+    from neusight.plots import serving_curve_chart
+
+    t = serving_curve(tiny, ["t4", modify_device("l4", memory_gib=0.45)], **RUN, max_num_batched_tokens=256)
+    t4, small = t[t["GPU"] == "t4"], t[t["GPU"] != "t4"]
+    assert list(t4["sequences"]) == [1, 2, 4, 8, 16, 32, 48] and set(t4["fits"]) == {"yes"}
+    assert list(small["fits"])[-1] == "no" and set(list(small["fits"])[:-1]) == {"yes"} and len(small) < len(t4)
+    f = predict_continuous(tiny, "t4", 8, **RUN, max_num_batched_tokens=256)
+    row = t4.set_index("sequences").loc[8]
+    assert (row["per output token ms"], row["generated tokens/s"]) == (f.step_ms, f.tokens_per_s)
+    assert t.attrs["model"] == "tiny-llama"
+    chosen = serving_curve(tiny, "t4", **RUN, batch_sizes=[8, 2, 8])
+    assert list(chosen["sequences"]) == [2, 8]
+    files = serving_curve_chart(t, tmp_path / "curve")
+    assert [p.suffix for p in files] == [".png", ".svg"] and all(p.stat().st_size > 0 for p in files)
+    with pytest.raises(InputError, match="batch_sizes=0"):
+        serving_curve(tiny, "t4", **RUN, batch_sizes=[0, 4])
+    with pytest.raises(InputError, match="lacks the columns GPU"):
+        serving_curve_chart(t.drop(columns="GPU"), tmp_path / "bad")

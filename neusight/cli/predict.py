@@ -756,7 +756,8 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.util import atomic_write_text
 
     continuous = _check_batching(cfg)
-    other = [k for k in ("layers_csv", "plot", "timeline", "kv_cache") if getattr(cfg, k)]
+    other = [k for k in ("layers_csv", "timeline", "kv_cache") if getattr(cfg, k)]
+    other += ["plot"] if cfg.plot and not continuous else []   # an engine's plot: its throughput-latency curve
     other += ["csv"] if cfg.csv and cfg.gpus is None else []     # a plan (gpus=) writes its layouts
     other += [k for k in ("find_max_seq_len", "megatron", "gradient_checkpointing", "lora_rank", "total_tokens",
                           "total_samples", "anchor_ms", "zero") if getattr(cfg, k)]
@@ -901,6 +902,8 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
         what = (f"{f.model}: continuous batching, {f.batch_size} sequences at once, prompts of {f.prompt_len}, "
                 f"{f.new_tokens} new tokens" + (f", tensor parallel over {f.tp} GPUs of each type" if f.tp > 1 else ""))
         print(ranking_text(continuous_ranking_table(forecasts, costs), "per output token ms", what, skipped))
+    if cfg.plot:
+        _serving_curve(cfg, [f.device for f in forecasts], run, shared)
     if cfg.find_max_batch:
         caps = _serving_searches(cfg, forecasts, kw, prices, ranking)
         for row, cap in zip(rows, caps):
@@ -908,6 +911,32 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
     return float(rows[0]["time_per_output_token_ms"])
+
+
+def _serving_curve(cfg: PredictConfig, devices: list, run: dict[str, Any], shared: dict) -> None:
+    """``batching=continuous plot=DIR``: each GPU's throughput-latency curve (neusight.engine.serving_curve:
+    1, 2, 4, ... sequences at once up to what the token budget keeps running), printed, as a picture and a CSV in
+    DIR."""
+    from pathlib import Path
+
+    from neusight.api import table_formats
+    from neusight.engine import serving_curve
+    from neusight.plots import serving_curve_chart
+    from neusight.util import atomic_write_text
+
+    prompt_len, new_tokens = run["prompt_len"], run["new_tokens"]
+    rest = {k: v for k, v in run.items() if k not in ("prompt_len", "new_tokens")}
+    curve = serving_curve(cfg.model, devices, prompt_len, new_tokens, tp=cfg.tp, cache=shared, **rest)
+    with pd_wide():
+        fmt = {**table_formats(curve.columns), "requests/s": "{:,.2f}".format, "memory GiB": "{:,.1f}".format}
+        print(f"\nthroughput against latency, continuous batching (prompts of {prompt_len:,} tokens, {new_tokens:,} "
+              "new tokens each):\n" + curve.to_string(index=False, formatters=fmt))
+    out = Path(_out_path(cfg.plot))
+    files = serving_curve_chart(curve, out / "serving_curve", title=f"{curve.attrs['model']}: continuous batching, "
+                                f"prompts of {prompt_len:,}, {new_tokens:,} new tokens (labels: sequences at once)")
+    atomic_write_text(out / "serving_curve.csv", curve.to_csv(index=False))
+    print(f"pictures: {', '.join(str(f) for f in files if str(f).endswith('.png'))}; table: "
+          f"{out / 'serving_curve.csv'}")
 
 
 def _check_serving_targets(cfg: PredictConfig) -> None:
