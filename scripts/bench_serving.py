@@ -22,6 +22,8 @@ from bench_trace import machine  # noqa: E402
 
 from neusight.cli.common import quiet_third_party_logs  # noqa: E402
 from neusight.e2e_eval import write_doc_section  # noqa: E402
+from neusight.engine import budget_batches, serving_curve  # noqa: E402
+from neusight.plots import serving_curve_chart  # noqa: E402
 from neusight.serving import serving_capacity, targets_text  # noqa: E402
 
 DOC = REPO / "docs" / "serving.md"
@@ -32,6 +34,7 @@ ENGINE = dict(dtype="bfloat16")    # predict_continuous's defaults: compiled, SD
 SMALL = dict(model="llama-3-8b", prompt_len=1024, new_tokens=256)
 SMALL_GPUS = ["l4", "l40s", "a100-80gb-pcie", "h100-sxm5-80gb", "h200"]
 TARGETS = [{}, dict(max_tpot_ms=30.0), dict(max_tpot_ms=50.0, max_ttft_ms=2000.0)]
+CURVE_GPUS = ["l40s", "a100-80gb-pcie", "h100-sxm5-80gb"]
 LARGE = dict(model="llama-3-70b", prompt_len=1024, new_tokens=256, tp=8)
 LARGE_GPUS = ["a100-80gb-pcie", "h100-sxm5-80gb"]
 
@@ -64,6 +67,15 @@ HEADER = ("| GPU | targets | max batch | limited by | time to first token ms | p
           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
+def _curve_table(curve) -> str:
+    lines = ["| GPU | sequences at once | per output token ms | time to first token ms | generated tokens/s | "
+             "requests/s | memory GiB | fits |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in curve.itertuples(index=False):
+        lines.append(f"| {r[0]} | {r[1]:,} | {r[2]:,.2f} | {r[3]:,.1f} | {r[4]:,.0f} | {r[5]:,.1f} | {r[6]:,.1f} | "
+                     f"{r[7]} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/serving.md alone")
@@ -90,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                                    batching="continuous", **targets, **ENGINE)
             engine.append(_engine_row(cap, targets))
             print(engine[-1], flush=True)
+    curve_start = time.perf_counter()   # the engine's throughput-latency curve on three of the GPUs
+    curve = serving_curve(SMALL["model"], CURVE_GPUS, SMALL["prompt_len"], SMALL["new_tokens"], cache=shared,
+                          **ENGINE)
+    curve_s = time.perf_counter() - curve_start
+    serving_curve_chart(curve, REPO / "docs" / "img" / "serving_curve_llama-3-8b", title=(
+        "Llama-3-8B BF16, continuous batching: prompts of 1,024, 256 new tokens (labels: sequences at once)"))
+    print(curve.to_string(index=False), flush=True)
     total = time.perf_counter() - start
     body = f"""## How it is found
 
@@ -134,6 +153,16 @@ sequence's cache at the mean context (a paged cache holds what is written) and t
 
 {ENGINE_HEADER}
 {chr(10).join(engine)}
+
+### Throughput against latency
+
+`neusight.engine.serving_curve` (CLI: `batching=continuous plot=DIR`): the same engine at 1, 2, 4, ... sequences at
+once up to the {budget_batches(SMALL["prompt_len"], SMALL["new_tokens"]):,} its 8,192-token steps keep running, on
+three of the GPUs; a curve ends at the first size that does not fit in memory, drawn hollow ({curve_s:.0f} s).
+
+![throughput against latency](img/serving_curve_llama-3-8b.png)
+
+{_curve_table(curve)}
 
 Regenerate: `python scripts/bench_serving.py`.
 """
