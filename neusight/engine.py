@@ -253,19 +253,12 @@ def continuous_ranking_table(forecasts: list[ContinuousForecast],
     generated tokens/s, requests/s, memory against the GPU's and whether it fits, and the cost (``costs`` as in
     :func:`neusight.generation.generation_ranking_table`)."""
     from neusight.api import ranked
+    from neusight.generation import with_memory_and_cost
 
-    rows = []
-    for f, cost in zip(forecasts, costs or [None] * len(forecasts)):
-        row: dict[str, Any] = {"GPU": f.device.key, "per output token ms": f.step_ms,
-                               "time to first token ms": f.ttft_ms, "generated tokens/s": f.tokens_per_s,
-                               "requests/s": round(f.requests_per_s, 2)}
-        if f.memory_peak_bytes is not None:
-            row["memory per GPU GiB" if f.tp > 1 else "memory GiB"] = (f"{f.memory_peak_bytes / 2**30:,.1f} of "
-                                                                      f"{f.device.memory_gib:g}")
-            row["fits"] = "yes" if f.memory_fits else "no"
-        if cost is not None:
-            row[f"USD per {cost['per']}"] = cost["usd"]
-        rows.append(row)
+    rows = [with_memory_and_cost({"GPU": f.device.key, "per output token ms": f.step_ms,
+                                  "time to first token ms": f.ttft_ms, "generated tokens/s": f.tokens_per_s,
+                                  "requests/s": round(f.requests_per_s, 2)}, f, cost)
+            for f, cost in zip(forecasts, costs or [None] * len(forecasts))]
     return ranked(rows, "per output token ms")
 
 

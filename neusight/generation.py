@@ -244,14 +244,20 @@ def generation_ranking_table(forecasts: list[GenerationForecast],
 
     rows = []
     for f, cost in zip(forecasts, costs or [None] * len(forecasts)):
-        row: dict[str, Any] = {"GPU": f.device.key, "total ms": f.total_ms, "time to first token ms": f.prefill_ms,
-                               "per output token ms": f.time_per_output_token_ms,
-                               "generated tokens/s": f.tokens_per_s}
-        if f.memory_peak_bytes is not None:
-            row["memory per GPU GiB" if f.tp > 1 else "memory GiB"] = (f"{f.memory_peak_bytes / 2**30:,.1f} of "
-                                                                      f"{f.device.memory_gib:g}")
-            row["fits"] = "yes" if f.memory_fits else "no"
-        if cost is not None:
-            row[f"USD per {cost['per']}"] = cost["usd"]
-        rows.append(row)
+        rows.append(with_memory_and_cost({"GPU": f.device.key, "total ms": f.total_ms,
+                                          "time to first token ms": f.prefill_ms,
+                                          "per output token ms": f.time_per_output_token_ms,
+                                          "generated tokens/s": f.tokens_per_s}, f, cost))
     return ranked(rows, "total ms")
+
+
+def with_memory_and_cost(row: dict[str, Any], f: Any, cost: dict[str, Any] | None) -> dict[str, Any]:
+    """A ranking row (:func:`generation_ranking_table`, :func:`neusight.engine.continuous_ranking_table`) with
+    forecast ``f``'s memory against its GPU's and whether it fits (where forecast), and its ``cost``."""
+    if f.memory_peak_bytes is not None:
+        row["memory per GPU GiB" if f.tp > 1 else "memory GiB"] = (f"{f.memory_peak_bytes / 2**30:,.1f} of "
+                                                                  f"{f.device.memory_gib:g}")
+        row["fits"] = "yes" if f.memory_fits else "no"
+    if cost is not None:
+        row[f"USD per {cost['per']}"] = cost["usd"]
+    return row

@@ -750,7 +750,7 @@ def _check_counts(cfg: PredictConfig) -> None:
 
 def _generation(cfg: PredictConfig) -> float:
     """``new_tokens=N``: generate() of N tokens after a ``seq_len``-token prompt on every GPU of ``cfg.device``."""
-    from neusight.api import left_out_reason, names_all, unrunnable_error
+    from neusight.api import names_all
     from neusight.errors import InputError
     from neusight.generation import predict_generation, predict_generation_many
     from neusight.util import atomic_write_text
@@ -793,28 +793,16 @@ def _generation(cfg: PredictConfig) -> float:
         forecasts = predict_generation_many(cfg.model, devices, cfg.batch_size, left_out=skipped if ranking else None,
                                             **kw)
     else:
-        forecasts, errors, shared = [], {}, {}
-        for dev in devices:
-            try:
-                forecasts.append(predict_generation(cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **kw))
-            except InputError as e:
-                if not ranking:
-                    raise
-                errors[dev.key], skipped[dev.key] = e, left_out_reason(e)
-        if not forecasts:
-            raise unrunnable_error(errors)
-    rows, costs = [], []
-    for i, f in enumerate(forecasts):
-        costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
-        if not ranking:
-            print(("\n" if i else "") + f.summary())
-            if costs[-1] is not None:
-                print(_cost_text(costs[-1]))
+        shared: dict = {}
+        forecasts, skipped = _each_gpu(devices, ranking, lambda dev: predict_generation(
+            cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **kw))
+    rows, costs = [], _summaries(forecasts, ranking, prices)
+    for f, cost in zip(forecasts, costs):
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
                      "generated_tokens_per_s": f.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes,
                      "memory_fits": f.memory_fits, "decode_steps": [list(s) for s in f.steps],
-                     **({"usd_per_1m_generated_tokens": costs[-1]["usd"]} if costs[-1] is not None else {})})
+                     **({"usd_per_1m_generated_tokens": cost["usd"]} if cost is not None else {})})
     if ranking:
         from neusight.generation import generation_ranking_table
 
@@ -867,36 +855,23 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
     """``new_tokens=N batching=continuous``: each GPU's engine in its steady state with ``batch_size`` sequences
     decoding at once (neusight.engine.predict_continuous), printed, or ranked by generated tokens/s with
     ``device=all``; then the serving searches on request. Returns the first GPU's time per output token."""
-    from neusight.api import left_out_reason, names_all, unrunnable_error
+    from neusight.api import names_all
     from neusight.engine import continuous_ranking_table, predict_continuous
-    from neusight.errors import InputError
     from neusight.util import atomic_write_text
 
     ranking = names_all(cfg.device)
     run = {k: v for k, v in kw.items() if k != "batching"}
-    forecasts, errors, skipped, shared = [], {}, {}, {}
-    for dev in devices:
-        try:
-            forecasts.append(predict_continuous(cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **run))
-        except InputError as e:
-            if not ranking:
-                raise
-            errors[dev.key], skipped[dev.key] = e, left_out_reason(e)
-    if not forecasts:
-        raise unrunnable_error(errors)
-    rows, costs = [], []
-    for i, f in enumerate(forecasts):
-        costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
-        if not ranking:
-            print(("\n" if i else "") + f.summary())
-            if costs[-1] is not None:
-                print(_cost_text(costs[-1]))
+    shared: dict = {}
+    forecasts, skipped = _each_gpu(devices, ranking, lambda dev: predict_continuous(
+        cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **run))
+    rows, costs = [], _summaries(forecasts, ranking, prices)
+    for f, cost in zip(forecasts, costs):
         rows.append({"device": f.device.key, "gpus": f.tp, "batching": "continuous", "sequences": f.batch_size,
                      "time_to_first_token_ms": f.ttft_ms, "time_per_output_token_ms": f.step_ms,
                      "decode_ms": f.decode_ms, "prompt_ms": f.prompt_ms, "step_tokens": f.step_tokens,
                      "generated_tokens_per_s": f.tokens_per_s, "requests_per_s": f.requests_per_s,
                      "memory_peak_bytes": f.memory_peak_bytes, "memory_fits": f.memory_fits,
-                     **({"usd_per_1m_generated_tokens": costs[-1]["usd"]} if costs[-1] is not None else {})})
+                     **({"usd_per_1m_generated_tokens": cost["usd"]} if cost is not None else {})})
     if ranking:
         f = forecasts[0]
         what = (f"{f.model}: continuous batching, {f.batch_size} sequences at once, prompts of {f.prompt_len}, "
@@ -911,6 +886,39 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
     return float(rows[0]["time_per_output_token_ms"])
+
+
+def _each_gpu(devices: list, ranking: bool, forecast: Any) -> tuple[list, dict[str, str]]:
+    """``forecast(device)`` on every GPU of ``devices``: with ``ranking`` (device=all) a GPU the run cannot be
+    forecast on is left out with the reason (key -> reason, returned) unless none can (then the error); otherwise
+    its error is raised."""
+    from neusight.api import left_out_reason, unrunnable_error
+    from neusight.errors import InputError
+
+    forecasts, errors, skipped = [], {}, {}
+    for dev in devices:
+        try:
+            forecasts.append(forecast(dev))
+        except InputError as e:
+            if not ranking:
+                raise
+            errors[dev.key], skipped[dev.key] = e, left_out_reason(e)
+    if not forecasts:
+        raise unrunnable_error(errors)
+    return forecasts, skipped
+
+
+def _summaries(forecasts: list, ranking: bool, prices: dict[str, Any]) -> list:
+    """Each generation or engine forecast's cost per 1M generated tokens (None where unpriced); unless
+    ``ranking`` (device=all prints a table instead), its summary and cost printed."""
+    costs = []
+    for i, f in enumerate(forecasts):
+        costs.append(_cost(f.tokens_per_s, "generated tokens/s", prices[f.device.key], f.tp))
+        if not ranking:
+            print(("\n" if i else "") + f.summary())
+            if costs[-1] is not None:
+                print(_cost_text(costs[-1]))
+    return costs
 
 
 def _serving_curve(cfg: PredictConfig, devices: list, run: dict[str, Any], shared: dict) -> None:
