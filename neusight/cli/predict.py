@@ -753,7 +753,6 @@ def _generation(cfg: PredictConfig) -> float:
     from neusight.api import names_all
     from neusight.errors import InputError
     from neusight.generation import predict_generation, predict_generation_many
-    from neusight.util import atomic_write_text
 
     continuous = _check_batching(cfg)
     other = [k for k in ("layers_csv", "timeline", "kv_cache") if getattr(cfg, k)]
@@ -819,13 +818,7 @@ def _generation(cfg: PredictConfig) -> float:
         table = table.drop(columns="memory_peak_bytes").T
         print("\nside by side:\n"
               + table.to_string(float_format=lambda v: f"{v:,.2f}" if abs(v) >= 10 else f"{v:,.4g}"))
-    if cfg.find_max_batch:
-        caps = _serving_searches(cfg, forecasts, kw, prices, ranking)
-        for row, cap in zip(rows, caps):
-            row["serving"] = _serving_record(cap)
-    if cfg.json:
-        atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
-    return float(rows[0]["total_ms"])
+    return _searched_and_written(cfg, forecasts, rows, kw, prices, ranking, "total_ms")
 
 
 def _check_batching(cfg: PredictConfig) -> bool:
@@ -857,7 +850,6 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
     ``device=all``; then the serving searches on request. Returns the first GPU's time per output token."""
     from neusight.api import names_all
     from neusight.engine import continuous_ranking_table, predict_continuous
-    from neusight.util import atomic_write_text
 
     ranking = names_all(cfg.device)
     run = {k: v for k, v in kw.items() if k != "batching"}
@@ -879,13 +871,22 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
         print(ranking_text(continuous_ranking_table(forecasts, costs), "per output token ms", what, skipped))
     if cfg.plot:
         _serving_curve(cfg, [f.device for f in forecasts], run, shared)
+    return _searched_and_written(cfg, forecasts, rows, kw, prices, ranking, "time_per_output_token_ms")
+
+
+def _searched_and_written(cfg: PredictConfig, forecasts: list, rows: list[dict], kw: dict[str, Any],
+                          prices: dict[str, Any], ranking: bool, answer: str) -> float:
+    """The end of a generation or engine forecast: the serving searches on request (each GPU's record added to its
+    JSON row), the JSON written on request; returns the first GPU's ``answer`` field."""
+    from neusight.util import atomic_write_text
+
     if cfg.find_max_batch:
         caps = _serving_searches(cfg, forecasts, kw, prices, ranking)
         for row, cap in zip(rows, caps):
             row["serving"] = _serving_record(cap)
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(rows, indent=2, default=float))
-    return float(rows[0]["time_per_output_token_ms"])
+    return float(rows[0][answer])
 
 
 def _each_gpu(devices: list, ranking: bool, forecast: Any) -> tuple[list, dict[str, str]]:
