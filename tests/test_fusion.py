@@ -15,7 +15,7 @@ import neusight
 from neusight.errors import DataError
 from neusight.evaluate import find_labels, predict_label
 from neusight.devices import load_device
-from neusight.graph.fusion import FUSED_KERNEL, REWRITTEN_ATTENTION, fused_kernels
+from neusight.graph.fusion import FUSED_KERNEL, REWRITTEN_ATTENTION, forget_fusion, fused_kernels
 from neusight.kernels.base import ATTENTION_KERNEL
 from tests.conftest import DATASET, need_shared
 
@@ -374,3 +374,6 @@ def test_the_fused_table_is_computed_once_per_graph_and_gpu_and_handed_out_as_a_
     assert (a100["kernel"] == ATTENTION_KERNEL).sum() == 12 and not (mi100["kernel"] == ATTENTION_KERNEL).any()
     fused_kernels(gpt2, load_device("mi100"))
     assert len(cache) == 2                           # None and every GPU (GPT-2 asks nothing of them)
+    forget_fusion(bert)                              # the next forecast runs the whole pass again: same table
+    assert not {"_fusion_cache", "_fusion_flow", "_fusion_asks"} & bert.__dict__.keys()
+    assert fused_kernels(bert, load_device("h100-sxm5-80gb")).equals(h100) and len(bert.__dict__["_fusion_cache"]) == 1

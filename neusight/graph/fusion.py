@@ -100,11 +100,53 @@ def _fuse(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
     return table.copy(), units
 
 
-def _flow_of(g: Graph) -> tuple[dict[int, pd.DataFrame], "_Flow"]:
+class _ByOp:
+    """A kernel table's rows by op: each op's row positions (in table order) and what the fusion asks of them, read
+    from the table's columns as arrays (a frame per op, as a groupby makes, costs more than all the rest)."""
+
+    def __init__(self, k: pd.DataFrame):
+        self.table = k
+        ops = k["op_index"].to_numpy()
+        order = np.argsort(ops, kind="stable")
+        index, starts = np.unique(ops[order], return_index=True)
+        self.rows = dict(zip(index.tolist(), np.split(order, starts[1:])))
+        self._columns: dict[str, np.ndarray] = {}
+        family = self.column("family")
+        self.families = {i: frozenset(family[p]) for i, p in self.rows.items()}
+
+    def __contains__(self, op: int) -> bool:
+        return op in self.rows
+
+    def column(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            self._columns[name] = self.table[name].to_numpy()
+        return self._columns[name]
+
+    def first(self, op: int) -> pd.Series:
+        """The first kernel row of ``op``."""
+        return self.table.iloc[int(self.rows[op][0])]
+
+    def aten(self) -> dict[int, str]:
+        """Each op's aten op (its first kernel row's)."""
+        aten = self.column("aten_op")
+        return {i: str(aten[p[0]]) for i, p in self.rows.items()}
+
+    def bytes(self, op: int) -> float:
+        return float(self.column("bytes")[self.rows[op]].sum())
+
+
+def forget_fusion(g: Graph) -> None:
+    """Drop what the fusion kept on ``g`` (its fused tables, dataflow and questions to GPUs): the next fused
+    forecast of ``g`` runs the whole pass again, as the first one did (for timing it)."""
+    for key in ("_fusion_cache", "_fusion_flow", "_fusion_asks"):
+        g.__dict__.pop(key, None)
+
+
+def _flow_of(g: Graph) -> tuple[_ByOp, "_Flow"]:
     """``g``'s kernels by op and its dataflow (:func:`_dataflow`), kept on the graph: neither depends on a GPU."""
     got = g.__dict__.get("_fusion_flow")
     if got is None:
-        by_op = {i: d for i, d in g.kernels.groupby("op_index", sort=False)}
+        by_op = _ByOp(g.kernels)
         got = g.__dict__["_fusion_flow"] = (by_op, _dataflow(g, by_op))
     return got
 
@@ -160,7 +202,7 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
     for r in g.ops:
         if r.index not in reads:
             continue
-        fams = set(by_op[r.index]["family"]) - FREE
+        fams = by_op.families[r.index] - FREE
         if r.phase != last_phase:
             seg += 1
         last_phase = r.phase
@@ -238,7 +280,8 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
         # it runs once its last outside input is made: at the first member after that input's producer
         ready = max((src for key in read if (src := produced.get(key)) is not None), default=-1)
         at = min((i for i in ops if i > ready), default=min(ops))
-        rows.append(_group_row(pd.concat([by_op[i] for i in sorted(members)]), sum(read.values()) + written, at))
+        rows.append(_group_row(by_op, np.concatenate([by_op.rows[i] for i in sorted(members)]),
+                               sum(read.values()) + written, at))
     rows += [row for chain in attention for row in chain.rows]
     kept = k[~k["op_index"].isin(replaced | rewritten)]
     out = pd.concat([kept, pd.DataFrame(rows, columns=KERNEL_COLUMNS)], ignore_index=True)
@@ -259,14 +302,14 @@ class _Flow:
     held: set[Key] = field(default_factory=set)                                  # kept alive at the end
 
 
-def _dataflow(g: Graph, by_op: dict[int, pd.DataFrame]) -> _Flow:
+def _dataflow(g: Graph, by_op: _ByOp) -> _Flow:
     """Versioned storages of ``g``: a storage is re-versioned on every write, so a reused address or an in-place
     update never links unrelated kernels."""
     flow = _Flow()
     version: dict[int, int] = {}
     storage_bytes: dict[Key, int] = {}                  # (storage, version) -> its size when produced
     for r in g.ops:
-        fams = set(by_op[r.index]["family"]) - FREE if r.index in by_op else set()
+        fams = by_op.families[r.index] - FREE if r.index in by_op else set()
         if not fams:
             # no kernel: a view or in-place alias reads and writes nothing; a fresh allocation (a storage none of
             # its inputs has) is a new version, so a reused address never links to its previous tenant
@@ -278,7 +321,7 @@ def _dataflow(g: Graph, by_op: dict[int, pd.DataFrame]) -> _Flow:
         # NB: a kernel reads at most its own traced bytes of an input (an embedding gathers a few rows of its
         # table). Scalars and empty tensors (wrapped Python numbers, placeholders) are left out: they carry no
         # data, and they are often created outside the trace, at an address a traced tensor used before.
-        cap = float(by_op[r.index]["bytes"].sum())
+        cap = by_op.bytes(r.index)
         args = r.call.tensor_args()
         for t in args:   # a storage of another size at a known address: a tenant we did not see
             if storage_bytes.get((t.storage, version.get(t.storage, 0)), t.nbytes) != t.nbytes:
@@ -329,7 +372,7 @@ class _Chain:
     rows: list[dict]
 
 
-def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow,
+def _attention_rewrites(g: Graph, by_op: _ByOp, flow: _Flow,
                         runs: Callable[..., bool]) -> list[_Chain]:
     """The attention chains Inductor rewrites into scaled_dot_product_attention (see REWRITE_SCALES), each with the
     ops it replaces (its copies of q, k and v included) and the fused attention kernel(s) replacing them: one in
@@ -337,7 +380,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow,
     no fused kernel takes on the GPU (``runs(dtype, head_dim, masked)`` false: :func:`neusight.graph.tracer.
     fused_sdpa_runs`: MI100, BF16 before compute capability 8.0) are left out: there scaled_dot_product_attention
     runs its math backend, the same kernels."""
-    aten = {i: str(d["aten_op"].iloc[0]) for i, d in by_op.items()}
+    aten = by_op.aten()
     phase = {r.index: r.phase for r in g.ops}
     training = any(p == "backward" for p in phase.values())
 
@@ -383,7 +426,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow,
             # a training step is rewritten only with dropout on the scores (Inductor's patterns there have it)
             if training and dropout is None:
                 continue
-            ra = by_op[a].iloc[0]
+            ra = by_op.first(a)
             if not runs(ra["dtype"], int(ra["dims"][2]), masked):
                 continue
             b = cur
@@ -401,7 +444,7 @@ def _attention_rewrites(g: Graph, by_op: dict[int, pd.DataFrame], flow: _Flow,
             # q, k, v as the fused kernel reads them: the GEMMs' operands (the copies' inputs are the same bytes)
             q, kt, v = flow.reads[a][0][2], flow.reads[a][1][2], flow.reads[b][1][2]
             nbytes = float(q + kt + v + flow.writes[b][0][2])
-            rb = by_op[b].iloc[0]
+            rb = by_op.first(b)
             flops = float(ra["flops"] + rb["flops"])
             row = {"op_index": int(a), "phase": ra["phase"], "module": ra["module"], "aten_op": REWRITTEN_ATTENTION,
                    "family": Family.BMM.value, "kernel": ATTENTION_KERNEL, "dims": tuple(int(x) for x in ra["dims"]),
@@ -462,16 +505,21 @@ def _split_reduction(call) -> bool:
     return produced_values <= SPLIT_OUTPUTS and max(ins) >= SPLIT_REDUCED * produced_values
 
 
-def _group_row(members: pd.DataFrame, nbytes: float, at: int) -> dict:
-    """The fused kernel of one group of member kernel rows, run at op index ``at``."""
-    fams = set(members["family"])
+def _group_row(by_op: _ByOp, members: np.ndarray, nbytes: float, at: int) -> dict:
+    """The fused kernel of one group of member kernel rows (positions in ``by_op``'s table, in op order), run at op
+    index ``at``: its lead is the last of the biggest (bytes) rows of its family."""
+    column = by_op.column
+    families = column("family")[members]
+    fams = set(families)
     family = next((f for f in GROUP_FAMILY_ORDER if f in fams), Family.ELEMENTWISE.value)
-    of_family = members[members["family"] == family]
-    lead = (of_family if len(of_family) else members).sort_values("bytes", kind="stable").iloc[-1]
-    dims = lead["dims"] if len(of_family) else (1, int(max(np.prod(d) for d in members["dims"])))
-    return {"op_index": int(at), "phase": lead["phase"], "module": lead["module"],
-            "aten_op": "fused:" + "+".join(dict.fromkeys(members["kernel"])), "family": family, "kernel": FUSED_KERNEL,
-            "dims": tuple(int(x) for x in dims), "dtype": lead["dtype"], "flops": float(members["flops"].sum()),
-            "algo_flops": float(members["flops"].sum()), "bytes": float(nbytes),
-            "modeled": bool(members["modeled"].all())}
+    of_family = members[families == family]
+    candidates = of_family if len(of_family) else members
+    lead = int(candidates[np.argsort(column("bytes")[candidates], kind="stable")[-1]])
+    dims = column("dims")[lead] if len(of_family) else (1, int(max(np.prod(d) for d in column("dims")[members])))
+    flops = float(column("flops")[members].sum())
+    return {"op_index": int(at), "phase": column("phase")[lead], "module": column("module")[lead],
+            "aten_op": "fused:" + "+".join(dict.fromkeys(column("kernel")[members])), "family": family,
+            "kernel": FUSED_KERNEL, "dims": tuple(int(x) for x in dims), "dtype": column("dtype")[lead],
+            "flops": flops, "algo_flops": flops, "bytes": float(nbytes),
+            "modeled": bool(column("modeled")[members].all())}
 
