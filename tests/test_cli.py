@@ -746,3 +746,39 @@ def test_a_serving_plan_from_the_command_line(tmp_path):
     assert len(data) == 1 and data[0]["best"]["layout"] == plan.best["layout"] and data[0]["batching"] == "static"
     assert [d["sequences"] for d in data[0]["layouts"]] == list(plan.table["sequences"])
     assert "serving capacity of 2 x NVIDIA L4" in r.stdout and f"best: {plan.best['layout']}:" in r.stdout
+
+
+class _Terminal:
+    """A stand-in for a terminal's stderr: what is written, kept."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_searches_over_several_gpus_show_their_progress_on_a_terminal_only(monkeypatch, tty):
+    from neusight.cli.common import each_gpu
+
+    gpus = [neusight.load_device(k) for k in ("t4", "l4", "a100-80gb-pcie")]
+    err = _Terminal(tty)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert list(each_gpu(gpus, "serving searches")) == gpus          # every GPU, in order
+    if tty:   # the bar names the search and the GPUs under way, and is cleared at the end (leave=False)
+        assert "serving searches" in err.text and "a100-80gb-pcie" in err.text and "/3 [" in err.text
+        assert err.text.rstrip("\r").split("\r")[-1].strip() == ""      # its last line: blanks over the bar
+    else:     # piped or captured: nothing
+        assert err.text == ""
+    err.text = ""
+    monkeypatch.setattr(sys, "stderr", _Terminal(True))
+    assert list(each_gpu(gpus, "x", enabled=False)) == gpus and sys.stderr.text == ""      # progress=false
+    assert list(each_gpu(gpus[:1], "x")) == gpus[:1] and sys.stderr.text == ""              # one GPU: no bar

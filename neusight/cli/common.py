@@ -6,7 +6,7 @@ import functools
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from neusight.errors import NeuSightError
 
@@ -60,3 +60,22 @@ def quiet_third_party_logs() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
+
+
+def each_gpu(devices: list, what: str, enabled: bool = True) -> Iterator:
+    """``devices`` (GPUs, or forecasts on them) one by one, with a progress bar on stderr naming the GPU under way
+    when ``enabled``, there are several and stderr is a terminal (a search per GPU takes seconds, over the whole
+    library minutes); cleared at the end, so what is printed after it reads as without it."""
+    if not enabled or len(devices) < 2:
+        yield from devices
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(devices), desc=what, unit="GPU", leave=False, disable=None, file=sys.stderr)
+    try:
+        for dev in devices:
+            bar.set_postfix_str(str(getattr(getattr(dev, "device", dev), "key", dev)), refresh=True)
+            yield dev
+            bar.update()
+    finally:
+        bar.close()

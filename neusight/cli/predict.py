@@ -142,6 +142,7 @@ class PredictConfig:
     max_num_batched_tokens: Optional[int] = None  # continuous: a step's token budget (null = 8192, vLLM's)
     find_max_seq_len: bool = False       # also search the longest sequence (multiple of 64) that fits at batch_size
     #                                      (with gpus=N instead of a plan: each layout's longest, seq_len left out)
+    progress: bool = True                # a progress bar on stderr (a terminal's) over the GPUs searched one by one
     spec: Dict[str, Any] = field(default_factory=dict)   # what-if: spec numbers changed on every GPU, e.g.
     #                                      +spec.mem_bandwidth_gbps=4800 (neusight.devices.modify_device)
 
@@ -794,7 +795,7 @@ def _generation(cfg: PredictConfig) -> float:
     else:
         shared: dict = {}
         forecasts, skipped = _each_gpu(devices, ranking, lambda dev: predict_generation(
-            cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **kw))
+            cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **kw), cfg.progress)
     rows, costs = [], _summaries(forecasts, ranking, prices)
     for f, cost in zip(forecasts, costs):
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
@@ -855,7 +856,7 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
     run = {k: v for k, v in kw.items() if k != "batching"}
     shared: dict = {}
     forecasts, skipped = _each_gpu(devices, ranking, lambda dev: predict_continuous(
-        cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **run))
+        cfg.model, dev, cfg.batch_size, tp=cfg.tp, cache=shared, **run), cfg.progress)
     rows, costs = [], _summaries(forecasts, ranking, prices)
     for f, cost in zip(forecasts, costs):
         rows.append({"device": f.device.key, "gpus": f.tp, "batching": "continuous", "sequences": f.batch_size,
@@ -889,15 +890,17 @@ def _searched_and_written(cfg: PredictConfig, forecasts: list, rows: list[dict],
     return float(rows[0][answer])
 
 
-def _each_gpu(devices: list, ranking: bool, forecast: Any) -> tuple[list, dict[str, str]]:
+def _each_gpu(devices: list, ranking: bool, forecast: Any, progress: bool = True) -> tuple[list, dict[str, str]]:
     """``forecast(device)`` on every GPU of ``devices``: with ``ranking`` (device=all) a GPU the run cannot be
     forecast on is left out with the reason (key -> reason, returned) unless none can (then the error); otherwise
     its error is raised."""
     from neusight.api import left_out_reason, unrunnable_error
     from neusight.errors import InputError
 
+    from neusight.cli.common import each_gpu
+
     forecasts, errors, skipped = [], {}, {}
-    for dev in devices:
+    for dev in each_gpu(devices, "forecasts", progress):
         try:
             forecasts.append(forecast(dev))
         except InputError as e:
@@ -964,13 +967,14 @@ def _serving_searches(cfg: PredictConfig, forecasts: list, kw: dict[str, Any], p
     """``new_tokens=`` with ``find_max_batch=true``: each GPU's serving capacity (neusight.serving.serving_capacity:
     the largest batch whose generate() fits and meets max_tpot_ms / max_ttft_ms), printed per GPU, or ranked by
     generated tokens/s at it with ``device=all``; the searches share their traces."""
+    from neusight.cli.common import each_gpu
     from neusight.serving import serving_capacity
 
     run = {k: v for k, v in kw.items() if k not in ("prompt_len", "new_tokens")}
     shared: dict = {}
     caps = [serving_capacity(cfg.model, dev, kw["prompt_len"], kw["new_tokens"], max_tpot_ms=cfg.max_tpot_ms,
                              max_ttft_ms=cfg.max_ttft_ms, tp=cfg.tp, cache=shared, **run)
-            for dev in (f.device for f in forecasts)]
+            for dev in each_gpu([f.device for f in forecasts], "serving searches", cfg.progress)]
     if not ranking:
         for cap, f in zip(caps, forecasts):
             print("\n" + cap.summary(known_notes=f.notes))
@@ -1422,6 +1426,7 @@ def _search_kw(cfg: PredictConfig) -> dict[str, Any]:
 def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, dict[str, int]]:
     """``device=all`` with find_max_batch / find_max_seq_len: each GPU's result (column -> device key -> value), for
     the ranking table instead of a line per GPU; the searches' per-probe log is quieted (one search per GPU)."""
+    from neusight.cli.common import each_gpu
     from neusight.memory import find_max_batch, find_max_seq_len
 
     cols: dict[str, dict[str, int]] = {}
@@ -1433,11 +1438,13 @@ def _ranking_searches(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, 
             shared: dict = {}
             cols["max batch"] = {p.device.key: find_max_batch(cfg.model, p.device, seq_len=cfg.seq_len,
                                                               image_size=cfg.image_size, kv_cache=cfg.kv_cache,
-                                                              traces=shared, **_search_kw(cfg)) for p in preds}
+                                                              traces=shared, **_search_kw(cfg))
+                                 for p in each_gpu(preds, "largest batches", cfg.progress)}
         if cfg.find_max_seq_len:
             shared = {}
             cols["max seq_len"] = {p.device.key: find_max_seq_len(cfg.model, p.device, batch_size=cfg.batch_size,
-                                                                  traces=shared, **_search_kw(cfg)) for p in preds}
+                                                                  traces=shared, **_search_kw(cfg))
+                                   for p in each_gpu(preds, "longest sequences", cfg.progress)}
     finally:
         quiet.setLevel(level)
     return cols
