@@ -9,6 +9,8 @@ import pytest
 
 import neusight
 from neusight.errors import InputError
+from neusight.graph.quant import WEIGHT_QUANT
+from neusight.kernels.base import EXACT_BYTES_GEMMS
 
 # 2 layers of 7 projections each (q / o 128 -> 128, k / v 128 -> 64, gate / up 128 -> 256, down 256 -> 128)
 _TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -57,10 +59,14 @@ def test_each_projection_is_one_gemm_reading_its_weight_in_its_stored_bytes(bits
 def test_a_decode_step_reads_fewer_weight_bytes_and_is_bounded_lower():
     kw = dict(batch_size=1, seq_len=1, mode="inference", dtype="bfloat16", kv_cache=63, memory=False)
     roof = {bits: neusight.predict(_TINY_LLAMA, "h100-sxm5-80gb", weight_quant=bits, **kw).kernels
-            for bits in (None, "int8", "int4")}
+            for bits in (None, *WEIGHT_QUANT)}
     proj = {b: k.loc[(k["family"] == "linear") & (k["dims"].map(lambda d: d[1]) == 1), "roofline_ms"].sum()
             for b, k in roof.items()}
     assert proj["int4"] < proj["int8"] < proj[None]
+    # MXFP4 stores as many bytes as int4 (4 bits a weight; a byte per 32 weights, two BF16 per 128): the same bound
+    assert proj["mxfp4"] == pytest.approx(proj["int4"], rel=1e-9)
+    # every quantized GEMM is bounded by the bytes it stores, not by its math's precision
+    assert all(f"{bits}_weight_gemm".startswith(EXACT_BYTES_GEMMS) for bits in WEIGHT_QUANT)
 
 
 def test_layers_whose_inputs_do_not_fill_int4_groups_stay_in_their_precision():
