@@ -487,10 +487,15 @@ def predict_graph(g: Graph, device: Device | str, predictor: Predictor | str | P
         from neusight.parallel import split_context
 
         k = split_context(k, context_parallel, context_comm)
-    if k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str).str.startswith("float8").any():
+    gemm_dtypes = k.loc[k["family"].isin(GEMM_FAMILIES), "dtype"].astype(str)
+    if gemm_dtypes.str.startswith("float8").any():
         from neusight.graph.fp8 import check_fp8_device
 
         check_fp8_device(device)
+    if gemm_dtypes.str.startswith("float4").any():
+        from neusight.graph.quant import check_fp4_device
+
+        check_fp4_device(device)
     math_dtype = tf32_dtypes(k, device, tf32)
     # convolutions off the tensor cores for their channels (FP16 / BF16, and FP32 ones TF32 would take): the latter
     # stay FP32; Predictor.predict puts the former at the FP32 rates

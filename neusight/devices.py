@@ -71,6 +71,7 @@ class Device:
     tf32_tensor_tflops: float | None = None  # None before Ampere / CDNA3
     bf16_tensor_tflops: float | None = None  # None where BF16 math is not supported
     fp8_tensor_tflops: float | None = None  # dense FP8 tensor peak, FP32 accumulate; None before Ada / Hopper / CDNA3
+    fp4_tensor_tflops: float | None = None  # dense FP4 tensor peak (NVFP4 / MXFP4 operands); None before Blackwell
     infinity_cache_mib: float | None = None  # AMD memory-side cache
     interconnect_group: int | None = None  # GPUs interconnect_gbps joins (an NVLink bridge: 2, an Infinity Fabric
     #                                        hive: 4); beyond them PCIe. None: every GPU of a node (NVSwitch, a mesh)
@@ -120,7 +121,8 @@ class Device:
 
         float32: matrix-unit peak if `tensor_cores` (= vector peak on NVIDIA); tf32: float32 where unsupported
         or without tensor cores; float16/bfloat16: tensor peak, else packed-vector min(2 x FP32, tensor peak);
-        float8 (e4m3 / e5m2): the FP8 tensor peak, a DeviceError on a GPU without FP8 tensor cores.
+        float8 (e4m3 / e5m2): the FP8 tensor peak, a DeviceError on a GPU without FP8 tensor cores; float4 (e2m1)
+        likewise at the FP4 tensor peak.
         """
         kind = _DTYPES.get(str(dtype).lower().removeprefix("torch."))
         if kind is None:
@@ -131,6 +133,12 @@ class Device:
                                   "given): FP8 matrix multiplies run on Ada, Hopper, Blackwell and CDNA3 GPUs. Fix: "
                                   "choose such a GPU, or leave FP8 out")
             return self.fp8_tensor_tflops * 1e12
+        if kind == "float4":
+            if self.fp4_tensor_tflops is None:
+                raise DeviceError(f"{self.key} ({self.name}) has no FP4 tensor cores (fp4_tensor_tflops is not "
+                                  "given): FP4 matrix multiplies run on Blackwell GPUs. Fix: choose such a GPU "
+                                  "(B200), or leave FP4 out")
+            return self.fp4_tensor_tflops * 1e12
         if kind == "tf32" and tensor_cores and self.tf32_tensor_tflops is not None:
             return self.tf32_tensor_tflops * 1e12
         tensor = {"float16": self.fp16_tensor_tflops, "bfloat16": self.bf16_tensor_tflops}.get(kind)
@@ -147,7 +155,8 @@ class Device:
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "tf32": "tf32",
            "tensorfloat32": "tf32", "float16": "float16", "fp16": "float16", "half": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float8": "float8", "fp8": "float8",
-           "float8_e4m3fn": "float8", "float8_e5m2": "float8"}
+           "float8_e4m3fn": "float8", "float8_e5m2": "float8", "float4": "float4", "fp4": "float4",
+           "float4_e2m1": "float4", "float4_e2m1fn_x2": "float4"}
 
 # Accepted unit spellings per key-name suffix -> factor into the key's unit. NB: memory sizes are binary as
 # marketed ("80 GB" of HBM is 80 GiB, a "50 MB" L2 is 50 MiB), so GB and GiB mean the same here.
@@ -433,7 +442,7 @@ def device_rows() -> list[dict[str, Any]]:
 
 # What-if edits (modify_device): the peaks that follow the SM count and the clock when only those are changed.
 _SCALED_PEAKS = ("fp32_tflops", "fp32_matrix_tflops", "tf32_tensor_tflops", "fp16_tensor_tflops",
-                 "bf16_tensor_tflops", "fp8_tensor_tflops")
+                 "bf16_tensor_tflops", "fp8_tensor_tflops", "fp4_tensor_tflops")
 _FIXED = ("key", "name", "aliases", "source", "vendor")
 
 

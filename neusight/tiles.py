@@ -83,12 +83,16 @@ class DeviceRates:
 def device_rates(device: Device, dtype: str = "float32") -> DeviceRates:
     """Peak rates for ``dtype``: FP32 GEMMs on the FP32 (AMD: matrix) units, as in the data (TF32 off);
     ``"tf32"`` (an FP32 GEMM or convolution PyTorch lets run on TF32 tensor cores) at the dense TF32 tensor peak
-    where the GPU has one, else as FP32; ``"float8_*"`` at the FP8 tensor peak."""
+    where the GPU has one, else as FP32; ``"float8_*"`` at the FP8 tensor peak, ``"float4_*"`` at the FP4 one."""
     if dtype in ("float16", "bfloat16"):
         gemm = device.peak_flops(dtype, tensor_cores=True)
         vector = 2 * device.peak_fp32_flops
     elif dtype.startswith("float8"):   # FP8 GEMMs at the FP8 tensor peak; casts to FP8 are memory-bound
         gemm = (device.fp8_tensor_tflops * 1e12 if device.fp8_tensor_tflops
+                else device.peak_flops("float16", tensor_cores=True))   # no GEMM reaches here (api refuses it)
+        vector = 2 * device.peak_fp32_flops
+    elif dtype.startswith("float4"):   # FP4 GEMMs (NVFP4) at the FP4 tensor peak; quantizing to FP4 is memory-bound
+        gemm = (device.fp4_tensor_tflops * 1e12 if device.fp4_tensor_tflops
                 else device.peak_flops("float16", tensor_cores=True))   # no GEMM reaches here (api refuses it)
         vector = 2 * device.peak_fp32_flops
     elif dtype == "tf32" and device.tf32_tensor_tflops:

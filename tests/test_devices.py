@@ -190,6 +190,10 @@ def test_peaks_are_ordered_sensibly(key: str):
     if d.fp8_tensor_tflops is not None:
         ratio = d.fp8_tensor_tflops / d.fp16_tensor_tflops
         assert ratio == pytest.approx(4 if key == "rtx-6000-ada" else 2, rel=0.02)   # L40S: 733 / 362.05
+    # FP4 tensor cores on Blackwell alone, at twice the FP8 rate (B200: 9 of the datasheet's 18 sparse PFLOPS)
+    assert (d.fp4_tensor_tflops is not None) == (d.architecture == "blackwell")
+    if d.fp4_tensor_tflops is not None:
+        assert d.fp4_tensor_tflops / d.fp8_tensor_tflops == pytest.approx(2, rel=0.02)
 
 
 @pytest.mark.parametrize("key", KEYS)

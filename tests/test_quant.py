@@ -9,7 +9,8 @@ import pytest
 
 import neusight
 from neusight.errors import InputError
-from neusight.graph.quant import WEIGHT_QUANT
+from neusight.devices import load_device
+from neusight.graph.quant import FP4, WEIGHT_ONLY, WEIGHT_QUANT, gemm_name
 from neusight.kernels.base import EXACT_BYTES_GEMMS
 
 # 2 layers of 7 projections each (q / o 128 -> 128, k / v 128 -> 64, gate / up 128 -> 256, down 256 -> 128)
@@ -59,14 +60,15 @@ def test_each_projection_is_one_gemm_reading_its_weight_in_its_stored_bytes(bits
 def test_a_decode_step_reads_fewer_weight_bytes_and_is_bounded_lower():
     kw = dict(batch_size=1, seq_len=1, mode="inference", dtype="bfloat16", kv_cache=63, memory=False)
     roof = {bits: neusight.predict(_TINY_LLAMA, "h100-sxm5-80gb", weight_quant=bits, **kw).kernels
-            for bits in (None, *WEIGHT_QUANT)}
+            for bits in (None, *WEIGHT_ONLY)}
     proj = {b: k.loc[(k["family"] == "linear") & (k["dims"].map(lambda d: d[1]) == 1), "roofline_ms"].sum()
             for b, k in roof.items()}
     assert proj["int4"] < proj["int8"] < proj[None]
     # MXFP4 stores as many bytes as int4 (4 bits a weight; a byte per 32 weights, two BF16 per 128): the same bound
     assert proj["mxfp4"] == pytest.approx(proj["int4"], rel=1e-9)
     # every quantized GEMM is bounded by the bytes it stores, not by its math's precision
-    assert all(f"{bits}_weight_gemm".startswith(EXACT_BYTES_GEMMS) for bits in WEIGHT_QUANT)
+    assert all(gemm_name(bits, grouped).startswith(EXACT_BYTES_GEMMS) for bits in WEIGHT_QUANT
+               for grouped in (False, True))
 
 
 def test_layers_whose_inputs_do_not_fill_int4_groups_stay_in_their_precision():
@@ -80,6 +82,7 @@ def test_layers_whose_inputs_do_not_fill_int4_groups_stay_in_their_precision():
     (_TINY_LLAMA, dict(weight_quant="int3"), "weight_quant='int3' is not known"),
     (_TINY_LLAMA, dict(mode="training"), "mode='training'"),
     (_TINY_LLAMA, dict(fp8=True, device="h100-sxm5-80gb"), "with fp8=True is not modelled"),
+    (_TINY_LLAMA, dict(weight_quant="nvfp4", device="h100-sxm5-80gb"), "has none (fp4_tensor_tflops is not in its"),
     ("gpt2", dict(), "GPT2LMHeadModel has none that qualify"),
 ])
 def test_bad_weight_quant_runs_say_what_to_change(model, kw, fragment):
@@ -170,3 +173,47 @@ def test_llama4s_dense_experts_are_not_quantized_and_routed_ones_are():
     routed = neusight.trace(_TINY_LLAMA4, weight_quant="mxfp4", moe_kernels="grouped", **kw)
     assert {p.dtype for n, p in zip(routed.param_names, routed.params) if ".experts." in n} == {"uint8"}
     assert (routed.kernels["kernel"] == "mxfp4_weight_grouped_gemm").sum() == 4
+
+
+def test_nvfp4_quantizes_each_projections_input_once_and_runs_an_fp4_gemm():
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16")
+    plain = neusight.trace(_TINY_LLAMA, **kw)
+    g = neusight.trace(_TINY_LLAMA, weight_quant="nvfp4", device="b200", **kw)
+    k = g.kernels
+    gemms = k[k["kernel"] == "nvfp4_gemm"]
+    assert len(gemms) == 14 and set(gemms["dtype"]) == {FP4}
+    assert gemms["flops"].sum() == _gemms(plain)["flops"].sum() - _gemms(plain)["flops"].max()   # all but the head
+    # q, k and v share their input's quantization, gate and up theirs: 4 a layer (q/k/v, o, gate/up, down)
+    quant = k[k["kernel"] == "nvfp4_quantize"]
+    assert len(quant) == 4 * 2 and set(quant["family"]) == {"elementwise"}
+    # q_proj at 64 tokens: the input's FP4 values and E4M3 scales (one per 16), the weight's, the BF16 output
+    row = gemms[gemms["dims"] == (1, 64, 128, 128)].iloc[0]
+    assert row["bytes"] == 64 * 128 * (0.5 + 1 / 16) + 128 * 128 * (0.5 + 1 / 16) + 64 * 128 * 2
+    assert quant[quant["dims"] == (64, 128)]["bytes"].iloc[0] == 64 * 128 * (2 + 0.5 + 1 / 16)
+    assert any(n.startswith("NVFP4 quantization (W4A4") and "14 nn.Linear" in n for n in g.notes)
+    # the graph traced without a GPU is refused where no FP4 tensor core runs it
+    bare = neusight.trace(_TINY_LLAMA, weight_quant="nvfp4", **kw)
+    from neusight.api import predict_graph
+
+    with pytest.raises(InputError, match="fp4_tensor_tflops"):
+        predict_graph(bare, load_device("h100-sxm5-80gb"))
+    assert predict_graph(bare, load_device("b200")).latency_ms > 0
+
+
+def test_nvfp4_gemms_are_bounded_by_the_fp4_tensor_peak_and_their_quantization_fuses_under_compile():
+    cfg = dict(_TINY_LLAMA, hidden_size=4096, intermediate_size=4096 * 2, num_attention_heads=32,
+               num_key_value_heads=32, num_hidden_layers=1)
+    kw = dict(batch_size=2, seq_len=2048, mode="inference", dtype="bfloat16", memory=False)
+    plain = neusight.predict(cfg, "b200", **kw).kernels
+    fp4 = neusight.predict(cfg, "b200", weight_quant="nvfp4", **kw).kernels
+    square = (1, 4096, 4096, 4096)
+    bf16_roof = plain.loc[(plain["dims"] == square) & (plain["family"] == "linear"), "roofline_ms"].iloc[0]
+    fp4_roof = fp4.loc[(fp4["dims"] == square) & (fp4["kernel"] == "nvfp4_gemm"), "roofline_ms"].iloc[0]
+    b200 = load_device("b200")
+    assert fp4_roof == pytest.approx(bf16_roof * b200.bf16_tensor_tflops / b200.fp4_tensor_tflops, rel=0.02)
+    assert fp4_roof >= 2 * 4096**3 / (b200.fp4_tensor_tflops * 1e12) * 1e3
+    # under torch.compile the input norms' kernels quantize their outputs (q/k/v's, gate/up's) in place of their own
+    fused = neusight.predict(cfg, "b200", weight_quant="nvfp4", fused=True, **kw).kernels
+    alone = lambda t: (t["kernel"] == "nvfp4_quantize").sum()    # noqa: E731
+    assert alone(fp4) == 4 and alone(fused) < 4
+    assert fused["aten_op"].str.contains("rsqrt").mul(fused["aten_op"].str.contains("nvfp4_quantize")).sum() == 2

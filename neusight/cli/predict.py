@@ -101,6 +101,7 @@ class PredictConfig:
     fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling; Ada / Hopper / CDNA3)
     weight_quant: Optional[str] = None   # inference with int8 / int4 / mxfp4 weights (weight-only, dequantized in
     #                                      the GEMM; mxfp4 in a mixture of experts: its routed experts, as gpt-oss)
+    #                                      | nvfp4 (weights and activations in FP4 on Blackwell's FP4 tensor cores)
     kv_cache: Optional[int] = None       # generation: tokens already in the KV cache (seq_len = new tokens per step)
     static_cache: bool = False           # generation: new tokens written in place (StaticCache, serving engines), not
     #                                      concatenated onto the whole cache every step (eager DynamicCache)

@@ -14,14 +14,25 @@ MXFP4 (OCP microscaling: 4-bit E2M1 values, a one-byte power-of-two scale per 32
 gpt-oss's checkpoints store their routed experts and nothing else: in a mixture of experts it quantizes the routed
 experts alone, in a dense model every eligible ``nn.Linear`` but the head. Its GEMMs dequantize to the activations'
 precision as Triton's MXFP4 kernels do on GPUs without FP4 tensor cores; Blackwell's native FP4 products are not
-modelled. Inference only; no measurement of these kernels was available, so their forecasts are unvalidated.
+modelled (``"nvfp4"`` below).
+
+NVFP4 (``weight_quant="nvfp4"``) is Blackwell's own 4-bit format, as TensorRT-LLM and vLLM serve NVFP4
+checkpoints (NVIDIA ModelOpt): 4-bit E2M1 values with an FP8 (E4M3) scale per 16 inputs (4.5 bits a weight, plus
+one FP32 scale per tensor), for the weights and the activations alike (W4A4). Each projection is two kernels: the
+activations quantized to NVFP4 (a memory-bound kernel reading them in the model's dtype, writing half a byte a
+value and their scales) and the GEMM on the FP4 tensor cores (FP32 accumulate, written in the model's dtype),
+bounded by the GPU's ``fp4_tensor_tflops``: GPUs without FP4 tensor cores are refused. Layers as int4's (every
+``nn.Linear`` but the head with input features in groups of 16; routed experts too, one FP4 grouped GEMM per
+projection). Inference only; no measurement of any of these kernels was available, so their forecasts are
+unvalidated.
 """
 
 from __future__ import annotations
 
 import math
 import types
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, MutableMapping
 
 import torch
 from torch import nn
@@ -31,15 +42,24 @@ from neusight.graph.moe import dense_experts_kept, is_routed_experts
 from neusight.graph.records import TensorMeta
 from neusight.kernels.base import Family, Kernel
 
-WEIGHT_QUANT = ("int8", "int4", "mxfp4")
+WEIGHT_ONLY = ("int8", "int4", "mxfp4")      # weights dequantized in the GEMM, math in the activations' dtype
+WEIGHT_QUANT = (*WEIGHT_ONLY, "nvfp4")         # nvfp4: weights and activations in FP4 (W4A4), FP4 tensor cores
 INT4_GROUP = 128            # input features per scale / zero-point pair (AWQ, GPTQ, torchao int4 defaults)
 MXFP4_GROUP = 32            # input features per 8-bit power-of-two scale (OCP microscaling, MXFP4)
-GROUP = {"int8": 1, "int4": INT4_GROUP, "mxfp4": MXFP4_GROUP}   # input features a layer's must be a multiple of
+NVFP4_GROUP = 16            # input features per FP8 (E4M3) scale (NVFP4)
+GROUP = {"int8": 1, "int4": INT4_GROUP, "mxfp4": MXFP4_GROUP, "nvfp4": NVFP4_GROUP}   # input features come in
+FP4 = "float4_e2m1"         # the dtype an NVFP4 GEMM is labelled with: its operands' (half a byte a value)
 QUANT_NOTE = ("weight-only {bits} quantization: {n} nn.Linear weights stored in {bits} ({per}), each projection one "
               "GEMM that dequantizes its weights as it loads them, computing in {dtype} ({kernels}){experts}{skipped}; "
               "unvalidated: no measurement of such kernels was available")
+NVFP4_NOTE = ("NVFP4 quantization (W4A4, as TensorRT-LLM / vLLM serve NVFP4 checkpoints): {n} nn.Linear weights "
+              "stored in NVFP4 ({per}), each projection quantizing its {dtype} input to NVFP4 (a memory-bound kernel) "
+              "and one GEMM on the FP4 tensor cores writing {dtype}{experts}{skipped}; unvalidated: no measurement of "
+              "FP4 kernels was available, they are bounded by the GPU's FP4 tensor peak with utilizations learned "
+              "from FP32 kernels")
 _PER = {"int8": "a scale per output channel", "int4": f"a scale and a zero point per {INT4_GROUP} inputs",
-        "mxfp4": f"4-bit E2M1 values with an 8-bit power-of-two scale per {MXFP4_GROUP} inputs, OCP microscaling"}
+        "mxfp4": f"4-bit E2M1 values with an 8-bit power-of-two scale per {MXFP4_GROUP} inputs, OCP microscaling",
+        "nvfp4": f"4-bit E2M1 values with an FP8 E4M3 scale per {NVFP4_GROUP} inputs"}
 _INTEGER_KERNELS = "Marlin / AWQ / GPTQ / TensorRT-LLM-style kernels"
 _KERNELS = {"int8": _INTEGER_KERNELS, "int4": _INTEGER_KERNELS, "mxfp4": "as Triton's MXFP4 kernels run on GPUs "
             "without FP4 tensor cores; Blackwell's FP4 products are not modelled"}
@@ -60,10 +80,19 @@ def check_weight_quant(value: Any, mode: str) -> None:
     """Refuse an unknown ``weight_quant`` or one in training, naming the choices."""
     if value not in WEIGHT_QUANT:
         raise InputError(f"weight_quant={value!r} is not known. Fix: 'int8', 'int4' or 'mxfp4' (weight-only "
-                         "quantization), or leave it out")
+                         "quantization), 'nvfp4' (weights and activations in FP4, on Blackwell's FP4 tensor cores), "
+                         "or leave it out")
     if mode != "inference":
         raise InputError(f"weight_quant={value!r} forecasts serving a quantized checkpoint, an inference run; "
                          f"mode={mode!r}. Fix: mode='inference', or leave weight_quant out")
+
+
+def check_fp4_device(device: Any) -> None:
+    """Refuse NVFP4 on a GPU without FP4 tensor cores (``device`` a Device; None: not known yet), naming it."""
+    if device is not None and getattr(device, "fp4_tensor_tflops", None) is None:
+        raise InputError(f"weight_quant='nvfp4' runs its GEMMs on FP4 tensor cores; {device.key} ({device.name}) has "
+                         "none (fp4_tensor_tflops is not in its spec). Fix: a Blackwell GPU (B200), or "
+                         "weight_quant='mxfp4' / 'int4' (4-bit weights dequantized in the GEMM, on any GPU)")
 
 
 def _weight_bytes(out_f: int, in_f: int, bits: str, act_size: int) -> float:
@@ -74,36 +103,75 @@ def _weight_bytes(out_f: int, in_f: int, bits: str, act_size: int) -> float:
     return out_f * in_f * (1 if bits == "int8" else 0.5) + math.prod(shape) * scale_size
 
 
-def _quantized_forward(region: Callable, bits: str) -> Callable:
+def gemm_name(bits: str, grouped: bool = False) -> str:
+    """The kernel name of a ``bits`` projection (``grouped``: routed experts' grouped GEMM)."""
+    kind = "grouped_gemm" if grouped else "gemm"
+    return f"nvfp4_{kind}" if bits == "nvfp4" else f"{bits}_weight_{kind}"
+
+
+def _nvfp4_quantize(region: Callable, x: torch.Tensor, done: MutableMapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (rows x in, in the model's dtype) quantized to NVFP4 by one memory-bound kernel of its own, recorded
+    through the tracer's ``region``: each group of 16's amax, its E4M3 scale, the values scaled, rounded and packed
+    two a byte; read once, written in 4.5 bits a value. An op of its own, so that ``fused=True`` merges it into the
+    kernel making ``x`` (a norm, a gated activation), as serving engines fuse it. Returns the packed values and
+    the scales. ``done`` keeps them per input: projections of one input (q, k and v; gate and up) share one
+    quantization, as the merged QKV and gate-up GEMMs of serving engines read one."""
+    kept = done.get(id(x))
+    if kept is not None and kept[0]() is x:
+        return kept[1]
+    rows, in_f, size = math.prod(x.shape[:-1]), x.shape[-1], x.element_size()
+    n = rows * in_f
+
+    def make(name: str, inner: list[Kernel], ins: list[TensorMeta], outs: list[TensorMeta]) -> Kernel:
+        return Kernel(Family.ELEMENTWISE, name, (int(rows), int(in_f)), 4.0 * n,
+                      float(n * size + n * 0.5 + n // NVFP4_GROUP), str(x.dtype).removeprefix("torch."))
+
+    with region("nvfp4_quantize", (x,), {"make": make}) as outputs:
+        packed = torch.empty(*x.shape[:-1], in_f // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(*x.shape[:-1], in_f // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=x.device)
+        outputs += [packed, scales]
+    done[id(x)] = weakref.ref(x), (packed, scales)     # by identity (a freed tensor's id may come again)
+    return packed, scales
+
+
+def _activation_bytes(rows: int, in_f: int, bits: str, size: int) -> float:
+    """What a projection's GEMM reads of its input: the activations, or their NVFP4 copy with its scales."""
+    return rows * in_f * 0.5 + rows * in_f // NVFP4_GROUP if bits == "nvfp4" else rows * in_f * size
+
+
+def _quantized_forward(region: Callable, bits: str, done: MutableMapping) -> Callable:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         m, in_f, out_f = math.prod(x.shape[:-1]), self.in_features, self.out_features
         size = x.element_size()
-        nbytes = m * in_f * size + _weight_bytes(out_f, in_f, bits, size) + m * out_f * size
+        nbytes = _activation_bytes(m, in_f, bits, size) + _weight_bytes(out_f, in_f, bits, size) + m * out_f * size
 
         def make(name: str, inner: list[Kernel], ins: list[TensorMeta], outs: list[TensorMeta]) -> Kernel:
             return Kernel(Family.LINEAR, name, (1, m, in_f, out_f), 2.0 * m * in_f * out_f, float(nbytes),
-                          str(x.dtype).removeprefix("torch."))
+                          FP4 if bits == "nvfp4" else str(x.dtype).removeprefix("torch."))
 
-        with region(f"{bits}_weight_gemm", (x, self.weight, self.neusight_scales), {"make": make}) as outputs:
+        operands = _nvfp4_quantize(region, x, done) if bits == "nvfp4" else (x,)
+        with region(gemm_name(bits), (*operands, self.weight, self.neusight_scales), {"make": make}) as outputs:
             y = x.new_empty(*x.shape[:-1], out_f)        # the stand-in product; its kernel is ``make``'s
             outputs.append(y)
         return y if self.bias is None else y + self.bias.to(y.dtype)
     return forward
 
 
-def _quantized_grouped_mm(region: Callable, bits: str) -> Callable:
+def _quantized_grouped_mm(region: Callable, bits: str, done: MutableMapping) -> Callable:
     """The projection of quantized routed experts: ``h`` (experts x ``share`` rows, in) against the experts' packed
     weights ``w`` (experts, stored in, out), one grouped GEMM that dequantizes as it loads (as vLLM's quantized MoE
     kernels run it), recorded through the tracer's ``region`` as a batched GEMM of equal groups."""
     def mm(h: torch.Tensor, w: torch.Tensor, share: int, scales: torch.Tensor | None = None) -> torch.Tensor:
         experts, in_f, out_f, size = w.shape[0], h.shape[-1], w.shape[-1], h.element_size()
-        nbytes = h.numel() * size + experts * _weight_bytes(out_f, in_f, bits, size) + h.shape[0] * out_f * size
+        nbytes = (_activation_bytes(h.shape[0], in_f, bits, size) + experts * _weight_bytes(out_f, in_f, bits, size)
+                  + h.shape[0] * out_f * size)
 
         def make(name: str, inner: list[Kernel], ins: list[TensorMeta], outs: list[TensorMeta]) -> Kernel:
             return Kernel(Family.BMM, name, (experts, share, in_f, out_f), 2.0 * h.shape[0] * in_f * out_f,
-                          float(nbytes), str(h.dtype).removeprefix("torch."))
+                          float(nbytes), FP4 if bits == "nvfp4" else str(h.dtype).removeprefix("torch."))
 
-        with region(f"{bits}_weight_grouped_gemm", (h, w) if scales is None else (h, w, scales),
+        operands = _nvfp4_quantize(region, h, done) if bits == "nvfp4" else (h,)
+        with region(gemm_name(bits, grouped=True), (*operands, w) if scales is None else (*operands, w, scales),
                     {"make": make}) as outputs:
             y = h.new_empty(h.shape[0], out_f)
             outputs.append(y)
@@ -111,7 +179,7 @@ def _quantized_grouped_mm(region: Callable, bits: str) -> Callable:
     return mm
 
 
-def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable) -> int:
+def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable, done: MutableMapping) -> int:
     """Routed experts' stacked weights stored in ``bits`` (int4: two per byte along the input features) with their
     scales, each projection one dequantizing grouped GEMM; the number of layers quantized (int4 needs every
     projection's input features to fill groups of 128)."""
@@ -138,7 +206,7 @@ def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable) -> i
                                                                        device="meta"))
             # the projection reads its weights' scales too (and they are resident memory): found on its weights
             packed.neusight_scales = getattr(mod, f"neusight_{name}_scales")
-        mod.neusight_quantized_mm = _quantized_grouped_mm(region, bits)
+        mod.neusight_quantized_mm = _quantized_grouped_mm(region, bits, done)
         mod.forward = types.MethodType(_grouped_experts_forward, mod)
         done += 1
     return done
@@ -146,11 +214,13 @@ def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable) -> i
 
 def _scales(bits: str, in_f: int, out_f: int, dtype: Any) -> tuple[tuple[int, ...], Any]:
     """Shape and dtype of one weight's scales: int8 one per output channel, int4 a scale and a zero point per 128
-    inputs (both in the weight's ``dtype``), MXFP4 one E8M0 byte per 32 inputs."""
+    inputs (both in the weight's ``dtype``), MXFP4 one E8M0 byte per 32 inputs, NVFP4 one E4M3 byte per 16."""
     if bits == "int8":
         return (out_f,), dtype
     if bits == "mxfp4":
         return (in_f // MXFP4_GROUP, out_f), torch.uint8
+    if bits == "nvfp4":
+        return (in_f // NVFP4_GROUP, out_f), torch.float8_e4m3fn
     return (in_f // INT4_GROUP, out_f, 2), dtype
 
 
@@ -166,7 +236,8 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
                          f"{type(module).__name__}'s experts run as transformers runs them, every expert on every "
                          "token (moe_kernels='auto'). Fix: moe_kernels='grouped' (or 'loop' / 'per-expert') to "
                          "forecast them routed, as serving engines run MXFP4 experts")
-    experts_done = _quantize_experts(routed, bits, region)
+    done: MutableMapping = {}     # NVFP4 copies of the activations: id -> (a weak reference, the copy)
+    experts_done = _quantize_experts(routed, bits, region, done)
     if bits == "mxfp4" and routed:
         return _experts_only_note(module, routed, experts_done)
     converted, dtype = 0, None
@@ -177,7 +248,7 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
         mod.weight = nn.Parameter(torch.empty(shape, dtype=stored, device="meta"), requires_grad=False)
         scales, scale_dtype = _scales(bits, in_f, out_f, dtype)
         mod.register_buffer("neusight_scales", torch.empty(scales, dtype=scale_dtype, device="meta"))
-        mod.forward = types.MethodType(_quantized_forward(region, bits), mod)
+        mod.forward = types.MethodType(_quantized_forward(region, bits, done), mod)
         converted += 1
     if not converted:
         raise InputError(f"weight_quant={bits!r} quantizes nn.Linear weights; {type(module).__name__} has none that "
@@ -196,11 +267,14 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
     if dense:
         skipped.append(dense)
     experts = (f"; the routed experts of {experts_done} layers are stored in {bits} too, each projection one "
-               "dequantizing grouped GEMM over the experts (in place of the experts kernels named above)"
-               if experts_done else "")
+               + ("FP4 grouped GEMM" if bits == "nvfp4" else "dequantizing grouped GEMM")
+               + " over the experts (in place of the experts kernels named above)" if experts_done else "")
+    kept = f"; kept in the model's precision: {', '.join(skipped)}" if skipped else ""
+    if bits == "nvfp4":
+        return NVFP4_NOTE.format(n=converted, per=_PER[bits], dtype=str(dtype).removeprefix("torch."),
+                                 experts=experts, skipped=kept)
     return QUANT_NOTE.format(bits=bits, n=converted, per=_PER[bits], dtype=str(dtype).removeprefix("torch."),
-                             kernels=_KERNELS[bits], experts=experts,
-                             skipped=f"; kept in the model's precision: {', '.join(skipped)}" if skipped else "")
+                             kernels=_KERNELS[bits], experts=experts, skipped=kept)
 
 
 def _experts_only_note(module: nn.Module, routed: list[nn.Module], done: int) -> str:

@@ -925,11 +925,13 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         are not multiples of 16) as FP8 GEMMs with dynamic per-tensor scaling, as torchao runs them: in training its
         Float8Linear (weights, gradients and optimizer in the model's precision, FP8 casts in every pass), in
         inference FP8 weights (one byte each) with each input cast per call. Needs a GPU with FP8 tensor cores.
-    weight_quant : {None, "int8", "int4", "mxfp4"}
+    weight_quant : {None, "int8", "int4", "mxfp4", "nvfp4"}
         Weight-only quantized inference (:mod:`neusight.graph.quant`): every ``nn.Linear`` weight but the LM head's
         stored in 8 or 4 bits (int4: groups of 128 inputs; mxfp4: OCP microscaling, groups of 32, and in a mixture
         of experts its routed experts alone, as gpt-oss ships them), each projection one GEMM that dequantizes as it
-        loads (Marlin / AWQ / GPTQ-style), computing in the model's dtype.
+        loads (Marlin / AWQ / GPTQ-style), computing in the model's dtype. "nvfp4": weights and activations in NVFP4
+        (W4A4, groups of 16 with an E4M3 scale), each projection a quantizing kernel and one GEMM on FP4 tensor
+        cores (Blackwell; other GPUs are refused).
     moe_kernels : {"auto", "loop", "grouped", "per-expert"}
         Routed mixture-of-experts layers (Mixtral, Qwen-MoE, ...; :mod:`neusight.graph.moe`, balanced routing):
         "loop" runs one GEMM pair per expert on its gathered tokens (transformers' eager experts), "grouped" one
@@ -1071,9 +1073,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         shard_expert_parallel(module, expert_parallel)
     layers_note = _fp8_layers(module, fp8, mode, amp_t, lora_rank, device)
     if weight_quant is not None:
-        from neusight.graph.quant import check_weight_quant
+        from neusight.graph.quant import check_fp4_device, check_weight_quant
 
         check_weight_quant(weight_quant, mode)
+        if weight_quant == "nvfp4":
+            check_fp4_device(device)
         if layers_note or amp_t is not None or lora_rank is not None:
             other = "fp8=True" if layers_note else f"amp={amp!r}" if amp_t is not None else f"lora_rank={lora_rank}"
             raise InputError(f"weight_quant={weight_quant!r} with {other} is not modelled. Fix: leave one of them out "

@@ -14,12 +14,13 @@ from neusight.kernels.base import Family, Kernel, channel_alignment
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "float4_e2m1": 0.5,
 }
 
 
-def itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype named like ``"float32"`` (``torch.float32`` works too)."""
+def itemsize(dtype: str) -> float:
+    """Bytes per element of a dtype named like ``"float32"`` (``torch.float32`` works too); FP4 values
+    (``"float4_e2m1"``, as an NVFP4 GEMM's operands are labelled) half a byte each."""
     key = str(dtype).removeprefix("torch.")
     try:
         return _ITEMSIZE[key]
