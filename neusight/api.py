@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -625,14 +625,15 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
                  mode: str = "inference", *, head: str | None = None, optimizer: str | None = "adamw",
                  predictor: Predictor | str | Path | None = None, memory: bool = True, fused: bool = False,
                  tf32: Any = None, left_out: dict[str, str] | None = None, host_us: float | None = None,
-                 **trace_kwargs: Any) -> list[Prediction]:
+                 progress: Callable[[list], Iterable] | None = None, **trace_kwargs: Any) -> list[Prediction]:
     """:func:`predict` on several GPUs from one trace (one more per software path a GPU takes: its attention
     backend or experts' kernels, when the model's trace depends on them): ``devices`` is a list of keys, aliases,
     spec paths or Devices, or ``"all"`` (every GPU of the library, :func:`neusight.devices.list_devices`).
 
     ``left_out``: a dict to collect the GPUs the run cannot be forecast on (an InputError, e.g. ``fp8=True`` on a
     GPU without FP8 tensor cores), key -> reason, instead of raising; unless no GPU can, which raises the error that
-    names no GPU (the model's own), else the first. Without it, any such error is raised.
+    names no GPU (the model's own), else the first. Without it, any such error is raised. ``progress``: wraps the
+    list of GPUs as they are forecast one by one (e.g. ``tqdm``).
 
     >>> ps = predict_many("gpt2", ["t4", "l4"], batch_size=1, seq_len=64, memory=False)
     >>> [p.device.key for p in ps], ps[0].latency_ms > ps[1].latency_ms
@@ -655,7 +656,7 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     graphs: dict[tuple, Graph] = {}
     preds: list[Prediction] = []
     errors: dict[str, InputError] = {}
-    for dev in devs:
+    for dev in progress(devs) if progress is not None else devs:
         try:
             path = trace_key(graphs, dev, trace_kwargs)
             if path not in graphs:

@@ -782,3 +782,18 @@ def test_searches_over_several_gpus_show_their_progress_on_a_terminal_only(monke
     monkeypatch.setattr(sys, "stderr", _Terminal(True))
     assert list(each_gpu(gpus, "x", enabled=False)) == gpus and sys.stderr.text == ""      # progress=false
     assert list(each_gpu(gpus[:1], "x")) == gpus[:1] and sys.stderr.text == ""              # one GPU: no bar
+
+
+def test_predict_many_hands_its_gpus_to_a_progress_wrapper():
+    from neusight.api import predict_many
+
+    seen = []
+
+    def spy(gpus):
+        seen.append([d.key for d in gpus])
+        return iter(gpus)
+
+    kw = dict(batch_size=1, seq_len=32, memory=False)
+    ps = predict_many("gpt2", ["t4", "l4"], progress=spy, **kw)
+    assert seen == [["t4", "l4"]] and [p.device.key for p in ps] == ["t4", "l4"]
+    assert [p.latency_ms for p in ps] == [p.latency_ms for p in predict_many("gpt2", ["t4", "l4"], **kw)]

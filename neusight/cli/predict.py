@@ -491,12 +491,14 @@ def forecast(cfg: PredictConfig, extra: Device | None = None,
     the run cannot be forecast on (an InputError: no FP8 cores, ...) is left out with its reason there instead of
     failing the command, unless every GPU is; the anchor cannot be left out."""
     from neusight.api import predict_many
+    from neusight.cli.common import each_gpu
     from neusight.errors import InputError
 
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
     preds = predict_many(cfg.model, devices, cfg.batch_size, cfg.seq_len, cfg.mode, head=cfg.head,
                          optimizer=cfg.optimizer, predictor=cfg.checkpoint, memory=cfg.memory, fused=cfg.fused,
                          tf32=cfg.tf32, host_us=cfg.host_us, left_out=skipped,
+                         progress=lambda gpus: each_gpu(gpus, "forecasts", cfg.progress),
                          attn_implementation=cfg.attn_implementation, image_size=cfg.image_size, dtype=cfg.dtype,
                          amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
     if extra is not None and skipped and extra.key in skipped:
