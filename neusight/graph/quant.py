@@ -97,7 +97,7 @@ def check_fp4_device(device: Any) -> None:
 
 def _weight_bytes(out_f: int, in_f: int, bits: str, act_size: int) -> float:
     """Bytes of a quantized weight with its scales (:func:`_scales`; those in the weight's dtype at the activations'
-    ``act_size``): one byte a weight in int8, half a byte in int4 and MXFP4."""
+    ``act_size``): one byte a weight in int8, half a byte in int4, MXFP4 and NVFP4."""
     shape, dtype = _scales(bits, in_f, out_f, None)
     scale_size = act_size if dtype is None else dtype.itemsize
     return out_f * in_f * (1 if bits == "int8" else 0.5) + math.prod(shape) * scale_size
