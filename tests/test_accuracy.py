@@ -146,3 +146,16 @@ def test_the_side_by_side_cell_names_two_gpus_and_counts_more():
     assert short_accuracy(acc(None, ["l4", "t4"])) == "5.2 % (4 runs on l4, t4)"
     assert short_accuracy(acc(None, ["a10", "l4", "t4"])) == "5.2 % (4 runs on 3 GPUs)"
     assert short_accuracy({"predictor_measured": True, "record": None}) == "none" and short_accuracy(None) is None
+
+
+def test_a_forecast_with_quantized_or_narrow_gemms_says_the_measured_runs_had_none():
+    # OPT-125m in FP32 on V100: measured runs of its kind exist (FP32 transformer inference on training GPUs)
+    kw = dict(batch_size=1, seq_len=1, kv_cache=127, mode="inference")
+    plain = neusight.predict("opt-125m", "v100-pcie-32gb", **kw).accuracy
+    quant = neusight.predict("opt-125m", "v100-pcie-32gb", weight_quant="int8", **kw).accuracy
+    assert plain["record"] is not None and quant["record"] == plain["record"]
+    gemms = "quantized weights dequantized in the GEMMs"
+    assert gemms not in plain["not_covered"] and gemms in quant["not_covered"]
+    fp8 = neusight.predict("opt-125m", "h100-sxm5-80gb", fp8=True, **kw).accuracy
+    fp4 = neusight.predict("opt-125m", "b200", weight_quant="nvfp4", **kw).accuracy
+    assert "FP8 GEMMs" in fp8["not_covered"] and "FP4 GEMMs (NVFP4)" in fp4["not_covered"]
