@@ -52,8 +52,9 @@ FUSED_ATTENTION = (ATTENTION_KERNEL, ATTENTION_BWD_KERNEL)
 
 # GEMM kernels whose roofline takes their own byte count, not the dtype's size times the operands' elements
 # (kernel-name prefixes): operands stored narrower than their math (FP8 operands with a BF16 output; weights of 8 or
-# 4 bits dequantized in the kernel, neusight.graph.quant, WEIGHT_QUANT), and fused attention, whose score matrix, the output of
-# the GEMM it is modelled as, never reaches DRAM (it reads q, k, v and writes the output once).
+# 4 bits dequantized in the kernel and NVFP4's FP4 operands, every kind of neusight.graph.quant.WEIGHT_QUANT), and
+# fused attention, whose score matrix, the output of the GEMM it is modelled as, never reaches DRAM (it reads q, k,
+# v and writes the output once).
 EXACT_BYTES_GEMMS = ("scaled_mm", "scaled_grouped_mm", "int8_weight_", "int4_weight_", "mxfp4_weight_", "nvfp4_gemm",
                      "nvfp4_grouped_gemm", *FUSED_ATTENTION)
 
