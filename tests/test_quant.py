@@ -217,3 +217,18 @@ def test_nvfp4_gemms_are_bounded_by_the_fp4_tensor_peak_and_their_quantization_f
     alone = lambda t: (t["kernel"] == "nvfp4_quantize").sum()    # noqa: E731
     assert alone(fp4) == 4 and alone(fused) < 4
     assert fused["aten_op"].str.contains("rsqrt").mul(fused["aten_op"].str.contains("nvfp4_quantize")).sum() == 2
+
+
+def test_nvfp4_routed_experts_run_one_fp4_grouped_gemm_on_their_quantized_tokens():
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16", moe_kernels="grouped")
+    g = neusight.trace(_TINY_MIXTRAL, weight_quant="nvfp4", device="b200", **kw)
+    k = g.kernels
+    grouped = k[k["kernel"] == "nvfp4_grouped_gemm"]
+    assert len(grouped) == 4 and set(grouped["dtype"]) == {FP4}
+    gate_up = grouped[grouped["dims"] == (4, 32, 128, 512)].iloc[0]
+    # the 128 routed rows in FP4 with their scales, the 4 experts' FP4 weights with theirs, BF16 rows out
+    assert gate_up["bytes"] == 128 * 128 * (0.5 + 1 / 16) + 4 * 512 * 128 * (0.5 + 1 / 16) + 128 * 512 * 2
+    # per layer: q/k/v's input, o's, the experts' gate-up rows and their down rows, each quantized once
+    assert (k["kernel"] == "nvfp4_quantize").sum() == 4 * 2
+    assert any("routed experts of 2 layers are stored in nvfp4 too, each projection one FP4 grouped GEMM" in n
+               for n in g.notes)

@@ -109,14 +109,14 @@ def gemm_name(bits: str, grouped: bool = False) -> str:
     return f"nvfp4_{kind}" if bits == "nvfp4" else f"{bits}_weight_{kind}"
 
 
-def _nvfp4_quantize(region: Callable, x: torch.Tensor, done: MutableMapping) -> tuple[torch.Tensor, torch.Tensor]:
+def _nvfp4_quantize(region: Callable, x: torch.Tensor, copies: MutableMapping) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (rows x in, in the model's dtype) quantized to NVFP4 by one memory-bound kernel of its own, recorded
     through the tracer's ``region``: each group of 16's amax, its E4M3 scale, the values scaled, rounded and packed
     two a byte; read once, written in 4.5 bits a value. An op of its own, so that ``fused=True`` merges it into the
     kernel making ``x`` (a norm, a gated activation), as serving engines fuse it. Returns the packed values and
-    the scales. ``done`` keeps them per input: projections of one input (q, k and v; gate and up) share one
+    the scales. ``copies`` keeps them per input: projections of one input (q, k and v; gate and up) share one
     quantization, as the merged QKV and gate-up GEMMs of serving engines read one."""
-    kept = done.get(id(x))
+    kept = copies.get(id(x))
     if kept is not None and kept[0]() is x:
         return kept[1]
     rows, in_f, size = math.prod(x.shape[:-1]), x.shape[-1], x.element_size()
@@ -130,7 +130,7 @@ def _nvfp4_quantize(region: Callable, x: torch.Tensor, done: MutableMapping) -> 
         packed = torch.empty(*x.shape[:-1], in_f // 2, dtype=torch.uint8, device=x.device)
         scales = torch.empty(*x.shape[:-1], in_f // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=x.device)
         outputs += [packed, scales]
-    done[id(x)] = weakref.ref(x), (packed, scales)     # by identity (a freed tensor's id may come again)
+    copies[id(x)] = weakref.ref(x), (packed, scales)     # by identity (a freed tensor's id may come again)
     return packed, scales
 
 
@@ -139,7 +139,7 @@ def _activation_bytes(rows: int, in_f: int, bits: str, size: int) -> float:
     return rows * in_f * 0.5 + rows * in_f // NVFP4_GROUP if bits == "nvfp4" else rows * in_f * size
 
 
-def _quantized_forward(region: Callable, bits: str, done: MutableMapping) -> Callable:
+def _quantized_forward(region: Callable, bits: str, copies: MutableMapping) -> Callable:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         m, in_f, out_f = math.prod(x.shape[:-1]), self.in_features, self.out_features
         size = x.element_size()
@@ -149,7 +149,7 @@ def _quantized_forward(region: Callable, bits: str, done: MutableMapping) -> Cal
             return Kernel(Family.LINEAR, name, (1, m, in_f, out_f), 2.0 * m * in_f * out_f, float(nbytes),
                           FP4 if bits == "nvfp4" else str(x.dtype).removeprefix("torch."))
 
-        operands = _nvfp4_quantize(region, x, done) if bits == "nvfp4" else (x,)
+        operands = _nvfp4_quantize(region, x, copies) if bits == "nvfp4" else (x,)
         with region(gemm_name(bits), (*operands, self.weight, self.neusight_scales), {"make": make}) as outputs:
             y = x.new_empty(*x.shape[:-1], out_f)        # the stand-in product; its kernel is ``make``'s
             outputs.append(y)
@@ -157,7 +157,7 @@ def _quantized_forward(region: Callable, bits: str, done: MutableMapping) -> Cal
     return forward
 
 
-def _quantized_grouped_mm(region: Callable, bits: str, done: MutableMapping) -> Callable:
+def _quantized_grouped_mm(region: Callable, bits: str, copies: MutableMapping) -> Callable:
     """The projection of quantized routed experts: ``h`` (experts x ``share`` rows, in) against the experts' packed
     weights ``w`` (experts, stored in, out), one grouped GEMM that dequantizes as it loads (as vLLM's quantized MoE
     kernels run it), recorded through the tracer's ``region`` as a batched GEMM of equal groups."""
@@ -170,7 +170,7 @@ def _quantized_grouped_mm(region: Callable, bits: str, done: MutableMapping) -> 
             return Kernel(Family.BMM, name, (experts, share, in_f, out_f), 2.0 * h.shape[0] * in_f * out_f,
                           float(nbytes), FP4 if bits == "nvfp4" else str(h.dtype).removeprefix("torch."))
 
-        operands = _nvfp4_quantize(region, h, done) if bits == "nvfp4" else (h,)
+        operands = _nvfp4_quantize(region, h, copies) if bits == "nvfp4" else (h,)
         with region(gemm_name(bits, grouped=True), (*operands, w) if scales is None else (*operands, w, scales),
                     {"make": make}) as outputs:
             y = h.new_empty(h.shape[0], out_f)
@@ -179,7 +179,7 @@ def _quantized_grouped_mm(region: Callable, bits: str, done: MutableMapping) -> 
     return mm
 
 
-def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable, done: MutableMapping) -> int:
+def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable, copies: MutableMapping) -> int:
     """Routed experts' stacked weights stored in ``bits`` (int4: two per byte along the input features) with their
     scales, each projection one dequantizing grouped GEMM; the number of layers quantized (int4 needs every
     projection's input features to fill groups of 128)."""
@@ -206,7 +206,7 @@ def _quantize_experts(routed: list[nn.Module], bits: str, region: Callable, done
                                                                        device="meta"))
             # the projection reads its weights' scales too (and they are resident memory): found on its weights
             packed.neusight_scales = getattr(mod, f"neusight_{name}_scales")
-        mod.neusight_quantized_mm = _quantized_grouped_mm(region, bits, done)
+        mod.neusight_quantized_mm = _quantized_grouped_mm(region, bits, copies)
         mod.forward = types.MethodType(_grouped_experts_forward, mod)
         done += 1
     return done
@@ -236,8 +236,8 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
                          f"{type(module).__name__}'s experts run as transformers runs them, every expert on every "
                          "token (moe_kernels='auto'). Fix: moe_kernels='grouped' (or 'loop' / 'per-expert') to "
                          "forecast them routed, as serving engines run MXFP4 experts")
-    done: MutableMapping = {}     # NVFP4 copies of the activations: id -> (a weak reference, the copy)
-    experts_done = _quantize_experts(routed, bits, region, done)
+    copies: MutableMapping = {}     # NVFP4 copies of the activations: id -> (a weak reference, the copy)
+    experts_done = _quantize_experts(routed, bits, region, copies)
     if bits == "mxfp4" and routed:
         return _experts_only_note(module, routed, experts_done)
     converted, dtype = 0, None
@@ -248,7 +248,7 @@ def apply_weight_quant(module: nn.Module, bits: str, region: Callable) -> str:
         mod.weight = nn.Parameter(torch.empty(shape, dtype=stored, device="meta"), requires_grad=False)
         scales, scale_dtype = _scales(bits, in_f, out_f, dtype)
         mod.register_buffer("neusight_scales", torch.empty(scales, dtype=scale_dtype, device="meta"))
-        mod.forward = types.MethodType(_quantized_forward(region, bits, done), mod)
+        mod.forward = types.MethodType(_quantized_forward(region, bits, copies), mod)
         converted += 1
     if not converted:
         raise InputError(f"weight_quant={bits!r} quantizes nn.Linear weights; {type(module).__name__} has none that "
