@@ -28,7 +28,8 @@ from neusight.cli.common import quiet_third_party_logs  # noqa: E402
 from neusight.e2e_eval import markdown_table  # noqa: E402
 from neusight.util import atomic_write_text  # noqa: E402
 
-GPUS = ("a100-sxm4-40gb", "a100-80gb-pcie", "h100-sxm5-80gb", "v100-sxm2-32gb", "l4", "rtx-4090", "mi250")
+GPUS = ("a100-sxm4-40gb", "a100-80gb-pcie", "h100-sxm5-80gb", "h200", "b200", "v100-sxm2-32gb", "l4", "rtx-4090",
+        "mi250")
 # (label, model, trace keyword arguments)
 RUNS = [
     ("GPT-3 2.7B training, batch 2, seq 2048, FP32, AdamW", "gpt3-2.7b",
@@ -50,6 +51,9 @@ RUNS = [
      dict(batch_size=8, seq_len=1, mode="inference", kv_cache=2047, dtype="bfloat16")),
     ("Llama-3-8B inference, batch 4, seq 1024, bf16 with FP8 linear layers, under torch.compile", "llama-3-8b",
      dict(batch_size=4, seq_len=1024, mode="inference", dtype="bfloat16", fp8=True, fused=True)),
+    ("Llama-3-8B inference, batch 4, seq 1024, bf16 with NVFP4 linear layers (W4A4), under torch.compile",
+     "llama-3-8b", dict(batch_size=4, seq_len=1024, mode="inference", dtype="bfloat16", weight_quant="nvfp4",
+                        fused=True)),
     ("Llama-3-8B decode step with int4 weights (AWQ / GPTQ-style), batch 1, context 1024, bf16", "llama-3-8b",
      dict(batch_size=1, seq_len=1, mode="inference", kv_cache=1023, dtype="bfloat16", weight_quant="int4")),
     ("Mixtral 8x7B decode step with int4 weights (its experts too), batch 8, context 2048, bf16", "mixtral-8x7b",
@@ -104,10 +108,13 @@ def forecast() -> pd.DataFrame:
                 g = graphs[path]
                 p = predict_graph(g, dev, fused=fused)
             except InputError:   # FP8 GEMMs on a GPU without FP8 tensor cores (neusight.graph.fp8.check_fp8_device),
-                # an FP8 KV cache where attention runs as PyTorch's math backend (neusight.graph.tracer._fp8_kv_kernel)
-                if not (kw.get("fp8") or kw.get("kv_cache_dtype")):
+                # NVFP4 ones without FP4 tensor cores (neusight.graph.quant.check_fp4_device), an FP8 KV cache where
+                # attention runs as PyTorch's math backend (neusight.graph.tracer._fp8_kv_kernel)
+                nvfp4 = kw.get("weight_quant") == "nvfp4"
+                if not (kw.get("fp8") or kw.get("kv_cache_dtype") or nvfp4):
                     raise
-                why = "no FP8 tensor cores" if kw.get("fp8") else "no fused attention for these inputs"
+                why = ("no FP8 tensor cores" if kw.get("fp8") else "no FP4 tensor cores" if nvfp4
+                       else "no fused attention for these inputs")
                 rows.append({"run": label, "gpu": key, "ms": float("nan"), "GiB": float("nan"), "fits": True,
                              "why": why})
                 continue
