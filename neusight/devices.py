@@ -127,18 +127,14 @@ class Device:
         kind = _DTYPES.get(str(dtype).lower().removeprefix("torch."))
         if kind is None:
             raise DeviceError(f"peak_flops: unknown dtype {dtype!r}. Fix: pass one of {sorted(_DTYPES)}.")
-        if kind == "float8":
-            if self.fp8_tensor_tflops is None:
-                raise DeviceError(f"{self.key} ({self.name}) has no FP8 tensor cores (fp8_tensor_tflops is not "
-                                  "given): FP8 matrix multiplies run on Ada, Hopper, Blackwell and CDNA3 GPUs. Fix: "
-                                  "choose such a GPU, or leave FP8 out")
-            return self.fp8_tensor_tflops * 1e12
-        if kind == "float4":
-            if self.fp4_tensor_tflops is None:
-                raise DeviceError(f"{self.key} ({self.name}) has no FP4 tensor cores (fp4_tensor_tflops is not "
-                                  "given): FP4 matrix multiplies run on Blackwell GPUs. Fix: choose such a GPU "
-                                  "(B200), or leave FP4 out")
-            return self.fp4_tensor_tflops * 1e12
+        if kind in _NARROW:     # FP8 / FP4: their own tensor peak, or none
+            name, gpus = _NARROW[kind]
+            peak = getattr(self, f"{name.lower()}_tensor_tflops")
+            if peak is None:
+                raise DeviceError(f"{self.key} ({self.name}) has no {name} tensor cores ({name.lower()}_tensor_tflops "
+                                  f"is not given): {name} matrix multiplies run on {gpus} GPUs. Fix: choose such a "
+                                  f"GPU, or leave {name} out")
+            return peak * 1e12
         if kind == "tf32" and tensor_cores and self.tf32_tensor_tflops is not None:
             return self.tf32_tensor_tflops * 1e12
         tensor = {"float16": self.fp16_tensor_tflops, "bfloat16": self.bf16_tensor_tflops}.get(kind)
@@ -151,6 +147,9 @@ class Device:
         """Plain dict of every field (aliases as a list), ready for YAML/JSON."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
+
+# narrow tensor-core precisions: (their name in messages and spec fields, the GPUs that have them)
+_NARROW = {"float8": ("FP8", "Ada, Hopper, Blackwell and CDNA3"), "float4": ("FP4", "Blackwell (B200)")}
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "tf32": "tf32",
            "tensorfloat32": "tf32", "float16": "float16", "fp16": "float16", "half": "float16",

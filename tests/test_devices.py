@@ -253,6 +253,9 @@ def test_peak_flops_by_dtype():
     assert h.peak_flops("float8_e4m3fn") == h.peak_flops("torch.float8_e5m2") == pytest.approx(1978.9e12)
     with pytest.raises(DeviceError, match=r"v100-sxm2-16gb .* has no FP8 tensor cores"):
         v.peak_flops("fp8")
+    with pytest.raises(DeviceError, match=r"h100-sxm5-80gb .* has no FP4 tensor cores \(fp4_tensor_tflops"):
+        h.peak_flops("fp4")
+    assert load_device("b200").peak_flops("float4_e2m1") == load_device("b200").peak_flops("fp4") == 9000e12
 
 
 def test_device_is_frozen_and_round_trips_through_dict():
