@@ -165,15 +165,18 @@ def forecast_kind(graph: Any, kernels: pd.DataFrame, device: Any, train_devices:
             extra.append(what)
     if megatron:
         extra.append("Megatron-LM's kernels")
-    # the measured runs' GEMMs computed in their precision from weights stored in it
-    names = kernels["kernel"].astype(str) if "kernel" in kernels else pd.Series([], dtype=str)
-    gemm_dtypes = kernels["dtype"].astype(str) if "dtype" in kernels else pd.Series([], dtype=str)
-    if gemm_dtypes.str.startswith("float8").any():
-        extra.append("FP8 GEMMs")
-    if gemm_dtypes.str.startswith("float4").any():
-        extra.append("FP4 GEMMs (NVFP4)")
+    # the measured runs' GEMMs computed in their precision from weights stored in it (an FP8 KV cache's casts are
+    # not GEMMs)
     from neusight.graph.quant import WEIGHT_ONLY, gemm_name
+    from neusight.tiles import GEMM_FAMILIES
 
+    gemms = (kernels[kernels["family"].isin(GEMM_FAMILIES)] if {"family", "dtype", "kernel"} <= set(kernels.columns)
+             else pd.DataFrame(columns=["dtype", "kernel"]))
+    dtypes, names = gemms["dtype"].astype(str), gemms["kernel"].astype(str)
+    if dtypes.str.startswith("float8").any():
+        extra.append("FP8 GEMMs")
+    if dtypes.str.startswith("float4").any():
+        extra.append("FP4 GEMMs (NVFP4)")
     if names.str.startswith(tuple(gemm_name(bits, grouped) for bits in WEIGHT_ONLY for grouped in (False, True))).any():
         extra.append("quantized weights dequantized in the GEMMs")
     return kind, extra

@@ -159,3 +159,7 @@ def test_a_forecast_with_quantized_or_narrow_gemms_says_the_measured_runs_had_no
     fp8 = neusight.predict("opt-125m", "h100-sxm5-80gb", fp8=True, **kw).accuracy
     fp4 = neusight.predict("opt-125m", "b200", weight_quant="nvfp4", **kw).accuracy
     assert "FP8 GEMMs" in fp8["not_covered"] and "FP4 GEMMs (NVFP4)" in fp4["not_covered"]
+    # an FP8 KV cache casts to FP8 but multiplies nothing in it
+    cache = neusight.predict("opt-125m", "h100-sxm5-80gb", dtype="bfloat16", static_cache=True,
+                             attn_implementation="sdpa", kv_cache_dtype="fp8", **kw).accuracy
+    assert "a KV cache" in cache["not_covered"] and "FP8 GEMMs" not in cache["not_covered"]
