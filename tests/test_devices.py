@@ -478,6 +478,7 @@ def test_modify_device_rescales_the_peaks_with_sms_and_clock_unless_given():
     for peak in ("fp32_tflops", "fp32_matrix_tflops", "tf32_tensor_tflops", "fp16_tensor_tflops", "bf16_tensor_tflops"):
         assert getattr(half, peak) == pytest.approx(getattr(base, peak) / 2)
     assert modify_device("l4", sm_count=29).fp8_tensor_tflops == pytest.approx(242.5 / 2)   # L4: 58 SMs
+    assert modify_device("b200", boost_clock_mhz=990).fp4_tensor_tflops == pytest.approx(9000 / 2)   # B200: 1,980
     pinned = modify_device(base, boost_clock_mhz=2 * base.boost_clock_mhz, fp16_tensor_tflops=400)
     assert pinned.fp16_tensor_tflops == 400 and pinned.fp32_tflops == pytest.approx(2 * base.fp32_tflops)
     lanes = modify_device(base, fp32_cores_per_sm=128)        # twice the FP32 lanes: FP32 peaks only
