@@ -1,10 +1,11 @@
 """Serving capacity (``neusight.serving_capacity``): the most concurrent sequences a GPU serves in one
 ``generate()`` call within its memory and latency targets, for Llama-3-8B on five GPUs (one each) and Llama-3-70B
 on 8 GPUs (tensor parallel), and the most a continuously batching engine keeps decoding at once within the same
-targets (``batching="continuous"``), with what stops a larger batch, the tokens/s there, and each search's
-forecasts and seconds on this machine. Forecasts only: no serving measurement was available to check them against.
+targets (``batching="continuous"``; on a B200 also with NVFP4 linear layers), with what stops a larger batch, the
+tokens/s there, and each search's forecasts and seconds on this machine. Forecasts only: no serving measurement was
+available to check them against.
 
-    python scripts/bench_serving.py            # prints, and writes docs/serving.md (about 10 min)
+    python scripts/bench_serving.py            # prints, and writes docs/serving.md (about 7 min)
     python scripts/bench_serving.py --no-write
 """
 
@@ -37,6 +38,8 @@ TARGETS = [{}, dict(max_tpot_ms=30.0), dict(max_tpot_ms=50.0, max_ttft_ms=2000.0
 CURVE_GPUS = ["l40s", "a100-80gb-pcie", "h100-sxm5-80gb"]
 LARGE = dict(model="llama-3-70b", prompt_len=1024, new_tokens=256, tp=8)
 LARGE_GPUS = ["a100-80gb-pcie", "h100-sxm5-80gb"]
+# Blackwell's engine in the model's BF16 and with NVFP4 linear layers (W4A4 on its FP4 tensor cores)
+BLACKWELL = [("b200", "bf16", {}), ("b200", "nvfp4", dict(weight_quant="nvfp4"))]
 
 
 def _targets(t: dict) -> str:
@@ -51,11 +54,12 @@ def _row(cap, targets: dict) -> str:
             f"{cap.forecasts} | {cap.seconds:.0f} |")
 
 
-def _engine_row(cap, targets: dict) -> str:
+def _engine_row(cap, targets: dict, weights: str = "") -> str:
     f = cap.forecast
     at = (f"{f.ttft_ms:,.0f} | {f.step_ms:,.2f} | {f.tokens_per_s:,.0f} | {f.requests_per_s:,.1f} | "
           f"{f.memory_peak_bytes / 2**30:,.1f}" if f is not None else "- | - | - | - | -")
-    return (f"| {cap.device.key} | {_targets(targets)} | {cap.batch_size:,} | {cap.limited_by} | {at} | "
+    gpu = f"{cap.device.key}, {weights}" if weights else cap.device.key
+    return (f"| {gpu} | {_targets(targets)} | {cap.batch_size:,} | {cap.limited_by} | {at} | "
             f"{cap.forecasts} | {cap.seconds:.0f} |")
 
 
@@ -102,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
                                    batching="continuous", **targets, **ENGINE)
             engine.append(_engine_row(cap, targets))
             print(engine[-1], flush=True)
+    blackwell, shared = [], {}
+    for targets in TARGETS:
+        for gpu, weights, extra in BLACKWELL:
+            cap = serving_capacity(SMALL["model"], gpu, SMALL["prompt_len"], SMALL["new_tokens"], cache=shared,
+                                   batching="continuous", **targets, **ENGINE, **extra)
+            blackwell.append(_engine_row(cap, targets, weights))
+            print(blackwell[-1], flush=True)
     curve_start = time.perf_counter()   # the engine's throughput-latency curve on three of the GPUs
     curve = serving_curve(SMALL["model"], CURVE_GPUS, SMALL["prompt_len"], SMALL["new_tokens"], cache=shared,
                           **ENGINE)
@@ -153,6 +164,17 @@ sequence's cache at the mean context (a paged cache holds what is written) and t
 
 {ENGINE_HEADER}
 {chr(10).join(engine)}
+
+### On Blackwell, in BF16 and in NVFP4
+
+The same engine on a B200, its linear layers in the model's BF16 and in NVFP4 (`weight_quant="nvfp4"`: weights and
+activations in 4-bit E2M1 with an E4M3 scale per 16, each projection's input quantized by a kernel merged into
+the norm or activation making it where the fusion pass can, the GEMMs on the FP4 tensor cores; the LM head in
+BF16). No FP4 kernel was ever measured: the FP4 GEMMs are bounded by the spec's FP4 peak (9 PFLOPS dense) with the
+utilizations learned from FP32 kernels.
+
+{ENGINE_HEADER}
+{chr(10).join(blackwell)}
 
 ### Throughput against latency
 
