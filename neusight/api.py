@@ -639,17 +639,9 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     >>> [p.device.key for p in ps], ps[0].latency_ms > ps[1].latency_ms
     (['t4', 'l4'], True)
     """
-    from neusight.devices import list_devices
     from neusight.graph.tracer import trace_key
 
-    if names_all(devices):
-        devices = list_devices()
-    elif isinstance(devices, (str, Path, Device)):
-        devices = [devices]
-    devs = [load_device(d) for d in devices]
-    if not devs:
-        raise InputError("devices=[] names no GPU. Fix: a list of keys such as ['a100-80gb-pcie', 'h100-sxm5-80gb'], "
-                         "or 'all'")
+    devs = load_devices(devices)
     tf32_mode(tf32)   # a bad switch fails before the (slower) trace
     check_host_us(host_us)
     predictors = {d.key: load_predictor(predictor, d) for d in devs}   # per vendor unless given one
@@ -676,6 +668,22 @@ def predict_many(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     if not preds:
         raise unrunnable_error(errors)
     return preds
+
+
+def load_devices(devices: Any) -> list[Device]:
+    """``devices`` as a list of Devices: one GPU (a key, alias, spec path or Device), a list of them, or ``"all"``
+    (every GPU of the library, :func:`neusight.devices.list_devices`); an empty list is an error."""
+    from neusight.devices import list_devices
+
+    if names_all(devices):
+        devices = list_devices()
+    elif isinstance(devices, (str, Path, Device)):
+        devices = [devices]
+    devs = [load_device(d) for d in devices]
+    if not devs:
+        raise InputError("devices=[] names no GPU. Fix: a list of keys such as ['a100-80gb-pcie', 'h100-sxm5-80gb'], "
+                         "or 'all'")
+    return devs
 
 
 def left_out_reason(error: InputError) -> str:

@@ -180,9 +180,9 @@ def predict_continuous(model: Any, device: Any, batch_size: int = 1, prompt_len:
                              "writes its cache in place, one token a step per sequence). Fix: leave it out")
     _positive("tp", tp)
     steps = new_tokens - 1                      # decode steps of a sequence
-    prefill_tokens = math.ceil(batch_size * prompt_len / steps)
+    prefill_tokens = step_tokens(batch_size, prompt_len, new_tokens) - batch_size
     if batch_size + prefill_tokens > budget:
-        most = max((b for b in range(1, budget) if b + math.ceil(b * prompt_len / steps) <= budget), default=0)
+        most = budget_batches(prompt_len, new_tokens, budget)
         raise InputError(f"batch_size={batch_size:,} sequences decoding need {batch_size + prefill_tokens:,} tokens a "
                          f"step (their {batch_size:,} and {prefill_tokens:,} prompt tokens of the sequences replacing "
                          f"those that finish), beyond max_num_batched_tokens={budget:,}: the engine cannot keep them "
@@ -262,14 +262,19 @@ def continuous_ranking_table(forecasts: list[ContinuousForecast],
     return ranked(rows, "per output token ms")
 
 
+def step_tokens(batch: int, prompt_len: int, new_tokens: int) -> int:
+    """Tokens an engine's step forwards with ``batch`` sequences decoding: theirs and, on average, the prompt tokens
+    of the sequences admitted as they finish (``batch + ceil(batch * prompt_len / (new_tokens - 1))``)."""
+    return batch + math.ceil(batch * prompt_len / max(new_tokens - 1, 1))
+
+
 def budget_batches(prompt_len: int, new_tokens: int, max_num_batched_tokens: int = MAX_BATCHED_TOKENS) -> int:
-    """The most sequences an engine keeps decoding within its token budget: their tokens and the prompt tokens of
-    the sequences replacing those that finish (``b + ceil(b * prompt_len / (new_tokens - 1))``) in one step."""
-    steps = max(new_tokens - 1, 1)
-    lo, hi = 0, max_num_batched_tokens     # b + ceil(...) grows with b: bisect for the largest within
+    """The most sequences an engine keeps decoding within its token budget (:func:`step_tokens` of them in one
+    step); 0 when not one fits."""
+    lo, hi = 0, max_num_batched_tokens     # step_tokens grows with the sequences: bisect for the largest within
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if mid + math.ceil(mid * prompt_len / steps) <= max_num_batched_tokens:
+        if step_tokens(mid, prompt_len, new_tokens) <= max_num_batched_tokens:
             lo = mid
         else:
             hi = mid - 1
@@ -292,8 +297,7 @@ def serving_curve(model: Any, devices: Any, prompt_len: int = 128, new_tokens: i
     """
     import pandas as pd
 
-    from neusight.api import names_all
-    from neusight.devices import list_devices, load_device
+    from neusight.api import load_devices
 
     most = budget_batches(prompt_len, new_tokens, kwargs.get("max_num_batched_tokens", MAX_BATCHED_TOKENS))
     if batch_sizes is None:
@@ -306,14 +310,7 @@ def serving_curve(model: Any, devices: Any, prompt_len: int = 128, new_tokens: i
         sizes = sorted(set(sizes))
     cache = {} if cache is None else cache
     rows = []
-    if names_all(devices):
-        devices = list_devices()
-    elif isinstance(devices, str) or not isinstance(devices, (list, tuple)):
-        devices = [devices]
-    if not devices:
-        raise InputError("devices=[] names no GPU. Fix: a list of keys such as ['a100-80gb-pcie', "
-                         "'h100-sxm5-80gb'], or 'all'")
-    for device in (load_device(d) for d in devices):
+    for device in load_devices(devices):
         for b in sizes:
             f = predict_continuous(model, device, b, prompt_len, new_tokens, cache=cache, **kwargs)
             rows.append({"GPU": f.device.key, "sequences": b, "per output token ms": f.step_ms,

@@ -125,17 +125,13 @@ def _miss(f: Any, limit: str, cap: "ServingCapacity") -> str:
         return (f"{_beyond(f.memory_peak_bytes / 2**30, cap.device.memory_gib, 1)} GiB"
                 f"{' per GPU' if f.tp > 1 else ''}")
     if limit == "token budget":
-        tokens = _step_tokens(cap.batch_size + 1, cap.prompt_len, cap.new_tokens)
+        from neusight.engine import step_tokens
+
+        tokens = step_tokens(cap.batch_size + 1, cap.prompt_len, cap.new_tokens)
         return f"{tokens:,} tokens a step (max_num_batched_tokens={cap.max_num_batched_tokens:,})"
     if limit == "time to first token":
         return f"{_beyond(f.time_to_first_token_ms, cap.max_ttft_ms, 1)} ms to the first token"
     return f"{_beyond(f.time_per_output_token_ms, cap.max_tpot_ms, 2)} ms per output token"
-
-
-def _step_tokens(batch: int, prompt_len: int, new_tokens: int) -> int:
-    """Tokens a continuously batching engine's step forwards with ``batch`` sequences decoding: theirs and the
-    prompt tokens of the sequences admitted as they finish (:func:`neusight.engine.predict_continuous`)."""
-    return batch + math.ceil(batch * prompt_len / (new_tokens - 1))
 
 
 def _check_target(name: str, value: Any) -> float | None:
@@ -169,7 +165,7 @@ def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens:
     ('time per output token', True)
     """
     from neusight.devices import load_device
-    from neusight.engine import MAX_BATCHED_TOKENS, predict_continuous
+    from neusight.engine import MAX_BATCHED_TOKENS, predict_continuous, step_tokens
     from neusight.generation import predict_generation
     from neusight.memory import largest_within
 
@@ -204,7 +200,7 @@ def serving_capacity(model: Any, device: Any, prompt_len: int = 128, new_tokens:
 
     def budget_use(b: int) -> float:
         """A continuous engine's step tokens with ``b`` sequences decoding, against its budget (0: static)."""
-        return _step_tokens(b, prompt_len, new_tokens) / budget if continuous else 0.0
+        return step_tokens(b, prompt_len, new_tokens) / budget if continuous else 0.0
 
     def use(b: int) -> float:
         """The highest use of a target by ``b`` sequences (a step beyond the token budget is not forecast)."""
