@@ -110,6 +110,14 @@ class Prediction:
             return self.batch_size * self.seq_len / seconds, "tokens/s"
         return self.batch_size / seconds, "samples/s"
 
+    @property
+    def efficiency(self) -> Any:
+        """MFU, HFU and MBU of the forecast against the GPU's spec-sheet peaks
+        (:class:`neusight.efficiency.Efficiency`)."""
+        from neusight.efficiency import efficiency
+
+        return efficiency(self.kernels, self.device, self.latency_ms)
+
     def by_family(self) -> pd.DataFrame:
         k = self.kernels
         agg = k.groupby("family").agg(kernels=("latency_ms", "size"), latency_ms=("latency_ms", "sum"),
@@ -131,7 +139,7 @@ class Prediction:
              "latency_ms": self.latency_ms,
              "throughput": rate, "throughput_unit": unit, "phases": self.phases,
              "notes": list(self.notes), "predictor_trained_on": list(self.predictor_devices),
-             "measured_accuracy": self.accuracy,
+             "measured_accuracy": self.accuracy, "efficiency": self.efficiency.to_dict(),
              "families": self.by_family().reset_index().to_dict(orient="records")}
         if self.memory is not None and hasattr(self.memory, "to_dict"):
             d["memory"] = self.memory.to_dict()
@@ -716,11 +724,13 @@ def ranked(rows: list[dict[str, Any]], key: str) -> pd.DataFrame:
 
 def table_formats(columns: Any) -> dict[str, Any]:
     """Printing formats of a ranked table's numeric columns: times (``ms``, ``... ms``) to 2 decimals, throughputs
-    (``.../s``) whole, costs (``USD per ...``) to 4 significant digits, ``time vs ...`` ratios as ``1.23x``."""
+    (``.../s``) whole, costs (``USD per ...``) to 4 significant digits, ``time vs ...`` ratios as ``1.23x``,
+    percentages (``... %``) to one decimal."""
     fmt: dict[str, Any] = {c: "{:,.2f}".format for c in columns if c == "ms" or c.endswith(" ms")}
     fmt.update({c: "{:,.0f}".format for c in columns if c.endswith("/s")})
     fmt.update({c: "{:,.4g}".format for c in columns if c.startswith("USD per")})
     fmt.update({c: "{:.2f}x".format for c in columns if c.startswith("time vs ")})
+    fmt.update({c: "{:.1f}".format for c in columns if c.endswith(" %")})
     return fmt
 
 
@@ -733,19 +743,23 @@ def _names(text: str, key: str) -> bool:
 def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None] | None = None,
                   anchored: dict[str, float] | None = None) -> pd.DataFrame:
     """Forecasts of one run on several GPUs as a table, fastest first (by the ``anchored`` time when given: device
-    key -> ms): rank, GPU, ms, time vs fastest, throughput, the memory peak against the GPU's memory and whether it
-    fits (with a memory forecast), the cost (``costs``: per forecast, None or ``{"usd": .., "per": "1M tokens"}``),
-    whether the predictor was trained on the GPU and the measured mean error of forecasts of the kind."""
+    key -> ms): rank, GPU, ms, time vs fastest, throughput, MFU and MBU (:mod:`neusight.efficiency`; of the
+    anchored time when given), the memory peak against the GPU's memory and whether it fits (with a memory
+    forecast), the cost (``costs``: per forecast, None or ``{"usd": .., "per": "1M tokens"}``), whether the
+    predictor was trained on the GPU and the measured mean error of forecasts of the kind."""
     from neusight.accuracy import short_accuracy
 
     rows = []
     for p, cost in zip(preds, costs or [None] * len(preds)):
         rate, unit = p.throughput
         row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms}
+        faster = 1.0      # the forecast's time over the anchored one
         if anchored is not None:
             row["anchored ms"] = anchored[p.device.key]
-            rate *= p.latency_ms / anchored[p.device.key]
-        row[unit] = rate
+            faster = p.latency_ms / anchored[p.device.key]
+        row[unit] = rate * faster
+        eff = p.efficiency
+        row["MFU %"], row["MBU %"] = 100 * eff.mfu * faster, 100 * eff.mbu * faster
         peak = getattr(p.memory, "peak_bytes", None) if p.memory is not None else None
         if peak is not None:
             row["memory GiB"] = f"{peak / 2**30:,.1f} of {p.device.memory_gib:g}"

@@ -124,7 +124,7 @@ class Device:
         float8 (e4m3 / e5m2): the FP8 tensor peak, a DeviceError on a GPU without FP8 tensor cores; float4 (e2m1)
         likewise at the FP4 tensor peak.
         """
-        kind = _DTYPES.get(str(dtype).lower().removeprefix("torch."))
+        kind = dtype_kind(dtype)
         if kind is None:
             raise DeviceError(f"peak_flops: unknown dtype {dtype!r}. Fix: pass one of {sorted(_DTYPES)}.")
         if kind in _NARROW:     # FP8 / FP4: their own tensor peak, or none
@@ -156,6 +156,13 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "tf32": 
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float8": "float8", "fp8": "float8",
            "float8_e4m3fn": "float8", "float8_e5m2": "float8", "float4": "float4", "fp4": "float4",
            "float4_e2m1": "float4", "float4_e2m1fn_x2": "float4"}
+
+
+def dtype_kind(dtype: Any) -> str | None:
+    """The precision whose peak :meth:`Device.peak_flops` takes for ``dtype`` (a name, a short name or a
+    torch.dtype): "float32", "tf32", "float16", "bfloat16", "float8" or "float4"; None if it is none of them."""
+    return _DTYPES.get(str(dtype).lower().removeprefix("torch."))
+
 
 # Accepted unit spellings per key-name suffix -> factor into the key's unit. NB: memory sizes are binary as
 # marketed ("80 GB" of HBM is 80 GiB, a "50 MB" L2 is 50 MiB), so GB and GiB mean the same here.

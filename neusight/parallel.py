@@ -835,6 +835,25 @@ class ParallelPrediction:
         per_step = self.batch_size * (self.seq_len if unit == "tokens/s" and self.seq_len else 1)
         return per_step / max(self.latency_ms, 1e-12) * 1e3, unit
 
+    @property
+    def efficiency(self) -> Any:
+        """MFU, HFU and MBU per GPU (:class:`neusight.efficiency.Efficiency`): one GPU's share of the step's
+        matrix-multiply FLOPs and DRAM traffic (the forecast micro-batch on its shard of every stage, times the
+        micro-batches, over the pipeline stages; the optimizer's traffic once, in the share of its time the step
+        spends on it) over the step's time, communication and bubbles included."""
+        from dataclasses import replace
+
+        per = self.per_gpu
+        e = per.efficiency
+        share = self.parallelism.microbatches / self.parallelism.pp
+        k = per.kernels
+        opt_bytes = float(k.loc[k["phase"] == "optimizer", "bytes"].sum())
+        opt_ms = per.phases.get("optimizer", 0.0)
+        opt_share = self.parts.get("optimizer", 0.0) / opt_ms if opt_ms > 0 else 0.0
+        return replace(e, model_flops=e.model_flops * share, hardware_flops=e.hardware_flops * share,
+                       dram_bytes=(e.dram_bytes - opt_bytes) * share + opt_bytes * opt_share,
+                       seconds=max(self.latency_ms, 1e-12) / 1e3)
+
     def run_line(self, on: str) -> str:
         """What ran ``on`` which GPUs ("8 x NVIDIA H100 ..."): the model, mode, batch, sequence and layout."""
         par = self.parallelism
@@ -850,6 +869,7 @@ class ParallelPrediction:
     def summary(self) -> str:
         lines = [self.run_line(f"{self.parallelism.gpus} x {self.device.name}"), f"total: {self.latency_ms:,.2f} ms"]
         lines.append("parts: " + " | ".join(f"{k} {v:,.2f} ms" for k, v in self.parts.items() if v > 0))
+        lines.append(self.efficiency.line().replace("efficiency:", "efficiency per GPU:", 1))
         if self.memory_breakdown is not None:
             lines.append(f"memory per GPU (first stage, approximate): {self.memory_peak_bytes / 2**30:,.1f} GiB of "
                          f"{self.device.memory_gib:g} GiB: {'fits' if self.memory_fits else 'does NOT fit'}")
@@ -861,15 +881,17 @@ class ParallelPrediction:
 def parallel_ranking_table(preds: list[ParallelPrediction],
                            costs: list[dict[str, Any] | None] | None = None) -> pd.DataFrame:
     """Forecasts of one multi-GPU run on several GPU types as a table, fastest first: rank, GPU, ms, time vs
-    fastest, the whole run's throughput, the memory peak of its busiest GPU against the GPU's memory and whether it
-    fits (with a memory forecast), the cost (``costs``: per forecast, None or ``{"usd": .., "per": "1M tokens"}``,
-    all the run's GPUs paid) and whether the predictor was trained on the GPU."""
+    fastest, the whole run's throughput, MFU and MBU per GPU, the memory peak of its busiest GPU against the GPU's
+    memory and whether it fits (with a memory forecast), the cost (``costs``: per forecast, None or
+    ``{"usd": .., "per": "1M tokens"}``, all the run's GPUs paid) and whether the predictor was trained on the GPU."""
     from neusight.api import ranked
 
     rows = []
     for p, cost in zip(preds, costs or [None] * len(preds)):
         rate, unit = p.throughput
-        row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms, unit: rate}
+        eff = p.efficiency
+        row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms, unit: rate, "MFU %": 100 * eff.mfu,
+                               "MBU %": 100 * eff.mbu}
         if p.memory_peak_bytes is not None:
             row["memory per GPU GiB"] = f"{p.memory_peak_bytes / 2**30:,.1f} of {p.device.memory_gib:g}"
             row["fits"] = "yes" if p.memory_fits else "no"

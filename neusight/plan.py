@@ -482,7 +482,7 @@ def plan_parallel(model: Any, device: Device | str, gpus: int, batch_size: int, 
                "ep": e, "vpp": v,
                "sp": "yes" if sp and tp > 1 else "no", "micro-batches": m, "zero": z,
                "recompute": recompute_label(p.per_gpu.graph.gradient_checkpointing),
-               "ms": p.latency_ms, unit: done / p.latency_ms * 1e3,
+               "ms": p.latency_ms, unit: done / p.latency_ms * 1e3, "MFU %": 100 * p.efficiency.mfu,
                "memory GiB": (p.memory_peak_bytes or 0.0) / 2**30, "fits": bool(p.memory_fits),
                "compute ms": parts["compute"], "communication ms": sum(parts[k] for k in COMM_PARTS),
                "bubble ms": parts["pp_bubble"], "optimizer ms": parts["optimizer"]}

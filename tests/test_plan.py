@@ -84,6 +84,7 @@ def test_candidates_are_predict_parallels_forecasts(plan, small_gpu):
                              gradient_checkpointing=RECOMPUTE[r["recompute"]], **RUN)
         assert p.latency_ms == pytest.approx(r["ms"], rel=1e-9)
         assert p.memory_peak_bytes / 2**30 == pytest.approx(r["memory GiB"], rel=1e-9)
+        assert r["MFU %"] == pytest.approx(100 * p.efficiency.mfu, rel=1e-9)
 
 
 def test_layouts_the_model_cannot_take_are_left_out():

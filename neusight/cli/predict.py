@@ -242,6 +242,7 @@ def format_summary(p: Prediction, top: int = 10) -> str:
                                          for ph, ms in p.phases.items()))
     b = bound_shares(p)
     lines.append(f"bound: compute-bound kernels {b['compute']:.1f} % of the time, memory-bound {b['memory']:.1f} %")
+    lines.append(p.efficiency.line())
     mem = _memory_line(p)
     if mem:
         lines.append(mem)
@@ -282,6 +283,9 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
         for ph in phases:
             col[f"{ph} ms"] = f"{r['phases'][ph]:,.2f}" if ph in r["phases"] else "-"
         col[f"speed-up vs {rows[0]['label']}"] = f"{base / r['latency_ms']:.2f}x"
+        if r.get("mfu") is not None:
+            col["MFU %"] = f"{100 * r['mfu']:.1f}"
+            col["MBU %"] = f"{100 * r['mbu']:.1f}"
         if cost := r.get("cost"):
             col[f"USD per {cost['per']}"] = f"{cost['usd']:,.4g}"
             first = rows[0].get("cost")
@@ -304,8 +308,9 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
     m = p.memory
     peak = getattr(m, "peak_bytes", None) if m is not None else None
     rate, unit = p.throughput
+    eff = p.efficiency
     return {"label": label or p.device.key, "device": p.device.key, "latency_ms": p.latency_ms,
-            "throughput": rate, "throughput_unit": unit,
+            "throughput": rate, "throughput_unit": unit, "mfu": eff.mfu, "mbu": eff.mbu,
             "phases": dict(p.phases), "memory_peak_gib": None if peak is None else peak / GIB,
             "fits": getattr(m, "fits", None) if m is not None else None,
             "trained_on": p.device.key in tuple(p.predictor_devices),
@@ -1175,7 +1180,8 @@ def _parallel(cfg: PredictConfig) -> float:
         preds.append(p)
         costs.append(cost)
         records.append({"device": p.device.key, "gpus": gpus, "latency_ms": p.latency_ms,
-                        **{f"{k}_ms": v for k, v in p.parts.items()}, "memory_peak_bytes": p.memory_peak_bytes,
+                        **{f"{k}_ms": v for k, v in p.parts.items()}, "efficiency_per_gpu": p.efficiency.to_dict(),
+                        "memory_peak_bytes": p.memory_peak_bytes,
                         "memory_fits": p.memory_fits, **({"cost": cost} if cost is not None else {})})
         if ranking:
             continue
@@ -1196,7 +1202,8 @@ def _parallel(cfg: PredictConfig) -> float:
             rate, unit = p.throughput
             rows.append({"label": p.device.key, "latency_ms": p.latency_ms, "cost": cost,
                          "phases": {k: v for k, v in p.parts.items() if any(q.parts.get(k, 0) > 0 for q in preds)},
-                         "throughput": rate, "throughput_unit": unit,
+                         "throughput": rate, "throughput_unit": unit, "mfu": p.efficiency.mfu,
+                         "mbu": p.efficiency.mbu,
                          "memory_peak_gib": None if p.memory_peak_bytes is None else p.memory_peak_bytes / 2**30,
                          "fits": p.memory_fits})
         print("\nside by side (parts of the total; memory: one GPU's):\n" + comparison_table(rows).to_string())
