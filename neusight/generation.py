@@ -10,7 +10,7 @@ at a few context lengths spread over the run and the total is their trapezoidal 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,9 @@ class GenerationForecast:
     memory_peak_bytes: float | None = None   # per GPU, the higher of the prefill's and the longest cache's step
     memory_fits: bool | None = None
     memory_peak_in: str = "decode"       # where that peak is: "prefill" (the prompt's forward) or "decode"
+    prefill_efficiency: Any = None       # neusight.efficiency.Efficiency of the prefill (per GPU with tp)
+    decode_efficiency: Any = None        # ... of all decode steps together (their FLOPs and bytes integrated as
+    #                                      their times are), None without a decode step
 
     @property
     def total_ms(self) -> float:
@@ -77,7 +80,18 @@ class GenerationForecast:
                 f" | total {self.total_ms:,.1f} ms | {self.tokens_per_s:,.0f} generated tokens/s\n"
                 + ("decode steps forecast at " + ", ".join(f"context {n + 1}: {ms:.2f} ms" for n, ms in self.steps)
                    if self.steps else "no decode step (one new token: the prefill makes it)")
-                + self._memory_line() + "".join(f"\nnote: {n}" for n in self.notes))
+                + self._efficiency_line() + self._memory_line() + "".join(f"\nnote: {n}" for n in self.notes))
+
+    def _efficiency_line(self) -> str:
+        pre, dec = self.prefill_efficiency, self.decode_efficiency
+        if pre is None:
+            return ""
+        line = (f"\nefficiency{' per GPU' if self.tp > 1 else ''}: prefill MFU {100 * pre.mfu:.1f} % of the "
+                f"{pre.peak_name}")
+        if dec is not None:
+            line += (f"; decode MBU {100 * dec.mbu:.1f} % of {dec.bandwidth / 1e9:,.0f} GB/s "
+                     f"({dec.achieved_bandwidth / 1e9:,.0f} GB/s), MFU {100 * dec.mfu:.1f} %")
+        return line
 
     def _memory_line(self) -> str:
         if self.memory_peak_bytes is None:
@@ -194,6 +208,7 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
         raise InputError(f"prompt_len={prompt_len}: {e}") from None
     devs = [p.device for p in first]
     steps: list[list[tuple[int, float]]] = [[] for _ in devs]
+    effs: list[list[Any]] = [[] for _ in devs]     # the steps' Efficiency, as steps
     notes = [p.notes for p in first]
     decode = [0.0] * len(devs)
     if new_tokens > 1:
@@ -209,6 +224,7 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
                                  f"{e}") from None
             for i, p in enumerate(last):
                 steps[i].append((c, p.latency_ms))
+                effs[i].append(p.efficiency)
                 notes[i] = p.notes
                 if static_cache and len(cached) > 1 and c in (cached[0], cached[-1]) and _peak(p) is not None:
                     growth[i] += _peak(p) * (1.0 if c == cached[-1] else -1.0)
@@ -216,7 +232,7 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
         for i, run in enumerate(steps):
             xs = np.array([c for c, _ in run], dtype=float)
             ys = np.array([ms for _, ms in run])
-            decode[i] = float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
+            decode[i] = _integral(at, xs, ys)
     else:
         last, growth = first, [0.0] * len(devs)
     out = []
@@ -227,17 +243,32 @@ def _generate(devices: Any, batch_size: int, prompt_len: int, new_tokens: int, s
             prefill_peak += max(growth[i], 0.0)
         peak, where = ((prefill_peak, "prefill") if decode_peak is None or (prefill_peak or 0.0) > decode_peak
                        else (decode_peak, "decode"))      # the prompt's forward or the longest cache's step
+        dec_eff = None
+        if effs[i]:     # the decode steps' FLOPs and bytes summed over every step as their times are
+            xs = np.array([c for c, _ in steps[i]], dtype=float)
+            e = effs[i][0]
+            dec_eff = replace(e, seconds=max(decode[i], 1e-12) / 1e3, **{
+                f: _integral(at, xs, np.array([getattr(s, f) for s in effs[i]]))
+                for f in ("model_flops", "hardware_flops", "dram_bytes")})
         out.append(GenerationForecast(p.model, dev, batch_size, prompt_len, new_tokens, p.latency_ms, decode[i],
                                       steps[i], ((CACHE_NOTES[static_cache],) if steps[i] else ())
                                       + tuple(n for n in notes[i] if any(w in n for w in GENERATION_NOTES)), tp,
-                                      peak, None if peak is None else peak <= dev.memory_bytes, where))
+                                      peak, None if peak is None else peak <= dev.memory_bytes, where,
+                                      p.efficiency, dec_eff))
     return out
+
+
+def _integral(at: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> float:
+    """The sum over every step's context ``at`` of ``ys`` forecast at the contexts ``xs``, linear between them (one
+    forecast: the same for every step)."""
+    return float(np.interp(at, xs, ys).sum()) if len(xs) > 1 else float(ys[0]) * len(at)
 
 
 def generation_ranking_table(forecasts: list[GenerationForecast],
                              costs: list[dict[str, Any] | None] | None = None) -> Any:
     """Generation forecasts of one run on several GPUs as a table, fastest first (by the whole call's time): rank,
-    GPU, total ms, time vs fastest, time to first token, time per output token, generated tokens/s, the memory peak
+    GPU, total ms, time vs fastest, time to first token, time per output token, generated tokens/s, the decode
+    steps' MBU (:attr:`GenerationForecast.decode_efficiency`), the memory peak
     at the longest context against the GPU's memory and whether it fits, and the cost (``costs``: per forecast,
     None or ``{"usd": .., "per": "1M generated tokens"}``), as :func:`neusight.api.ranking_table` does for a step."""
     from neusight.api import ranked
@@ -247,7 +278,9 @@ def generation_ranking_table(forecasts: list[GenerationForecast],
         rows.append(with_memory_and_cost({"GPU": f.device.key, "total ms": f.total_ms,
                                           "time to first token ms": f.prefill_ms,
                                           "per output token ms": f.time_per_output_token_ms,
-                                          "generated tokens/s": f.tokens_per_s}, f, cost))
+                                          "generated tokens/s": f.tokens_per_s,
+                                          **({"decode MBU %": 100 * f.decode_efficiency.mbu}
+                                             if f.decode_efficiency is not None else {})}, f, cost))
     return ranked(rows, "total ms")
 
 

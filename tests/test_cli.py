@@ -460,6 +460,7 @@ def test_multi_gpu_runs_on_named_gpus_end_side_by_side(tmp_path):
     speed = records[0]["latency_ms"] / records[1]["latency_ms"]
     assert rows["speed-up vs l4"] == ["1.00x", f"{speed:.2f}x"]
     assert rows["memory peak GiB"] == [f"{d['memory_peak_bytes'] / 2**30:.1f}" for d in records]
+    assert rows["MFU %"] == [f"{100 * d['efficiency_per_gpu']['mfu']:.1f}" for d in records]
 
 
 def test_device_all_ranks_generation_by_its_total_time(tmp_path):
@@ -479,6 +480,7 @@ def test_device_all_ranks_generation_by_its_total_time(tmp_path):
     # one price: the cost per generated token follows the tokens/s
     usd = [data[k]["usd_per_1m_generated_tokens"] * data[k]["generated_tokens_per_s"] for k in order]
     assert max(usd) == pytest.approx(min(usd), rel=1e-9)
+    assert all(0 < data[k]["decode_mbu_pct"] <= 100 and 0 < data[k]["prefill_mfu_pct"] <= 100 for k in order)
 
 
 def test_ranking_searches_are_each_gpus_own_search():

@@ -151,3 +151,25 @@ def test_per_gpu_efficiency_of_a_parallel_step_shares_the_models_flops(layout):
     assert e.seconds == pytest.approx(p.latency_ms / 1e3) and e.peak_dtype == single.peak_dtype
     assert 0 < e.mfu <= 1 and 0 < e.mbu <= 1
     assert "efficiency per GPU: matrix multiplies" in p.summary()
+
+
+def test_generation_prefill_mfu_and_decode_mbu_integrate_the_steps():
+    from neusight.generation import predict_generation
+
+    f = predict_generation("gpt2", "l4", batch_size=4, prompt_len=64, new_tokens=33, static_cache=True)
+    pre, dec = f.prefill_efficiency, f.decode_efficiency
+    assert pre.seconds == pytest.approx(f.prefill_ms / 1e3) and dec.seconds == pytest.approx(f.decode_ms / 1e3)
+    # every step's traffic between the shortest and the longest cache's step's (forecast at 3 contexts)
+    steps = [neusight.predict("gpt2", "l4", batch_size=4, seq_len=1, kv_cache=c, static_cache=True,
+                              memory=False).efficiency for c, _ in f.steps]
+    assert len(steps) == 3 and steps[0].dram_bytes < steps[-1].dram_bytes    # the cache grows
+    assert 32 * steps[0].dram_bytes < dec.dram_bytes < 32 * steps[-1].dram_bytes
+    assert 32 * steps[0].model_flops < dec.model_flops < 32 * steps[-1].model_flops
+    assert 0 < dec.mbu <= 1 and 0 < pre.mfu <= 1
+    assert f"decode MBU {100 * dec.mbu:.1f} %" in f.summary()
+    one = predict_generation("gpt2", "l4", batch_size=4, prompt_len=64, new_tokens=1)
+    assert one.decode_efficiency is None and "prefill MFU" in one.summary() and "decode MBU" not in one.summary()
+    two = predict_generation("gpt2", "l4", batch_size=4, prompt_len=64, new_tokens=2)   # one decode step
+    alone = neusight.predict("gpt2", "l4", batch_size=4, seq_len=1, kv_cache=64, memory=False).efficiency
+    assert two.decode_efficiency.dram_bytes == pytest.approx(alone.dram_bytes, rel=1e-12)
+    assert two.decode_efficiency.mbu == pytest.approx(alone.mbu, rel=1e-9)

@@ -230,6 +230,14 @@ def _memory_line(p: Prediction) -> str | None:
     return f"{what}: peak {m.peak_bytes / GIB:.1f} GiB of {cap:g} GiB{verdict}" + (f" ({parts} GiB)" if parts else "")
 
 
+def _generation_efficiency(f: Any) -> dict[str, float]:
+    """A generation forecast's prefill MFU and decode MBU (%), for its JSON record and the side-by-side table."""
+    out = {"prefill_mfu_pct": 100 * f.prefill_efficiency.mfu}
+    if f.decode_efficiency is not None:
+        out["decode_mbu_pct"] = 100 * f.decode_efficiency.mbu
+    return out
+
+
 def format_summary(p: Prediction, top: int = 10) -> str:
     """The readable summary the CLI prints for one GPU."""
     import pandas as pd
@@ -808,7 +816,8 @@ def _generation(cfg: PredictConfig) -> float:
     for f, cost in zip(forecasts, costs):
         rows.append({"device": f.device.key, "gpus": f.tp, "time_to_first_token_ms": f.prefill_ms,
                      "time_per_output_token_ms": f.time_per_output_token_ms, "total_ms": f.total_ms,
-                     "generated_tokens_per_s": f.tokens_per_s, "memory_peak_bytes": f.memory_peak_bytes,
+                     "generated_tokens_per_s": f.tokens_per_s, **_generation_efficiency(f),
+                     "memory_peak_bytes": f.memory_peak_bytes,
                      "memory_fits": f.memory_fits, "decode_steps": [list(s) for s in f.steps],
                      **({"usd_per_1m_generated_tokens": cost["usd"]} if cost is not None else {})})
     if ranking:
