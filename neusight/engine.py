@@ -40,7 +40,7 @@ still in prefill (a few partly written prompts beside ``B`` whole sequences).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from neusight.errors import InputError
@@ -82,6 +82,8 @@ class ContinuousForecast:
     memory_peak_bytes: float | None = None   # per GPU
     memory_fits: bool | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    efficiency: Any = None               # neusight.efficiency.Efficiency of the mean step (per GPU with tp): its
+    #                                      matrix-multiply FLOPs and DRAM bytes composed as its time is
 
     @property
     def time_per_output_token_ms(self) -> float:
@@ -117,6 +119,11 @@ class ContinuousForecast:
                  f"{self.requests_per_s:,.2f} requests/s",
                  f"a step forwards {self.step_tokens:,} tokens on average ({self.batch_size:,} decode + "
                  f"{self.prefill_tokens:,} prompt) of max_num_batched_tokens={self.max_num_batched_tokens:,}"]
+        if self.efficiency is not None:
+            e = self.efficiency
+            lines.append(f"efficiency of the mean step{' per GPU' if self.tp > 1 else ''}: MFU {100 * e.mfu:.1f} % of "
+                         f"the {e.peak_name}, MBU {100 * e.mbu:.1f} % of {e.bandwidth / 1e9:,.0f} GB/s "
+                         f"({e.achieved_bandwidth / 1e9:,.0f} GB/s)")
         if self.memory_peak_bytes is not None:
             lines.append(f"memory {'per GPU' if self.tp > 1 else 'on the GPU'}: {self.memory_peak_bytes / 2**30:,.1f} "
                          f"GiB of {self.device.memory_gib:g} GiB: {'fits' if self.memory_fits else 'does NOT fit'}")
@@ -136,13 +143,20 @@ def attention_core(k: Any) -> Any:
     return (k["kernel"] == ATTENTION_KERNEL) | (last.str.contains(r"attn|attention", case=False) & core)
 
 
-def _parts(p: Any) -> tuple[float, float, float]:
-    """A forecast's (whole ms, attention core's ms, language-model head's ms) on one GPU; the whole includes a
-    tensor-parallel forecast's collectives."""
+# what a step is composed of: its time, and its DRAM bytes and matrix-multiply FLOPs (for its MBU and MFU)
+AMOUNTS = ("latency_ms", "bytes", "gemm_flops")
+
+
+def _parts(p: Any, amount: str = "latency_ms") -> tuple[float, float, float]:
+    """A forecast's (whole, attention core's, language-model head's) ``amount`` (:data:`AMOUNTS`) on one GPU; the
+    whole time includes a tensor-parallel forecast's collectives."""
+    from neusight.tiles import GEMM_FAMILIES
+
     k = getattr(p, "per_gpu", p).kernels
-    attn = float(k.loc[attention_core(k), "latency_ms"].sum())
-    head = float(k.loc[k["module"].str.rsplit(".", n=1).str[-1].isin(HEAD_MODULES), "latency_ms"].sum())
-    return float(p.latency_ms), attn, head
+    v = (k["flops"].where(k["family"].isin(GEMM_FAMILIES), 0.0) if amount == "gemm_flops" else k[amount]).astype(float)
+    attn = float(v[attention_core(k)].sum())
+    head = float(v[k["module"].str.rsplit(".", n=1).str[-1].isin(HEAD_MODULES)].sum())
+    return float(p.latency_ms) if amount == "latency_ms" else float(v.sum()), attn, head
 
 
 def _positive(name: str, v: Any, least: int = 1) -> int:
@@ -219,20 +233,29 @@ def predict_continuous(model: Any, device: Any, batch_size: int = 1, prompt_len:
                          "matmuls, softmaxes or fused attention), which an engine's step is composed from. Fix: a "
                          "model with attention layers (a model of state-space layers alone keeps no KV cache)")
     base = step(batch_size, 1, True)
-    b_whole, b_attn, b_head = _parts(base)
+    based = {a: _parts(base, a) for a in AMOUNTS}
 
-    def extra(tokens: int, logits: float) -> float:
+    def extra(tokens: int, logits: float) -> dict[str, float]:
         """What ``tokens`` prompt tokens add to a step's kernels other than attention, their head's share
-        ``logits`` (the fraction of them whose logits are computed)."""
-        w, a, h = _parts(step(batch_size + tokens, 1, False))
-        return max((w - a - h) - (b_whole - b_attn - b_head) + (h - b_head) * logits, 0.0)
+        ``logits`` (the fraction of them whose logits are computed), in each of :data:`AMOUNTS`."""
+        p = step(batch_size + tokens, 1, False)
+        out = {}
+        for a in AMOUNTS:
+            (w, at, h), (b_whole, b_attn, b_head) = _parts(p, a), based[a]
+            out[a] = max((w - at - h) - (b_whole - b_attn - b_head) + (h - b_head) * logits, 0.0)
+        return out
 
     prompt = predict_parallel(model, device, 1, prompt_len, "inference", memory=False, logits_to_keep=1, **kw)
-    prompt_attn = _parts(prompt)[1]             # one prompt's causal attention (its chunks' together)
+    prompt_attn = {a: _parts(prompt, a)[1] for a in AMOUNTS}   # one prompt's causal attention (its chunks' together)
     admitted = batch_size / steps               # prompts admitted (and sequences finished) a step
-    prefill = extra(prefill_tokens, 1.0 / prompt_len) + admitted * prompt_attn
-    ttft = (n_chunks * whole + (n_chunks - 1) * extra(chunk, 0.0) + extra(last_chunk, 1.0 / last_chunk)
-            + prompt_attn)
+    added = extra(prefill_tokens, 1.0 / prompt_len)
+    prefill = {a: added[a] + admitted * prompt_attn[a] for a in AMOUNTS}
+    ttft = (n_chunks * whole + (n_chunks - 1) * extra(chunk, 0.0)["latency_ms"]
+            + extra(last_chunk, 1.0 / last_chunk)["latency_ms"] + prompt_attn["latency_ms"])
+    step_ms = whole + prefill["latency_ms"]
+    per_step = {a: _parts(decode, a)[0] + prefill[a] for a in AMOUNTS[1:]}
+    efficiency = replace(decode.efficiency, model_flops=per_step["gemm_flops"], hardware_flops=per_step["gemm_flops"],
+                         dram_bytes=per_step["bytes"], seconds=max(step_ms, 1e-12) / 1e3)
 
     peak = decode.memory_peak_bytes
     if peak is not None:
@@ -240,24 +263,27 @@ def predict_continuous(model: Any, device: Any, batch_size: int = 1, prompt_len:
         peak += max((biggest.memory_peak_bytes or 0.0) - (base.memory_peak_bytes or 0.0), 0.0)
     note = ENGINE_NOTE.format(b=batch_size, r=admitted, t=prefill_tokens, c=chunk, ctx=mean_ctx,
                               n=batch_size + prefill_tokens)
-    return ContinuousForecast(decode.model, device, batch_size, prompt_len, new_tokens, whole + prefill, ttft, whole,
-                              prefill, prefill_tokens, chunk, n_chunks, budget, tp, peak,
+    return ContinuousForecast(decode.model, device, batch_size, prompt_len, new_tokens, step_ms, ttft, whole,
+                              prefill["latency_ms"], prefill_tokens, chunk, n_chunks, budget, tp, peak,
                               None if peak is None else peak <= device.memory_bytes,
-                              (note,) + tuple(n for n in decode.notes if not any(d in n for d in DROPPED_NOTES)))
+                              (note,) + tuple(n for n in decode.notes if not any(d in n for d in DROPPED_NOTES)),
+                              efficiency)
 
 
 def continuous_ranking_table(forecasts: list[ContinuousForecast],
                              costs: list[dict[str, Any] | None] | None = None) -> Any:
     """Engine forecasts of one run on several GPUs as a table, the shortest step first (at the same concurrency,
     the most generated tokens/s): rank, GPU, time per output token, time vs fastest, time to first token,
-    generated tokens/s, requests/s, memory against the GPU's and whether it fits, and the cost (``costs`` as in
+    generated tokens/s, requests/s, the mean step's MBU, memory against the GPU's and whether it fits, and the
+    cost (``costs`` as in
     :func:`neusight.generation.generation_ranking_table`)."""
     from neusight.api import ranked
     from neusight.generation import with_memory_and_cost
 
     rows = [with_memory_and_cost({"GPU": f.device.key, "per output token ms": f.step_ms,
                                   "time to first token ms": f.ttft_ms, "generated tokens/s": f.tokens_per_s,
-                                  "requests/s": round(f.requests_per_s, 2)}, f, cost)
+                                  "requests/s": round(f.requests_per_s, 2),
+                                  **({"MBU %": 100 * f.efficiency.mbu} if f.efficiency is not None else {})}, f, cost)
             for f, cost in zip(forecasts, costs or [None] * len(forecasts))]
     return ranked(rows, "per output token ms")
 

@@ -718,6 +718,7 @@ def test_continuous_batching_from_the_command_line(tmp_path):
         assert data[key]["time_per_output_token_ms"] == pytest.approx(f.step_ms)
         assert data[key]["generated_tokens_per_s"] == pytest.approx(f.tokens_per_s)
         assert data[key]["step_tokens"] == f.step_tokens == 4 + math.ceil(4 * 64 / 7)
+        assert data[key]["step_mbu_pct"] == pytest.approx(100 * f.efficiency.mbu)
         cap = serving_capacity(str(cfg), key, 64, 8, max_tpot_ms=0.5, batching="continuous",
                                max_num_batched_tokens=256)
         assert data[key]["serving"]["max_batch"] == cap.batch_size > 0

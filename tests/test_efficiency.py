@@ -173,3 +173,20 @@ def test_generation_prefill_mfu_and_decode_mbu_integrate_the_steps():
     alone = neusight.predict("gpt2", "l4", batch_size=4, seq_len=1, kv_cache=64, memory=False).efficiency
     assert two.decode_efficiency.dram_bytes == pytest.approx(alone.dram_bytes, rel=1e-12)
     assert two.decode_efficiency.mbu == pytest.approx(alone.mbu, rel=1e-9)
+
+
+def test_engine_step_efficiency_adds_the_prompt_tokens_to_the_decode_step():
+    """A continuously batching engine's mean step: its decode step at the mean context plus what its prompt tokens
+    add, in FLOPs and bytes as in time (neusight.engine.AMOUNTS)."""
+    from neusight.engine import predict_continuous
+
+    f = predict_continuous("gpt2", "t4", 16, 256, 64)
+    e = f.efficiency
+    run = dict(seq_len=1, static_cache=True, fused=True, attn_implementation="sdpa", memory=False)
+    decode = neusight.predict("gpt2", "t4", batch_size=16, kv_cache=256 + 31, **run).efficiency   # the mean context
+    every = neusight.predict("gpt2", "t4", batch_size=16 + f.prefill_tokens, kv_cache=1, **run).efficiency
+    assert e.seconds == pytest.approx(f.step_ms / 1e3)
+    assert decode.model_flops < e.model_flops < every.model_flops    # prompt tokens' logits: one in 256 computed
+    assert e.dram_bytes > decode.dram_bytes
+    assert 0 < e.mfu <= 1 and 0 < e.mbu <= 1
+    assert f"MBU {100 * e.mbu:.1f} %" in f.summary()

@@ -880,6 +880,7 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
                      "time_to_first_token_ms": f.ttft_ms, "time_per_output_token_ms": f.step_ms,
                      "decode_ms": f.decode_ms, "prompt_ms": f.prompt_ms, "step_tokens": f.step_tokens,
                      "generated_tokens_per_s": f.tokens_per_s, "requests_per_s": f.requests_per_s,
+                     "step_mfu_pct": 100 * f.efficiency.mfu, "step_mbu_pct": 100 * f.efficiency.mbu,
                      "memory_peak_bytes": f.memory_peak_bytes, "memory_fits": f.memory_fits,
                      **({"usd_per_1m_generated_tokens": cost["usd"]} if cost is not None else {})})
     if ranking:
