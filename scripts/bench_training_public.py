@@ -80,36 +80,55 @@ RUNS = (
 # MosaicML's MPT benchmarks (llm-foundry scripts/train/benchmarking/README.md): FSDP FULL_SHARD on one node of 8
 # GPUs, BF16 autocast, their flash attention, AdamW; the rows of 8 GPUs (one node: no network assumption).
 MPT_SOURCE = ("github.com/mosaicml/llm-foundry@061f2c7ce64e655100286584a7629e2a09f827ba:scripts/train/benchmarking/"
-              "README.md ('H100 80GB BF16' and 'A100 80GB with 1600 Gbps node-node interconnect' tables, the rows of 8 "
-              "GPUs)")
-MPT_SIZES = {"760m": (1536, 24), "1b": (2048, 24), "3b": (2560, 32), "7b": (4096, 32), "13b": (5120, 40),
-             "30b": (7168, 48)}          # d_model, n_layers of llm-foundry's yamls
-# (GPU, size, sequence, micro-batch, gradient accumulation, global batch, activation checkpointing, tokens/s per GPU)
-MPT_RUNS = (
-    ("h100-sxm5-80gb", "30b", 8192, 1, 21, 168, True, 1384), ("h100-sxm5-80gb", "30b", 4096, 1, 21, 168, True, 1802),
-    ("h100-sxm5-80gb", "30b", 2048, 3, 21, 504, True, 2002), ("h100-sxm5-80gb", "30b", 1024, 6, 21, 1008, True, 2084),
-    ("h100-sxm5-80gb", "13b", 32768, 1, 3, 24, True, 1976), ("h100-sxm5-80gb", "13b", 16384, 3, 3, 72, True, 2985),
-    ("h100-sxm5-80gb", "13b", 4096, 10, 3, 240, True, 4717), ("h100-sxm5-80gb", "13b", 2048, 2, 1, 16, False, 4792),
-    ("h100-sxm5-80gb", "13b", 1024, 40, 3, 960, True, 5502), ("h100-sxm5-80gb", "7b", 65536, 1, 2, 16, True, 1956),
-    ("h100-sxm5-80gb", "7b", 32768, 2, 2, 32, True, 3318), ("h100-sxm5-80gb", "7b", 8192, 8, 2, 128, True, 6935),
-    ("h100-sxm5-80gb", "7b", 4096, 16, 2, 256, True, 8611), ("h100-sxm5-80gb", "7b", 2048, 6, 1, 48, False, 10643),
-    ("h100-sxm5-80gb", "7b", 1024, 64, 2, 1024, True, 10203),
-    ("h100-sxm5-80gb", "3b", 16384, 1, 6, 48, False, 11152), ("h100-sxm5-80gb", "3b", 8192, 3, 6, 144, False, 16578),
-    ("h100-sxm5-80gb", "3b", 4096, 5, 6, 240, False, 20964), ("h100-sxm5-80gb", "3b", 1024, 20, 6, 960, False, 27046),
-    ("h100-sxm5-80gb", "1b", 32768, 1, 4, 32, False, 12025), ("h100-sxm5-80gb", "1b", 8192, 3, 4, 96, False, 29157),
-    ("h100-sxm5-80gb", "1b", 2048, 14, 1, 112, False, 45455), ("h100-sxm5-80gb", "1b", 512, 56, 4, 1792, False, 52275),
-    ("h100-sxm5-80gb", "760m", 8192, 6, 2, 96, False, 41825),
-    ("h100-sxm5-80gb", "760m", 2048, 24, 2, 384, False, 63147),
-    ("a100-sxm4-80gb", "30b", 8192, 1, 21, 168, True, 574), ("a100-sxm4-80gb", "30b", 2048, 3, 21, 504, True, 916),
-    ("a100-sxm4-80gb", "13b", 32768, 1, 3, 24, True, 1016), ("a100-sxm4-80gb", "13b", 8192, 5, 3, 120, True, 1795),
-    ("a100-sxm4-80gb", "13b", 2048, 2, 3, 48, False, 2262), ("a100-sxm4-80gb", "7b", 65536, 1, 2, 16, True, 1013),
-    ("a100-sxm4-80gb", "7b", 8192, 8, 2, 128, True, 3206), ("a100-sxm4-80gb", "7b", 2048, 6, 2, 96, False, 4641),
-    ("a100-sxm4-80gb", "3b", 16384, 1, 6, 48, False, 5529), ("a100-sxm4-80gb", "3b", 4096, 5, 6, 240, False, 9457),
-    ("a100-sxm4-80gb", "3b", 1024, 20, 6, 960, False, 11580), ("a100-sxm4-80gb", "1b", 32768, 1, 4, 32, False, 6275),
-    ("a100-sxm4-80gb", "1b", 8192, 3, 4, 96, False, 13814), ("a100-sxm4-80gb", "1b", 2048, 14, 4, 448, False, 20513),
-    ("a100-sxm4-80gb", "1b", 512, 56, 4, 1792, False, 23148), ("a100-sxm4-80gb", "760m", 8192, 6, 2, 96, False, 20933),
-    ("a100-sxm4-80gb", "760m", 2048, 24, 2, 384, False, 32434),
-)
+              "README.md ('H100 80GB BF16' and 'A100 80GB with 1600 Gbps node-node interconnect' tables, every row "
+              "of 8 GPUs)")
+MPT_SIZES = {"125m": (768, 12), "350m": (1024, 24), "760m": (1536, 24), "1b": (2048, 24), "3b": (2560, 32),
+             "7b": (4096, 32), "13b": (5120, 40), "30b": (7168, 48)}     # d_model, n_layers of llm-foundry's yamls
+# Every row of 8 GPUs of the two tables, as printed: size, sequence, micro-batch, gradient accumulation, global
+# batch, activation checkpointing (T / F), tokens/s per GPU
+MPT_TABLES = {
+    "h100-sxm5-80gb": """
+        30b 8192 1 21 168 T 1384 | 30b 4096 1 21 168 T 1802 | 30b 2048 3 21 504 T 2002 | 30b 1024 6 21 1008 T 2084
+        13b 32768 1 3 24 T 1976 | 13b 16384 3 3 72 T 2985 | 13b 4096 10 3 240 T 4717 | 13b 2048 2 1 16 F 4792
+        13b 1024 40 3 960 T 5502 | 7b 65536 1 2 16 T 1956 | 7b 32768 2 2 32 T 3318 | 7b 8192 8 2 128 T 6935
+        7b 4096 16 2 256 T 8611 | 7b 2048 6 1 48 F 10643 | 7b 1024 64 2 1024 T 10203 | 3b 65536 1 2 16 T 3262
+        3b 32768 3 6 144 T 5873 | 3b 16384 1 6 48 F 11152 | 3b 8192 3 6 144 F 16578 | 3b 4096 5 6 240 F 20964
+        3b 1024 20 6 960 F 27046 | 3b 512 40 6 1920 F 27965 | 1b 65536 1 2 16 T 5506 | 1b 32768 1 4 32 F 12025
+        1b 16384 2 4 64 F 19649 | 1b 8192 3 4 96 F 29157 | 1b 4096 7 4 224 F 38535 | 1b 2048 14 1 112 F 45455
+        1b 1024 18 4 576 F 48910 | 1b 512 56 4 1792 F 52275 | 760m 32768 1 2 16 F 16291 | 760m 16384 3 2 48 F 27815
+        760m 8192 6 2 96 F 41825 | 760m 4096 12 2 192 F 55459 | 760m 2048 24 2 384 F 63147
+        760m 1024 48 2 768 F 78581 | 760m 512 96 2 1536 F 83749""",
+    "a100-sxm4-80gb": """
+        30b 8192 1 21 168 T 574 | 30b 4096 1 21 168 T 814 | 30b 2048 3 21 504 T 916 | 30b 1024 6 21 1008 T 946
+        30b 512 12 21 2016 T 967 | 13b 32768 1 3 24 T 1016 | 13b 16384 3 3 72 T 1431 | 13b 8192 5 3 120 T 1795
+        13b 4096 10 3 240 T 2060 | 13b 2048 2 3 48 F 2262 | 13b 1024 40 3 960 T 2330 | 7b 65536 1 2 16 T 1013
+        7b 32768 2 2 32 T 1672 | 7b 16384 4 2 64 T 2453 | 7b 8192 8 2 128 T 3206 | 7b 4096 16 2 256 T 3684
+        7b 2048 6 2 96 F 4641 | 7b 1024 64 2 1024 T 4357 | 3b 65536 1 2 16 T 1767 | 3b 32768 3 6 144 T 3029
+        3b 16384 1 6 48 F 5529 | 3b 8192 3 6 144 F 7695 | 3b 4096 5 6 240 F 9457 | 3b 2048 10 2 160 F 10811
+        3b 1024 20 6 960 F 11580 | 3b 512 40 6 1920 F 12127 | 1b 65536 1 2 16 T 3044 | 1b 32768 1 4 32 F 6275
+        1b 16384 2 4 64 F 9956 | 1b 8192 3 4 96 F 13814 | 1b 4096 7 4 224 F 17807 | 1b 2048 14 4 448 F 20513
+        1b 1024 18 4 576 F 22112 | 1b 512 56 4 1792 F 23148 | 760m 65536 1 2 16 T 4143 | 760m 32768 1 2 16 F 8802
+        760m 16384 3 2 48 F 14274 | 760m 8192 6 2 96 F 20933 | 760m 4096 12 2 192 F 27351
+        760m 2048 24 2 384 F 32434 | 760m 1024 48 2 768 F 29765 | 760m 512 96 2 1536 F 29446
+        350m 65536 1 2 16 F 7524 | 350m 32768 2 2 32 F 13652 | 350m 16384 4 2 64 F 23559 | 350m 8192 8 2 128 F 36569
+        350m 4096 16 2 256 F 49555 | 350m 2048 32 2 512 F 58782 | 350m 1024 64 2 1024 F 64813
+        350m 512 128 2 2048 F 69330 | 125m 65536 1 2 16 F 20368 | 125m 32768 2 2 32 F 36407
+        125m 16384 4 2 64 F 60040 | 125m 8192 8 2 128 F 90392 | 125m 4096 16 2 256 F 118396
+        125m 2048 40 2 640 F 142830 | 125m 2048 32 2 512 F 141737 | 125m 1024 64 2 1024 F 156468
+        125m 512 128 2 2048 F 165681""",
+}
+
+
+def mpt_runs() -> list[tuple]:
+    """(GPU, size, sequence, micro-batch, accumulation, global batch, checkpointing, tokens/s per GPU) of
+    :data:`MPT_TABLES`."""
+    out = []
+    for gpu, text in MPT_TABLES.items():
+        for row in text.replace("\n", "|").split("|"):
+            if row.strip():
+                size, seq, micro, accum, glob, ckpt, tps = row.split()
+                out.append((gpu, size, int(seq), int(micro), int(accum), int(glob), ckpt == "T", float(tps)))
+    return out
 
 
 def mpt_config(size: str, seq: int) -> dict:
@@ -127,7 +146,7 @@ def forecast_mpt() -> pd.DataFrame:
 
     cache: dict = {}
     rows = []
-    for gpu, size, seq, micro, accum, glob, ckpt, measured in MPT_RUNS:
+    for gpu, size, seq, micro, accum, glob, ckpt, measured in mpt_runs():
         if glob != 8 * micro * accum:
             raise ValueError(f"{size} {seq}: global batch {glob} is not 8 x {micro} x {accum}")
         p = predict_parallel(mpt_config(size, seq), gpu, glob, seq, "training", dp=8, microbatches=accum, zero=3,
