@@ -134,11 +134,12 @@ def mpt_runs() -> list[tuple]:
 def mpt_config(size: str, seq: int) -> dict:
     """A GPT-2-shaped stand-in for an MPT model of llm-foundry's benchmarks: the same width, depth, 4x GELU MLP,
     vocabulary and learned positions (their parameter counts grow with the sequence, so the benchmarks ran them),
-    heads of 128 (llm-foundry's yamls set them so for flash attention), tied embeddings; GPT-2's biases and SDPA
-    attention where MPT has none and its Triton flash attention."""
+    heads of 128 (llm-foundry's yamls set them so for flash attention), tied embeddings, no dropout (MPT's
+    defaults); GPT-2's biases and SDPA attention where MPT has none and its Triton flash attention."""
     d, layers = MPT_SIZES[size]
     return {"model_type": "gpt2", "n_embd": d, "n_head": d // 128, "n_layer": layers, "n_inner": 4 * d,
-            "n_positions": seq, "vocab_size": 50368, "activation_function": "gelu", "_name_or_path": f"mpt-{size}"}
+            "n_positions": seq, "vocab_size": 50368, "activation_function": "gelu", "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "_name_or_path": f"mpt-{size}"}
 
 
 def forecast_mpt() -> pd.DataFrame:
