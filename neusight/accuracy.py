@@ -25,7 +25,7 @@ from neusight.errors import DataError
 from neusight.util import atomic_write_text
 
 __all__ = ["ACCURACY_DIR", "accuracy_records", "forecast_kind", "format_accuracy", "load_accuracy",
-           "measured_accuracy", "short_accuracy", "write_accuracy"]
+           "measured_accuracy", "run_records", "short_accuracy", "write_accuracy"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,15 @@ def accuracy_records(labels: pd.DataFrame, trained_on: Sequence[str], *, vendors
                                                            "batch", "measured_ms", "error_pct", "source"]])
     if not rows:
         return []
-    df = pd.concat(rows, ignore_index=True).dropna(subset=["precision", "error_pct"])
+    return run_records(pd.concat(rows, ignore_index=True), trained_on, vendors=vendors)
+
+
+def run_records(runs: pd.DataFrame, trained_on: Sequence[str], *, vendors: dict[str, str]) -> list[dict[str, Any]]:
+    """One record per kind of forecast of measured ``runs``, one row each with ``gpu``, ``workload``, ``mode``,
+    ``precision``, ``fused``, ``batch``, ``measured_ms``, ``error_pct`` (the forecast time's, signed) and
+    ``source``: all GPUs' runs of a kind together, and each GPU's alone (:func:`accuracy_records` for the
+    evaluation's runs, ``scripts/bench_training_public.py`` for published ones)."""
+    df = runs.dropna(subset=["precision", "error_pct"]).copy()
     df["vendor"] = [vendors[g] for g in df["gpu"]]
     df["gpu_seen"] = df["gpu"].isin(list(trained_on))
     out = []
@@ -196,7 +204,9 @@ def measured_accuracy(kind: dict[str, Any], weights_sha256: str | None, *, extra
             for r in f["records"]:
                 if record is None and all(r.get(k) == (gpu if k == "gpu" else kind[k]) for k in KEY):
                     record, command = copy.deepcopy(r), f["command"]   # the files' records are cached: a copy
-    extra = list(extra)
+    # what the forecast holds beyond the measured runs, but for what the record's runs had too (its "covers": the
+    # published training runs had an optimizer step, the NeuSight labels none)
+    extra = [e for e in extra if record is None or not any(e.startswith(c) for c in record.get("covers", ()))]
     if record is not None and batch_size is not None and not (
             record["batch_range"][0] <= batch_size <= record["batch_range"][1]):
         lo, hi = record["batch_range"]

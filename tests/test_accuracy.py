@@ -77,6 +77,39 @@ def test_lookup_prefers_the_gpus_own_runs_and_needs_the_same_weights(tmp_path):
     assert not retrained["predictor_measured"] and format_accuracy(retrained) is None
 
 
+def test_published_runs_make_records_of_their_own_kind_and_say_what_they_covered(tmp_path):
+    """run_records takes runs of any precision (bench_training_public's BF16 training runs); a record's "covers"
+    drops what its runs had from the forecast's "not in those runs" (the labels time no optimizer step)."""
+    from neusight.accuracy import run_records
+
+    runs = pd.DataFrame({"gpu": ["h100-sxm5-80gb", "a100-sxm4-80gb"], "workload": "transformer", "mode": "training",
+                         "precision": "bfloat16", "fused": False, "batch": [1, 4], "measured_ms": [500.0, 900.0],
+                         "error_pct": [-40.0, -20.0], "source": "published"})
+    recs = run_records(runs, TRAINED, vendors={"h100-sxm5-80gb": "nvidia", "a100-sxm4-80gb": "nvidia"})
+    assert [(r["gpu"], r["runs"], r["mean_abs_error_pct"], r["gpu_seen"]) for r in recs] == [
+        (None, 2, 30.0, False), ("a100-sxm4-80gb", 1, 20.0, False), ("h100-sxm5-80gb", 1, 40.0, False)]
+    for r in recs:
+        r["covers"] = ["the optimizer step"]
+    write_accuracy(tmp_path / "p.json", recs, command="cmd", predictor_sha256=["abc"])
+    kind = {"vendor": "nvidia", "workload": "transformer", "mode": "training", "precision": "bfloat16",
+            "fused": False, "gpu_seen": False, "gpu": "h100-sxm5-80gb"}
+    extra = ["the optimizer step (the transformer labels time forward and backward only)", "a KV cache"]
+    acc = measured_accuracy(kind, "abc", extra=extra, folder=tmp_path)
+    assert acc["record"]["gpu"] == "h100-sxm5-80gb" and acc["not_covered"] == ["a KV cache"]
+    assert measured_accuracy({**kind, "precision": "fp32"}, "abc", extra=extra, folder=tmp_path)["record"] is None
+
+
+def test_a_bf16_training_forecast_quotes_the_published_runs():
+    """data/accuracy/public-training.json (scripts/bench_training_public.py): a BF16 transformer training forecast
+    on H100 quotes MosaicML's runs on it, with the optimizer step no longer named as missing."""
+    p = neusight.predict("llama-3.2-1b", "h100-sxm5-80gb", batch_size=1, seq_len=512, mode="training",
+                         dtype="bfloat16", attn_implementation="sdpa", memory=False)
+    r = p.accuracy["record"]
+    assert r is not None and r["gpu"] == "h100-sxm5-80gb" and r["precision"] == "bfloat16" and r["runs"] >= 30
+    assert any("MPT" in s for s in r["sources"]) and r["mean_signed_error_pct"] < 0     # forecast too short
+    assert not any("optimizer" in e for e in p.accuracy["not_covered"])
+
+
 def test_corrupt_accuracy_file_is_a_clear_error_or_a_warning(tmp_path, caplog):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="bad.json"):
