@@ -753,13 +753,13 @@ def ranking_table(preds: list[Prediction], costs: list[dict[str, Any] | None] | 
     for p, cost in zip(preds, costs or [None] * len(preds)):
         rate, unit = p.throughput
         row: dict[str, Any] = {"GPU": p.device.key, "ms": p.latency_ms}
-        faster = 1.0      # the forecast's time over the anchored one
+        ratio = 1.0      # the forecast's time over the anchored one: rates scale by it
         if anchored is not None:
             row["anchored ms"] = anchored[p.device.key]
-            faster = p.latency_ms / anchored[p.device.key]
-        row[unit] = rate * faster
+            ratio = p.latency_ms / anchored[p.device.key]
+        row[unit] = rate * ratio
         eff = p.efficiency
-        row["MFU %"], row["MBU %"] = 100 * eff.mfu * faster, 100 * eff.mbu * faster
+        row["MFU %"], row["MBU %"] = 100 * eff.mfu * ratio, 100 * eff.mbu * ratio
         peak = getattr(p.memory, "peak_bytes", None) if p.memory is not None else None
         if peak is not None:
             row["memory GiB"] = f"{peak / 2**30:,.1f} of {p.device.memory_gib:g}"

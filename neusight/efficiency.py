@@ -67,7 +67,7 @@ class Efficiency:
 
     @property
     def peak_name(self) -> str:
-        """The denominator of MFU in words, e.g. "BF16 tensor peak (989.0 TFLOP/s)"."""
+        """The denominator of MFU in words, e.g. "BF16 tensor peak (989.4 TFLOP/s)"."""
         return f"{_PEAK_NAMES.get(self.peak_dtype, self.peak_dtype)} peak ({self.peak_flops / 1e12:,.1f} TFLOP/s)"
 
     def to_dict(self) -> dict[str, Any]:

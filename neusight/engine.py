@@ -253,7 +253,7 @@ def predict_continuous(model: Any, device: Any, batch_size: int = 1, prompt_len:
     ttft = (n_chunks * whole + (n_chunks - 1) * extra(chunk, 0.0)["latency_ms"]
             + extra(last_chunk, 1.0 / last_chunk)["latency_ms"] + prompt_attn["latency_ms"])
     step_ms = whole + prefill["latency_ms"]
-    per_step = {a: _parts(decode, a)[0] + prefill[a] for a in AMOUNTS[1:]}
+    per_step = {a: _parts(decode, a)[0] + prefill[a] for a in ("bytes", "gemm_flops")}
     efficiency = replace(decode.efficiency, model_flops=per_step["gemm_flops"], hardware_flops=per_step["gemm_flops"],
                          dram_bytes=per_step["bytes"], seconds=max(step_ms, 1e-12) / 1e3)
 
