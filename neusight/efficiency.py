@@ -42,6 +42,7 @@ class Efficiency:
     dram_bytes: float       # every kernel's minimum DRAM traffic
     bandwidth: float        # the spec-sheet DRAM bandwidth, bytes/s
     seconds: float          # the forecast
+    matrix_fp32: bool = False   # the FP32 peak is a matrix unit's, above the vector lanes' (AMD's CDNA)
 
     @property
     def achieved_flops(self) -> float:
@@ -68,7 +69,9 @@ class Efficiency:
     @property
     def peak_name(self) -> str:
         """The denominator of MFU in words, e.g. "BF16 tensor peak (989.4 TFLOP/s)"."""
-        return f"{_PEAK_NAMES.get(self.peak_dtype, self.peak_dtype)} peak ({self.peak_flops / 1e12:,.1f} TFLOP/s)"
+        name = "FP32 matrix" if self.peak_dtype == "float32" and self.matrix_fp32 else _PEAK_NAMES.get(
+            self.peak_dtype, self.peak_dtype)
+        return f"{name} peak ({self.peak_flops / 1e12:,.1f} TFLOP/s)"
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_tflop": self.model_flops / 1e12, "hardware_tflop": self.hardware_flops / 1e12,
@@ -120,4 +123,5 @@ def efficiency(kernels: pd.DataFrame, device: Device, latency_ms: float) -> Effi
         kind, peak = "float32", device.peak_flops("float32")
     return Efficiency(model_flops=model, hardware_flops=hardware, peak_dtype=kind, peak_flops=peak,
                       dram_bytes=float(kernels["bytes"].sum()), bandwidth=device.mem_bandwidth_bytes_per_s,
-                      seconds=max(float(latency_ms), 1e-12) / 1e3)
+                      seconds=max(float(latency_ms), 1e-12) / 1e3,
+                      matrix_fp32=device.fp32_matrix_tflops > device.fp32_tflops)

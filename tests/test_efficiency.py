@@ -112,6 +112,10 @@ def test_efficiency_of_a_kernel_table_without_recompute_column():
     assert isinstance(e, Efficiency)
     assert e.model_flops == e.hardware_flops == 2e12 and e.peak_dtype == "bfloat16"
     assert e.achieved_flops == pytest.approx(2e14) and e.achieved_bandwidth == pytest.approx(3e11)
+    # AMD's FP32 GEMMs run on matrix cores at twice the vector lanes' peak: the denominator says which
+    fp32 = efficiency(k.assign(dtype="float32"), load_device("mi250"), 10.0)
+    assert fp32.peak_flops == load_device("mi250").fp32_matrix_tflops * 1e12 and "FP32 matrix peak" in fp32.line()
+    assert "FP32 peak" in efficiency(k.assign(dtype="float32"), load_device("a100-80gb-pcie"), 10.0).line()
 
 
 def test_side_by_side_and_ranking_show_mfu_and_mbu():
