@@ -2,7 +2,7 @@
 Writes docs/training-public.md.
 
     python scripts/bench_training_public.py                  # about 2 min on 2 cores
-    python scripts/bench_training_public.py --out /tmp/training-public.md
+    python scripts/bench_training_public.py --out /tmp/training-public.md --accuracy-out /tmp/public-training.json
 
 torchtitan's docs/performance.md (the version read: github.com/pytorch/torchtitan@0413364349, "Llama 3 / Llama 2
 performance numbers") times Llama 3 8B / 70B and Llama 2 13B / 70B training with FSDP2 (1D parallelism, full
@@ -25,6 +25,16 @@ sequence 8,192 (Llama 3) / 4,096 (Llama 2), torchtitan's defaults. Activation ch
 the rest recomputed) has no equal here and is forecast as Megatron-LM's selective recompute
 (``gradient_checkpointing=selective``, the attention cores recomputed), which recomputes less: those rows are
 marked and left out of the exact-recipe mean.
+
+MosaicML's llm-foundry benchmarks (scripts/train/benchmarking/README.md, 2023: MPT models of 125M to 30B
+parameters, Composer's FSDP FULL_SHARD, BF16 autocast, Triton flash attention): every run of 8 GPUs (one node, so
+no network assumption) of its H100 80GB BF16 and A100 80GB tables, forecast as ``dp=8 zero=3`` with its gradient
+accumulation as micro-batches and its activation checkpointing (every layer or none), through a GPT-2-shaped
+stand-in of each size (:func:`mpt_config`).
+
+The runs' errors (of the forecast step time, the same-recipe ones) also go to an accuracy file
+(``--accuracy-out``, default data/accuracy/public-training.json) that BF16 transformer training forecasts quote
+(:mod:`neusight.accuracy`).
 
 MFU differs in definition: torchtitan's counts 6 x parameters + 12 x layers x heads x head dim x sequence FLOPs a
 token (the whole attention square, the embedding's parameters included); the forecast's counts the FLOPs of the
