@@ -194,3 +194,18 @@ def test_engine_step_efficiency_adds_the_prompt_tokens_to_the_decode_step():
     assert e.dram_bytes > decode.dram_bytes
     assert 0 < e.mfu <= 1 and 0 < e.mbu <= 1
     assert f"MBU {100 * e.mbu:.1f} %" in f.summary()
+
+
+def test_a_parallel_steps_optimizer_traffic_counts_once_not_per_micro_batch():
+    """Two micro-batches of the same shape as one: the step's DRAM traffic grows by one micro-batch's forward and
+    backward, not by a second optimizer step (which runs once a step)."""
+    from neusight.parallel import predict_parallel
+
+    run = dict(mode="training", memory=False, dp=2, optimizer="adamw")
+    one = predict_parallel("gpt2", "h100-sxm5-80gb", 4, 128, microbatches=1, **run)
+    two = predict_parallel("gpt2", "h100-sxm5-80gb", 8, 128, microbatches=2, **run)
+    k = one.per_gpu.kernels
+    assert (k["phase"] == "optimizer").any() and k.equals(two.per_gpu.kernels)   # the same micro-batch traced
+    step = float(k.loc[k["phase"] != "optimizer", "bytes"].sum())
+    assert two.efficiency.dram_bytes - one.efficiency.dram_bytes == pytest.approx(step, rel=1e-9)
+    assert two.efficiency.model_flops == pytest.approx(2 * one.efficiency.model_flops, rel=1e-12)
