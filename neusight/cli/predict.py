@@ -1208,12 +1208,12 @@ def _parallel(cfg: PredictConfig) -> float:
             _memory_searches(cfg, p.device)
     if not ranking and len(preds) > 1:
         rows = []
-        for p, cost in zip(preds, costs):
+        for p, cost, rec in zip(preds, costs, records):
             rate, unit = p.throughput
+            eff = rec["efficiency_per_gpu"]        # computed once, for the JSON record above
             rows.append({"label": p.device.key, "latency_ms": p.latency_ms, "cost": cost,
                          "phases": {k: v for k, v in p.parts.items() if any(q.parts.get(k, 0) > 0 for q in preds)},
-                         "throughput": rate, "throughput_unit": unit, "mfu": p.efficiency.mfu,
-                         "mbu": p.efficiency.mbu,
+                         "throughput": rate, "throughput_unit": unit, "mfu": eff["mfu"], "mbu": eff["mbu"],
                          "memory_peak_gib": None if p.memory_peak_bytes is None else p.memory_peak_bytes / 2**30,
                          "fits": p.memory_fits})
         print("\nside by side (parts of the total; memory: one GPU's):\n" + comparison_table(rows).to_string())
