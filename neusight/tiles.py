@@ -104,6 +104,33 @@ def device_rates(device: Device, dtype: str = "float32") -> DeviceRates:
                        device.max_threads_per_sm, device.max_blocks_per_sm)
 
 
+# Fused attention (SDPA's flash / cuDNN kernels, flash-attn): besides its GEMMs, every score goes through an online
+# softmax the tensor cores cannot do: one exponential on the special-function units (MUFU.EX2) and a few FP32
+# instructions (forward: scale and subtract the running max, the running max and sum, the conversion of the
+# probability to 16 bits; backward: the recomputed exponential, dP minus the row term, times P, two conversions).
+# FlashAttention-2 (Ampere) runs them between its GEMMs in the same warps; FlashAttention-3 and cuDNN's Hopper
+# kernels hide part of them behind the other warp group's GEMMs, not all. The forecast adds them after the GEMMs'
+# time, unhidden: the softmax's own time, exponentials at the SFU rate plus the FP32 instructions at the FP32
+# lanes' rate. Rates are hardware facts, not fitted: 16 exponentials per clock per SM on compute capability 6.0
+# and 7.0 onwards, 32 on 5.x / 6.1 / 6.2 (the CUDA programming guide's arithmetic-instruction throughput table);
+# AMD CDNA runs transcendentals at a quarter of a CU's 64 lanes, 16 per clock. The instruction count is from
+# the kernels' structure (FlashAttention-2 / -3 papers). Measured against published kernel speeds by
+# ``python scripts/bench_attention_public.py`` (docs/attention-public.md).
+SOFTMAX_FP32_OPS = 4.0
+EXP_PER_SM_CLOCK = 16.0
+EXP_PER_SM_CLOCK_WIDE = 32.0
+WIDE_SFU_CC = ("5.0", "5.2", "5.3", "6.1", "6.2")
+
+
+def softmax_seconds_per_score(device: Device) -> float:
+    """Seconds the whole ``device`` takes for one attention score's softmax work (its exponential and its
+    SOFTMAX_FP32_OPS FP32 instructions, the two run one after the other), see above."""
+    per_clock = EXP_PER_SM_CLOCK_WIDE if device.compute_capability in WIDE_SFU_CC else EXP_PER_SM_CLOCK
+    exp_rate = per_clock * device.sm_count * device.boost_clock_mhz * 1e6
+    fp32_instructions = device.peak_fp32_flops / 2.0          # an FMA counts two FLOPs
+    return 1.0 / exp_rate + SOFTMAX_FP32_OPS / fp32_instructions
+
+
 def gemm_tiles(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, candidates: np.ndarray,
                size: np.ndarray, rates: DeviceRates, algo_speedup: np.ndarray | float = 1.0) -> pd.DataFrame:
     """Tiles, waves and roofline of GEMM-like kernels: (B x) (M x N) @ (N x K), N the reduction.

@@ -229,12 +229,67 @@ def test_a_fused_attention_kernel_is_bounded_by_all_of_its_flops():
     assert (pred["latency_ms"].diff().dropna() > 0).all()
 
 
+def _attention_rows(heads: list[int], seq: int, dtype: str, kernel: str = "attention") -> pd.DataFrame:
+    from neusight.api import kernel_dims
+
+    gemms = 5.0 if kernel == "attention_bwd" else 2.0
+    rows = pd.DataFrame({"family": "bmm", "kernel": kernel, "dims": [(16, seq, d, seq) for d in heads],
+                         "flops": [2.0 * gemms * 16 * seq * seq * d for d in heads], "dtype": dtype,
+                         "bytes": [4 * 16 * seq * d * 2.0 for d in heads]})
+    rows["algo_flops"] = rows["flops"]
+    return pd.concat([rows.drop(columns="dims"), kernel_dims(rows)], axis=1)
+
+
+def test_a_fused_attention_bound_adds_its_softmax_where_tensor_cores_leave_it_behind():
+    # every score's exponential (16 per clock per SM) and FP32 work: on an H100's BF16 tensor cores a large share of
+    # a head-64 attention's bound, beside FP32 GEMMs on the FP32 lanes a small one
+    from neusight.devices import load_device
+    from neusight.tiles import softmax_seconds_per_score
+
+    h100 = load_device("h100-sxm5-80gb")
+    pred = neusight.predictor.model.Predictor.load()
+    softmax_ms = 16 * 4096 * 4096 * softmax_seconds_per_score(h100) * 1e3
+    share = {dtype: softmax_ms / pred.predict(_attention_rows([64], 4096, dtype), h100)["roofline_ms"].iloc[0]
+             for dtype in ("bfloat16", "float32")}
+    assert share["bfloat16"] > 0.4 and share["float32"] < 0.1
+
+
+def test_a_fused_attention_of_narrow_heads_is_not_bounded_as_padded_tiles():
+    # flash kernels' output blocks are head-dim wide: half the head, half the GEMM work in the bound (no tile
+    # padded to 128 columns); the softmax's part, the same scores, stays
+    from neusight.devices import load_device
+    from neusight.tiles import softmax_seconds_per_score
+
+    h100 = load_device("h100-sxm5-80gb")
+    softmax_ms = 16 * 8192 * 8192 * softmax_seconds_per_score(h100) * 1e3
+    roof = neusight.predictor.model.Predictor.load().predict(_attention_rows([64, 128], 8192, "bfloat16"),
+                                                             h100)["roofline_ms"].to_numpy() - softmax_ms
+    assert roof[0] == pytest.approx(roof[1] / 2, rel=0.02)
+
+
+def test_a_fused_attention_backward_is_bounded_by_its_query_gradient_partial_sums():
+    # the query gradient is accumulated over blocks of 128 keys in FP32 partial sums (split-K): written and read
+    # back, they are most of the backward's traffic, and on an H100 (BF16, head 128) its bound
+    from neusight.devices import load_device
+    from neusight.tiles import device_rates, softmax_seconds_per_score
+
+    h100 = load_device("h100-sxm5-80gb")
+    scores = 16 * 8192 * 8192
+    row = _attention_rows([128], 8192, "bfloat16", "attention_bwd")
+    pred = neusight.predictor.model.Predictor.load().predict(row, h100)
+    partials = 2 * 4.0 * scores * 128 / 128
+    memory_ms = (row["bytes"].iloc[0] + partials) / device_rates(h100, "bfloat16").bandwidth * 1e3
+    assert pred["bound"].iloc[0] == "memory"
+    assert pred["roofline_ms"].iloc[0] == pytest.approx(memory_ms + scores * softmax_seconds_per_score(h100) * 1e3,
+                                                        rel=0.01)
+
+
 def test_a_fused_attention_kernel_moves_its_own_bytes_not_a_score_matrix():
     # the scores, the output of the GEMM an attention kernel is modelled as, stay on chip: with small heads over a
     # long sequence they would be 64x the bytes the kernel moves (q, k, v read, the output written)
     from neusight.api import kernel_dims
     from neusight.devices import load_device
-    from neusight.tiles import device_rates
+    from neusight.tiles import device_rates, softmax_seconds_per_score
 
     bh, lq, d, lk = 32, 4096, 16, 4096
     own = 4 * bh * lq * d * 2.0
@@ -247,7 +302,8 @@ def test_a_fused_attention_kernel_moves_its_own_bytes_not_a_score_matrix():
     pred = neusight.predictor.model.Predictor.load().predict(frame, "h100-sxm5-80gb")
     rates = device_rates(load_device("h100-sxm5-80gb"), "bfloat16")
     scores_ms = bh * lq * lk * 2.0 / rates.bandwidth * 1e3
-    assert pred["roofline_ms"].iloc[0] < scores_ms / 4
+    softmax_ms = bh * lq * lk * softmax_seconds_per_score(load_device("h100-sxm5-80gb")) * 1e3   # in its bound too
+    assert pred["roofline_ms"].iloc[0] < scores_ms / 4 + softmax_ms
     # a decode step over 4,096 cached tokens: bounded by reading the cached keys and values
     assert pred["roofline_ms"].iloc[1] == pytest.approx(rows["bytes"].iloc[1] / rates.bandwidth * 1e3, rel=0.01)
 

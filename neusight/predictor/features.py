@@ -14,10 +14,11 @@ import pandas as pd
 
 from neusight.devices import Device
 from neusight.graph.fusion import FUSED_KERNEL
-from neusight.kernels.base import EXACT_BYTES_GEMMS, FUSED_ATTENTION, TC_CHANNEL_ALIGN, Family
+from neusight.kernels.base import ATTENTION_BWD_KERNEL, EXACT_BYTES_GEMMS, FUSED_ATTENTION, TC_CHANNEL_ALIGN, Family
 from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
-from neusight.tiles import GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of
+from neusight.tiles import (GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of,
+                            softmax_seconds_per_score)
 
 # Work features come first (the first is log2 roofline) and are each non-decreasing in every kernel dimension;
 # the utilization model is monotone in them (see neusight.predictor.mlp), which is how "adding work never
@@ -223,6 +224,10 @@ def decompose(df: pd.DataFrame, device: Device, table: TileTable,
     return res
 
 
+# The output width of fused attention's GEMM tiles (a flash kernel's block of query rows is 128 x head dim).
+FLASH_WIDTH = 128.0
+
+
 def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.DataFrame:
     b, m, n, k = (np.maximum(d[c].to_numpy(float), 1.0) for c in ("B", "M", "N", "K"))
     rates = device_rates(device, str(d["dtype"].iloc[0]))
@@ -231,13 +236,34 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     algo = d["algo_flops"].to_numpy(float) if "algo_flops" in d else flops
     speedup = np.where(np.isfinite(algo) & (algo > 0), flops / np.where(algo > 0, algo, 1.0), 1.0)
     size = sizes_of(d["dtype"])
+    softmax_ms = np.zeros(len(d))
     if "kernel" in d:
         names = d["kernel"].astype(str)
-        # A fused attention kernel has its score GEMM's dims but does the work of all its GEMMs (forward: scores and
-        # output, halved when causal; backward: five): its reduction is stretched to them, so that it is bounded by
-        # all of its FLOPs.
+        # A fused attention kernel comes with its score GEMM's dims (B·H, Lq, head dim, Lk) but runs as flash
+        # kernels do. Forward: a CTA per block of query rows accumulates their output (head dim wide) over every
+        # key, in two GEMMs (scores and output; halved when causal). Backward: a CTA per block of keys accumulates
+        # their key and value gradients (2 x head dim wide) over every query, in five GEMMs. So each is tiled as
+        # the GEMM (B·H, rows, reduction, width) whose reduction carries all of its FLOPs: long, as flash kernels'
+        # loops are.
         attention = names.isin(FUSED_ATTENTION).to_numpy()
-        n = np.where(attention, n * np.maximum(flops / (2.0 * b * m * n * k), 1.0), n)
+        backward = names.to_numpy() == ATTENTION_BWD_KERNEL
+        # its scores (the causal half when causal): FLOPs over 2 x head dim per GEMM; their softmax's time
+        # (neusight.tiles.softmax_seconds_per_score), which Predictor.predict adds to the GEMMs' predicted time
+        head = n
+        scores = np.where(attention, flops / (2.0 * head * np.where(backward, 5.0, 2.0)), 0.0)
+        softmax_ms = scores * softmax_seconds_per_score(device) * 1e3
+        # The backward's query gradient is a GEMM reduced over key blocks, each CTA adding its FP32 partial (query
+        # rows x head dim per block of FLASH_WIDTH keys) into it: split-K, whose partial sums the tile model moves
+        # to DRAM and back (neusight.tiles.gemm_tiles); so are these (no spec-sheet rate for the L2 atomics).
+        nbytes = nbytes + np.where(attention & backward, 2.0 * 4.0 * scores * head / FLASH_WIDTH, 0.0)
+        rows = np.where(backward, k, m)
+        width = np.where(backward, 2.0 * head, head)
+        n = np.where(attention, np.maximum(flops / (2.0 * b * rows * width), 1.0), n)
+        # Output blocks narrower than FLASH_WIDTH are no padded tiles (flash kernels' blocks are that narrow): the
+        # rows are folded into tiles FLASH_WIDTH wide (the same outputs, FLOPs and per-row work).
+        fold = np.where(attention, np.maximum(FLASH_WIDTH / width, 1.0), 1.0)
+        m = np.where(attention, np.maximum(rows / fold, 1.0), m)
+        k = np.where(attention, width * fold, k)
         # operands stored narrower than the math, or scores kept on chip: the kernel's own bytes per element moved
         exact = names.str.startswith(EXACT_BYTES_GEMMS).to_numpy()
         size = np.where(exact, nbytes / (b * (m * n + n * k + m * k)), size)
@@ -254,6 +280,7 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
     t["compute_capability"] = device.cc
     t["log2_tdp"] = np.log2(device.tdp_w)
     t["log2_algo_speedup"] = np.log2(speedup)
+    t["softmax_ms"] = softmax_ms
     return t
 
 

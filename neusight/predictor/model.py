@@ -149,7 +149,8 @@ class Predictor:
         Returns a frame indexed like ``df``: tile_m, tile_n, elems_per_block, threads_per_block, tiles,
         waves, bound, roofline_ms, utilization, overhead_ms, latency_ms, beyond_training (the features of the
         row outside the range its model was trained on, comma-separated; "" for none: :func:`beyond_training`),
-        model_family.
+        model_family. A fused attention kernel's roofline and latency add its softmax's time to its GEMMs'
+        (:func:`neusight.tiles.softmax_seconds_per_score`).
         """
         self._check_fitted()
         device = load_device(device)
@@ -193,6 +194,15 @@ class Predictor:
             out.loc[rows.index, "latency_ms"] = lat
             out.loc[rows.index, "utilization"] = u
             out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
+        # fused attention: its softmax's exponentials and FP32 work run after its GEMMs (neusight.tiles, above
+        # softmax_seconds_per_score): in its bound and its time, at their rates (no utilization of their own)
+        soft = dec["softmax_ms"].fillna(0.0) if "softmax_ms" in dec else pd.Series(0.0, index=dec.index)
+        hit = soft > 0
+        if hit.any():
+            for col in ("roofline_ms", "latency_ms"):
+                out.loc[hit, col] = out.loc[hit, col] + soft[hit]
+            out.loc[hit, "utilization"] = out.loc[hit, "roofline_ms"] / (out.loc[hit, "latency_ms"]
+                                                                        - out.loc[hit, "overhead_ms"])
         if conv_backward:
             self._apply_conv_backward(uniq, out)
         merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
