@@ -259,7 +259,8 @@ def _attention(q: TensorMeta, k: TensorMeta, v: TensorMeta, causal: bool, extra:
     Dims are the score GEMM's: (B·H, Lq, D, Lk); with grouped-query keys and values (fewer heads than the queries)
     (B·H_kv, Lq·group, D, Lk), each key and value head serving its group of query heads as one GEMM, as flash
     kernels pack them, so that the GEMM model reads each cached key and value once. Bytes: q, k, v, out (+ bias,
-    log-sum-exp) once."""
+    log-sum-exp) once. The predictor tiles it as flash kernels run and adds its softmax's time
+    (neusight.predictor.features._gemm, neusight.tiles.softmax_seconds_per_score)."""
     bh_q, bh = math.prod(q.shape[:-2]), math.prod(k.shape[:-2])
     group = bh_q // bh if bh and bh_q % bh == 0 else 1
     bh = bh_q // group
