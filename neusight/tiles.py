@@ -109,9 +109,12 @@ def device_rates(device: Device, dtype: str = "float32") -> DeviceRates:
 # instructions (forward: scale and subtract the running max, the running max and sum, the conversion of the
 # probability to 16 bits; backward: the recomputed exponential, dP minus the row term, times P, two conversions).
 # FlashAttention-2 (Ampere) runs them between its GEMMs in the same warps; FlashAttention-3 and cuDNN's Hopper
-# kernels hide part of them behind the other warp group's GEMMs, not all. The forecast adds them after the GEMMs'
-# time, unhidden: the softmax's own time, exponentials at the SFU rate plus the FP32 instructions at the FP32
-# lanes' rate. Rates are hardware facts, not fitted: 16 exponentials per clock per SM on compute capability 6.0
+# kernels hide part of them behind the other warp group's GEMMs, not all: the accumulators are the warps' own
+# registers. The forecast adds them after the GEMMs' time, unhidden: the softmax's own time, exponentials at the
+# SFU rate plus the FP32 instructions at the FP32 lanes' rate. Datacenter Blackwell (compute capability 10.x) is
+# the exception: its tensor cores accumulate in tensor memory, issued by one thread, so the softmax runs in other
+# warps while they work (FlashAttention-4's and cuDNN's Blackwell kernels are built so), and the kernel takes the
+# longer of the two (``softmax_overlaps``). That exception was made after seeing FlashAttention-4's B200 speeds. Rates are hardware facts, not fitted: 16 exponentials per clock per SM on compute capability 6.0
 # and 7.0 onwards, 32 on 5.x / 6.1 / 6.2 (the CUDA programming guide's arithmetic-instruction throughput table);
 # AMD CDNA runs transcendentals at a quarter of a CU's 64 lanes, 16 per clock. The instruction count is from
 # the kernels' structure (FlashAttention-2 / -3 papers). Measured against published kernel speeds by
@@ -120,6 +123,15 @@ SOFTMAX_FP32_OPS = 4.0
 EXP_PER_SM_CLOCK = 16.0
 EXP_PER_SM_CLOCK_WIDE = 32.0
 WIDE_SFU_CC = ("5.0", "5.2", "5.3", "6.1", "6.2")
+
+
+OVERLAPPED_SOFTMAX_CC_MAJOR = ("10",)
+
+
+def softmax_overlaps(device: Device) -> bool:
+    """Whether a fused attention kernel's softmax runs beside its GEMMs on ``device`` (tensor-memory accumulators:
+    datacenter Blackwell) rather than after them (see above)."""
+    return str(device.compute_capability).split(".")[0] in OVERLAPPED_SOFTMAX_CC_MAJOR
 
 
 def softmax_seconds_per_score(device: Device) -> float:

@@ -254,6 +254,23 @@ def test_a_fused_attention_bound_adds_its_softmax_where_tensor_cores_leave_it_be
     assert share["bfloat16"] > 0.4 and share["float32"] < 0.1
 
 
+def test_on_tensor_memory_gpus_a_fused_attention_softmax_runs_beside_its_gemms():
+    # a B200's tensor cores accumulate in tensor memory, so the softmax runs in other warps meanwhile: a head-64 BF16
+    # forward is bounded by the longer of the two (its exponentials), not their sum as on an H100
+    from neusight.devices import load_device
+    from neusight.tiles import softmax_overlaps, softmax_seconds_per_score
+
+    pred = neusight.predictor.model.Predictor.load()
+    roof, soft = {}, {}
+    for key in ("b200", "h100-sxm5-80gb"):
+        device = load_device(key)
+        soft[key] = 16 * 8192 * 8192 * softmax_seconds_per_score(device) * 1e3
+        roof[key] = pred.predict(_attention_rows([64], 8192, "bfloat16"), device)["roofline_ms"].iloc[0]
+    assert softmax_overlaps(load_device("b200")) and not softmax_overlaps(load_device("h100-sxm5-80gb"))
+    assert roof["b200"] == pytest.approx(soft["b200"], rel=1e-6)
+    assert roof["h100-sxm5-80gb"] > 1.2 * soft["h100-sxm5-80gb"]
+
+
 def test_a_fused_attention_of_narrow_heads_is_not_bounded_as_padded_tiles():
     # flash kernels' output blocks are head-dim wide: half the head, half the GEMM work in the bound (no tile
     # padded to 128 columns); the softmax's part, the same scores, stays

@@ -27,7 +27,7 @@ from neusight.predictor.features import (BORROW_FRACTION, BORROWS_ELEMENTWISE, C
 from neusight.predictor.mlp import MLPConfig, MLPEnsemble, UtilizationMLP, build_model
 from neusight.predictor.train import FitResult, fit_ensemble_logo, fit_mlp, mape, predict_mlp, size_weights
 from neusight.tile_table import TileTable
-from neusight.tiles import GEMM_FAMILIES, ROW_REREADS
+from neusight.tiles import GEMM_FAMILIES, ROW_REREADS, softmax_overlaps
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ class Predictor:
         waves, bound, roofline_ms, utilization, overhead_ms, latency_ms, beyond_training (the features of the
         row outside the range its model was trained on, comma-separated; "" for none: :func:`beyond_training`),
         model_family. A fused attention kernel's roofline and latency add its softmax's time to its GEMMs'
-        (:func:`neusight.tiles.softmax_seconds_per_score`).
+        (:func:`neusight.tiles.softmax_seconds_per_score`), or take the longer of the two where
+        :func:`neusight.tiles.softmax_overlaps`.
         """
         self._check_fitted()
         device = load_device(device)
@@ -194,15 +195,20 @@ class Predictor:
             out.loc[rows.index, "latency_ms"] = lat
             out.loc[rows.index, "utilization"] = u
             out.loc[rows.index, "overhead_ms"] = float(model.overhead_ms.detach())
-        # fused attention: its softmax's exponentials and FP32 work run after its GEMMs (neusight.tiles, above
-        # softmax_seconds_per_score): in its bound and its time, at their rates (no utilization of their own)
+        # fused attention: its softmax's exponentials and FP32 work run after its GEMMs, or beside them where the
+        # tensor cores accumulate in tensor memory (neusight.tiles, above softmax_seconds_per_score): in its bound
+        # and its time, at their rates (no utilization of their own)
         soft = dec["softmax_ms"].fillna(0.0) if "softmax_ms" in dec else pd.Series(0.0, index=dec.index)
         hit = soft > 0
         if hit.any():
-            for col in ("roofline_ms", "latency_ms"):
-                out.loc[hit, col] = out.loc[hit, col] + soft[hit]
-            out.loc[hit, "utilization"] = out.loc[hit, "roofline_ms"] / (out.loc[hit, "latency_ms"]
-                                                                        - out.loc[hit, "overhead_ms"])
+            over = out.loc[hit, "overhead_ms"]
+            if softmax_overlaps(device):
+                out.loc[hit, "roofline_ms"] = np.maximum(out.loc[hit, "roofline_ms"], soft[hit])
+                out.loc[hit, "latency_ms"] = np.maximum(out.loc[hit, "latency_ms"], over + soft[hit])
+            else:
+                for col in ("roofline_ms", "latency_ms"):
+                    out.loc[hit, col] = out.loc[hit, col] + soft[hit]
+            out.loc[hit, "utilization"] = out.loc[hit, "roofline_ms"] / (out.loc[hit, "latency_ms"] - over)
         if conv_backward:
             self._apply_conv_backward(uniq, out)
         merged = work.reset_index().merge(pd.concat([uniq, out], axis=1), on=keys, how="left").set_index("index")
