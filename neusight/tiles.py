@@ -114,10 +114,11 @@ def device_rates(device: Device, dtype: str = "float32") -> DeviceRates:
 # SFU rate plus the FP32 instructions at the FP32 lanes' rate. Datacenter Blackwell (compute capability 10.x) is
 # the exception: its tensor cores accumulate in tensor memory, issued by one thread, so the softmax runs in other
 # warps while they work (FlashAttention-4's and cuDNN's Blackwell kernels are built so), and the kernel takes the
-# longer of the two (``softmax_overlaps``). That exception was made after seeing FlashAttention-4's B200 speeds. Rates are hardware facts, not fitted: 16 exponentials per clock per SM on compute capability 6.0
-# and 7.0 onwards, 32 on 5.x / 6.1 / 6.2 (the CUDA programming guide's arithmetic-instruction throughput table);
-# AMD CDNA runs transcendentals at a quarter of a CU's 64 lanes, 16 per clock. The instruction count is from
-# the kernels' structure (FlashAttention-2 / -3 papers). Measured against published kernel speeds by
+# longer of the two (``softmax_overlaps``). That exception was made after seeing FlashAttention-4's B200 speeds.
+# Rates are hardware facts, not fitted: 16 exponentials per clock per SM on compute capability 6.0 and 7.0 onwards,
+# 32 on 5.x / 6.1 / 6.2 (the CUDA programming guide's arithmetic-instruction throughput table); AMD CDNA runs
+# transcendentals at a quarter of a CU's 64 lanes, 16 per clock. The instruction count is from the kernels'
+# structure (FlashAttention-2 / -3 papers). Measured against published kernel speeds by
 # ``python scripts/bench_attention_public.py`` (docs/attention-public.md).
 SOFTMAX_FP32_OPS = 4.0
 EXP_PER_SM_CLOCK = 16.0
