@@ -54,7 +54,7 @@ import pandas as pd
 
 from neusight.graph.graph import KERNEL_COLUMNS, Graph
 from neusight.graph.tracer import fused_sdpa_runs
-from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, Family
+from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_BWD_RATIO, ATTENTION_KERNEL, Family
 
 BARRIERS = frozenset(f.value for f in Family if f.is_gemm)
 FREE = frozenset({Family.VIEW.value})
@@ -456,7 +456,8 @@ def _attention_rewrites(g: Graph, by_op: _ByOp, flow: _Flow,
                 # FLOPs); q, k, v, the output and its gradient read, the three gradients written
                 first = min(backward)
                 rows.append({**row, "op_index": first, "phase": phase[first], "kernel": ATTENTION_BWD_KERNEL,
-                             "flops": 2.5 * flops, "algo_flops": 2.5 * flops, "bytes": 2.0 * nbytes})
+                             "flops": ATTENTION_BWD_RATIO * flops, "algo_flops": ATTENTION_BWD_RATIO * flops,
+                             "bytes": 2.0 * nbytes})
             chains.append(_Chain(replaced | copies, rows))
     return chains
 

@@ -49,6 +49,10 @@ TC_CHANNEL_ALIGN = {"float16": 8, "bfloat16": 8, "tf32": 4}
 # score GEMM's dims (B·H, Lq, D, Lk) that does the work of all its GEMMs (neusight.kernels.ops_gemm._attention).
 ATTENTION_KERNEL, ATTENTION_BWD_KERNEL = "attention", "attention_bwd"
 FUSED_ATTENTION = (ATTENTION_KERNEL, ATTENTION_BWD_KERNEL)
+# The GEMMs each runs per block of scores: the forward's scores and output; the backward's recomputed scores, then
+# the value, probability, query and key gradients.
+ATTENTION_GEMMS = {ATTENTION_KERNEL: 2, ATTENTION_BWD_KERNEL: 5}
+ATTENTION_BWD_RATIO = ATTENTION_GEMMS[ATTENTION_BWD_KERNEL] / ATTENTION_GEMMS[ATTENTION_KERNEL]   # 2.5
 
 # GEMM kernels whose roofline takes their own byte count, not the dtype's size times the operands' elements
 # (kernel-name prefixes): operands stored narrower than their math (FP8 operands with a BF16 output; weights of 8 or

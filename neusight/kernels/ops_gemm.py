@@ -9,7 +9,8 @@ import torch
 
 from neusight.graph.records import OpCall, TensorMeta
 from neusight.kernels import formulas
-from neusight.kernels.base import ATTENTION_BWD_KERNEL, ATTENTION_KERNEL, Family, Kernel, channel_alignment
+from neusight.kernels.base import (ATTENTION_BWD_KERNEL, ATTENTION_BWD_RATIO, ATTENTION_KERNEL, Family, Kernel,
+                                   channel_alignment)
 from neusight.kernels.registry import register
 
 aten = torch.ops.aten
@@ -265,7 +266,7 @@ def _attention(q: TensorMeta, k: TensorMeta, v: TensorMeta, causal: bool, extra:
     group = bh_q // bh if bh and bh_q % bh == 0 else 1
     bh = bh_q // group
     lq, d, lk = q.shape[-2] * group, q.shape[-1], k.shape[-2]
-    flops = 4.0 * bh * lq * lk * d * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
+    flops = 4.0 * bh * lq * lk * d * (0.5 if causal else 1.0) * (ATTENTION_BWD_RATIO if backward else 1.0)
     nbytes = sum(t.view_nbytes for t in [q, k, v] + extra + outs)
     return Kernel(Family.BMM, name, (bh, lq, d, lk), flops, float(nbytes), q.dtype)
 

@@ -14,7 +14,8 @@ import pandas as pd
 
 from neusight.devices import Device
 from neusight.graph.fusion import FUSED_KERNEL
-from neusight.kernels.base import ATTENTION_BWD_KERNEL, EXACT_BYTES_GEMMS, FUSED_ATTENTION, TC_CHANNEL_ALIGN, Family
+from neusight.kernels.base import (ATTENTION_BWD_KERNEL, ATTENTION_GEMMS, EXACT_BYTES_GEMMS, FUSED_ATTENTION,
+                                   TC_CHANNEL_ALIGN, Family)
 from neusight.kernels.ops_gemm import STRIDED_SUFFIX
 from neusight.tile_table import ROW_FAMILIES, TileTable
 from neusight.tiles import (GEMM_FAMILIES, device_rates, gemm_tiles, l2_reread_bytes, rowwise_tiles, sizes_of,
@@ -250,7 +251,8 @@ def _gemm(d: pd.DataFrame, fam: str, device: Device, table: TileTable) -> pd.Dat
         # its scores (the causal half when causal): FLOPs over 2 x head dim per GEMM; their softmax's time
         # (neusight.tiles.softmax_seconds_per_score), which Predictor.predict adds to the GEMMs' predicted time
         head = n
-        scores = np.where(attention, flops / (2.0 * head * np.where(backward, 5.0, 2.0)), 0.0)
+        gemms = names.map(ATTENTION_GEMMS).fillna(1.0).to_numpy(float)
+        scores = np.where(attention, flops / (2.0 * head * gemms), 0.0)
         softmax_ms = scores * softmax_seconds_per_score(device) * 1e3
         # The backward's query gradient is a GEMM reduced over key blocks, each CTA adding its FP32 partial (query
         # rows x head dim per block of FLASH_WIDTH keys) into it: split-K, whose partial sums the tile model moves
