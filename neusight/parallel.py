@@ -566,6 +566,9 @@ _SPLITS = {
     **{(f"{m}MLP", p): "col" for m in _LLAMA_STYLE for p in ("gate_proj", "up_proj")},
     **{(f"{m}MLP", "down_proj"): "row" for m in _LLAMA_STYLE},
     ("Starcoder2MLP", "c_fc"): "col", ("Starcoder2MLP", "c_proj"): "row",
+    # GPT-J reshapes its q / k / v by head_dim (-1 heads) as the Llama-style blocks do; its MLP is fc_in / fc_out
+    **{("GPTJAttention", p): "col" for p in ("q_proj", "k_proj", "v_proj")}, ("GPTJAttention", "out_proj"): "row",
+    ("GPTJMLP", "fc_in"): "col", ("GPTJMLP", "fc_out"): "row",
     # Phi-3 fuses q, k and v into one projection and gate and up into another: a column split keeps every part's
     # share (each GPU: heads / tp queries, kv heads / tp keys and values; gate and up halves that chunk(2) finds),
     # with the attention's own head counts divided (_OWN_HEADS)
@@ -583,7 +586,8 @@ _SPLITS = {
 # config with the counts divided by tp (and the module attribute of the same name divided)
 _OWN_HEADS = {"Phi3Attention": ("num_attention_heads", "num_key_value_heads")}
 # blocks whose head counts live in their config: (query heads, key/value heads) must divide by tp
-_CONFIG_HEADS = {f"{m}Attention": ("num_attention_heads", "num_key_value_heads") for m in (*_LLAMA_STYLE, *_MLA, "Phi3")}
+_CONFIG_HEADS = {**{f"{m}Attention": ("num_attention_heads", "num_key_value_heads")
+                    for m in (*_LLAMA_STYLE, *_MLA, "Phi3")}, "GPTJAttention": ("num_attention_heads",)}
 # attributes that hold a width a split divides: GPT-2 splits the fused QKV output by ``split_size``
 _WIDTHS = {"GPT2Attention": ("split_size", "embed_dim"), "BertSelfAttention": ("all_head_size",),
            "OPTAttention": ("embed_dim",)}
@@ -597,7 +601,7 @@ def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None 
     ``columns``, if given, receives the module paths of the projections split by output features (Megatron-LM's
     column-parallel linears, whose backward pass all-reduces their input's gradient).
 
-    Known blocks: GPT-2 (also GPT-3 / GPT-J-style configs built as GPT-2), BERT, OPT and the Llama-style blocks of
+    Known blocks: GPT-2 (also GPT-3-style configs built as GPT-2), GPT-J, BERT, OPT and the Llama-style blocks of
     ``_LLAMA_STYLE`` (Llama, Mistral, Qwen, Gemma, ...; routed experts of Mixtral / Qwen-MoE too), Phi-3's fused
     projections and DeepSeek-V2 / V3's multi-head latent attention (``_MLA``: the per-head up projections split,
     the shared low-rank down projections whole). Raises
@@ -645,15 +649,15 @@ def shard_tensor_parallel(module: nn.Module, tp: int, columns: list[str] | None 
             _split_experts(parent, tp, cls)
             found += 1
     if not found:
-        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), BERT, OPT, "
-                         f"Llama-style blocks ({', '.join(_LLAMA_STYLE)}, Phi3) and DeepSeek's latent attention "
+        raise ModelError(f"tensor parallelism is modelled for GPT-2 (and GPT-3 configs built as GPT-2), GPT-J, BERT, "
+                         f"OPT, Llama-style blocks ({', '.join(_LLAMA_STYLE)}, Phi3) and DeepSeek's latent attention "
                          f"({', '.join(_MLA)}); {type(module).__name__} has "
                          "none. Fix: use tp=1 (dp and pp work for any model)")
     whole = _unsplit_blocks(module)
     if whole:
         raise ModelError(f"tensor parallelism would split only part of {type(module).__name__}: its "
                          f"{', '.join(whole)} block{'s' if len(whole) > 1 else ''} with linear layers "
-                         f"{'are' if len(whole) > 1 else 'is'} not among the modelled ones (GPT-2, BERT, OPT, "
+                         f"{'are' if len(whole) > 1 else 'is'} not among the modelled ones (GPT-2, GPT-J, BERT, OPT, "
                          f"Llama-style blocks: {', '.join(_LLAMA_STYLE)}, Phi3, {', '.join(_MLA)}), and a forecast "
                          f"with {'them' if len(whole) > 1 else 'it'} whole on every GPU would be wrong. Fix: use tp=1 "
                          "(dp and pp work for any model)")

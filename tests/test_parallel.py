@@ -483,6 +483,28 @@ def test_other_llama_style_blocks_halve_every_layer_product(model_type):
     assert half.unmodeled == []
 
 
+def test_gpt_j_splits_like_llama_and_refuses_heads_tp_does_not_divide():
+    """GPT-J's q / k / v / out projections and fc_in / fc_out halve at tp=2, so do its attention products and each
+    GPU's KV cache (half the heads); 4 heads do not split 8 ways."""
+    cfg = dict(model_type="gptj", n_embd=64, n_head=4, n_layer=2, rotary_dim=8, vocab_size=512, n_positions=256)
+
+    def layer_products(g):
+        k = g.kernels
+        return float(k.loc[k["family"].isin(["linear", "bmm"]) & k["module"].str.contains(r"\.h\.\d+\."),
+                           "flops"].sum())
+
+    whole, half = (neusight.trace(cfg, batch_size=2, seq_len=32, mode="training", optimizer=None, tensor_parallel=tp)
+                   for tp in (1, 2))
+    assert layer_products(whole) > 0
+    assert layer_products(half) / layer_products(whole) == pytest.approx(0.5, abs=0.003)   # bias gradients aside
+    assert half.unmodeled == []
+    step = [neusight.trace(cfg, batch_size=2, seq_len=1, mode="inference", kv_cache=15, static_cache=True,
+                           tensor_parallel=tp) for tp in (1, 2)]
+    assert layer_products(step[1]) / layer_products(step[0]) == pytest.approx(0.5, abs=0.003)
+    with pytest.raises(InputError, match="does not divide the 4 num_attention_heads of GPTJAttention"):
+        neusight.trace(cfg, batch_size=1, seq_len=8, mode="inference", tensor_parallel=8)
+
+
 @pytest.mark.parametrize("model_type", ["olmo2", "glm"])
 def test_blocks_that_are_not_llama_style_are_refused(model_type):
     """OLMo 2 normalizes the whole query width, GLM fuses gate and up in a block otherwise its own: neither is split."""
