@@ -1,27 +1,30 @@
-"""Batched text generation as TensorRT-LLM's own performance page timed it (A100, H100, L40S), against the
+"""Batched text generation as TensorRT-LLM's own performance pages timed it (A100, H100, H200, L40S), against the
 generation forecast (``neusight.predict_generation``). Writes docs/generation-public.md.
 
-    python scripts/bench_generation_public.py                 # about 4 min on 2 cores
+    python scripts/bench_generation_public.py                 # about 7 min on 2 cores
     python scripts/bench_generation_public.py --out /tmp/generation-public.md
 
 No generation run is in the dataset; these published figures are the first check of the generation forecast as a
-whole (a prompt's prefill, then one decode step per further token over a growing KV cache). Source: NVIDIA's
-TensorRT-LLM repository, docs/source/performance.md as updated for v0.6.1 (December 2023): "peak throughput"
-tables of static batches (gptSessionBenchmark: ``batch`` prompts of ``input`` tokens, ``output`` tokens
-generated for each, the output tokens over the whole run's time, per GPU) on H100-HBM3-80GB in FP8 (FP8 GEMMs and
-an FP8 KV cache), on A100 in FP16 and on L40S in FP8 (the L40S rows from v0.5), and a "low latency" table of
-batch-1 first-token latencies (v0.5, whole milliseconds). LLaMA 7B and 70B are Llama 2 (the page's build
-commands). The page does not say which A100: an 80 GB one (batch 384 of LLaMA 7B at 256 tokens needs 65 GB), taken
-as the SXM4 module of NVIDIA's DGX A100 (a100-sxm4-80gb); the H100 is the SXM5 (h100-sxm5-80gb).
+whole (a prompt's prefill, then one decode step per further token over a growing KV cache). Sources: NVIDIA's
+TensorRT-LLM performance pages of three releases, each timing static batches (gptSessionBenchmark: ``batch``
+prompts of ``input`` tokens, ``output`` tokens generated for each; throughput = the output tokens over the whole
+run's time): v0.5 (October 2023, branch release/0.5.0, docs/source/performance.md: batches of 16-64 on H100 and
+L40S in FP8, A100 in FP16, and batch-1 first-token latencies in whole milliseconds), v0.6.1 (December 2023, the same
+file updated: the largest batches that fit, per GPU) and v0.9 (spring 2024, the performance overview page, "all
+data generated using version 0.9.0": H200 and H100 in FP8, Mistral 7B added). FP8 there means FP8 GEMMs and an FP8
+KV cache. LLaMA 7B and 70B are Llama 2 (the pages' build commands), Mistral 7B its v0.1. The pages do not say which
+A100: an 80 GB one (batch 384 of LLaMA 7B at 256 tokens needs 65 GB), taken as the SXM4 module of NVIDIA's DGX A100
+(a100-sxm4-80gb); the H100 is the SXM5 (h100-sxm5-80gb), the H200 the SXM (h200).
 
 The forecast is of the same work run as PyTorch code: transformers' model under torch.compile (``fused=True``),
 the KV cache written in place (``static_cache=True``, as an engine's), attention by PyTorch's fused SDPA kernels,
-FP16; on H100 and L40S the linear layers' GEMMs in FP8 with dynamic scaling (``fp8=True``: torchao's recipe,
-which adds an amax and a cast per GEMM input that TensorRT-LLM's static scales do not need) and the cache in FP8
-(``kv_cache_dtype="fp8"``); several GPUs as Megatron-style tensor parallelism (``tp=``). TensorRT-LLM runs its
-own fused kernels (attention plugins, fused MLP, custom all-reduce), so part of any gap is software, not the
-GPU. Nothing is fitted to these numbers and no model was changed after seeing them (GPT-J's tensor-parallel split
-was added to run its two tp = 2 rows). GPT-J 6B is traced from its published configuration (below). The page's
+FP16; on H100, H200 and L40S the linear layers' GEMMs in FP8 with dynamic scaling (``fp8=True``: torchao's
+recipe, which adds an amax and a cast per GEMM input that TensorRT-LLM's static scales do not need) and the cache
+in FP8 (``kv_cache_dtype="fp8"``); several GPUs as Megatron-style tensor parallelism (``tp=``). TensorRT-LLM runs
+its own fused kernels (attention plugins, fused MLP, custom all-reduce), and they changed between releases (its
+grouped-query attention kernels for LLaMA 70B and Mistral most), so part of any gap is software, not the GPU.
+Nothing is fitted to these numbers and no model was changed after seeing them (GPT-J's tensor-parallel split was
+added to run its two tp = 2 rows). GPT-J 6B is traced from its published configuration (below). The pages'
 Falcon 180B rows are left out: transformers' Falcon (its "new decoder architecture") broadcasts the 8 key / value
 heads to all 232 query heads before it caches them, so its KV cache and attention are 29x TensorRT-LLM's and the
 forecast would be of a different program.
@@ -42,9 +45,11 @@ from neusight.e2e_eval import markdown_table
 from neusight.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = ("NVIDIA TensorRT-LLM, docs/source/performance.md (v0.6.1 throughput tables, December 2023; L40S rows "
-          "and first-token latencies from v0.5)")
-GPUS = {"H100": ("h100-sxm5-80gb", "fp8"), "A100": ("a100-sxm4-80gb", "fp16"), "L40S": ("l40s", "fp8")}
+SOURCE = ("NVIDIA TensorRT-LLM's performance pages: v0.5 (release/0.5.0 docs/source/performance.md, October 2023; "
+          "also the first-token latencies), v0.6.1 (the same file, December 2023) and v0.9 (the performance overview, "
+          "2024)")
+GPUS = {"H100": ("h100-sxm5-80gb", "fp8"), "H200": ("h200", "fp8"), "A100": ("a100-sxm4-80gb", "fp16"),
+        "L40S": ("l40s", "fp8")}
 
 # The published configuration of the one model without a preset (EleutherAI/gpt-j-6b's config.json, the fields
 # that shape the kernels). It says 2,048 positions, but they are rotary (no table to outgrow) and the page runs
@@ -54,26 +59,50 @@ CONFIGS = {
                  "n_layer": 28, "n_positions": 4096, "rotary_dim": 64, "vocab_size": 50400,
                  "activation_function": "gelu_new", "tie_word_embeddings": False},
 }
-MODELS = {"GPT-J 6B": "gpt-j-6b", "LLaMA 7B": "llama-2-7b", "LLaMA 70B": "llama-2-70b"}
+MODELS = {"GPT-J 6B": "gpt-j-6b", "LLaMA 7B": "llama-2-7b", "LLaMA 70B": "llama-2-70b", "Mistral 7B": "mistral-7b"}
 
-# (GPU, model, batch, tp, input tokens, output tokens, output tokens/s per GPU), as the page prints them
+# (TensorRT-LLM version, GPU, model, batch, tp, input tokens, output tokens, output tokens/s per GPU), as the pages
+# print them. v0.5: tp = 1 rows only (its column is not said to be per GPU); v0.9: the H100 table as far as the
+# stored copy of the page reaches.
 THROUGHPUT = (
-    ("H100", "GPT-J 6B", 1024, 1, 128, 128, 26150), ("H100", "GPT-J 6B", 120, 1, 128, 2048, 8011),
-    ("H100", "GPT-J 6B", 64, 1, 2048, 128, 2551), ("H100", "GPT-J 6B", 64, 1, 2048, 2048, 3327),
-    ("H100", "LLaMA 7B", 768, 1, 128, 128, 19694), ("H100", "LLaMA 7B", 112, 1, 128, 2048, 6818),
-    ("H100", "LLaMA 7B", 80, 1, 2048, 128, 2244), ("H100", "LLaMA 7B", 48, 1, 2048, 2048, 2740),
-    ("H100", "LLaMA 70B", 1024, 2, 128, 128, 2657), ("H100", "LLaMA 70B", 480, 4, 128, 2048, 1486),
-    ("H100", "LLaMA 70B", 96, 2, 2048, 128, 306), ("H100", "LLaMA 70B", 64, 2, 2048, 2048, 547),
-    ("L40S", "GPT-J 6B", 64, 1, 128, 128, 3630), ("L40S", "GPT-J 6B", 64, 1, 128, 2048, 1859),
-    ("L40S", "GPT-J 6B", 32, 1, 2048, 128, 616), ("L40S", "GPT-J 6B", 32, 1, 2048, 2048, 757),
-    ("L40S", "LLaMA 7B", 64, 1, 128, 128, 3240), ("L40S", "LLaMA 7B", 64, 1, 128, 2048, 1622),
-    ("L40S", "LLaMA 7B", 32, 1, 2048, 128, 581), ("L40S", "LLaMA 7B", 16, 1, 2048, 2048, 531),
-    ("A100", "GPT-J 6B", 512, 1, 128, 128, 6374), ("A100", "GPT-J 6B", 120, 2, 128, 2048, 2192),
-    ("A100", "GPT-J 6B", 60, 1, 2048, 128, 670), ("A100", "GPT-J 6B", 64, 2, 2048, 2048, 903),
-    ("A100", "LLaMA 7B", 384, 1, 128, 128, 5586), ("A100", "LLaMA 7B", 60, 1, 128, 2048, 1928),
-    ("A100", "LLaMA 7B", 52, 1, 2048, 128, 591), ("A100", "LLaMA 7B", 64, 2, 2048, 2048, 782),
-    ("A100", "LLaMA 70B", 1280, 4, 128, 128, 670), ("A100", "LLaMA 70B", 240, 4, 128, 2048, 525),
-    ("A100", "LLaMA 70B", 120, 4, 2048, 128, 79),
+    ("v0.5", "H100", "GPT-J 6B", 64, 1, 128, 128, 10907), ("v0.5", "H100", "GPT-J 6B", 64, 1, 128, 2048, 6179),
+    ("v0.5", "H100", "GPT-J 6B", 64, 1, 2048, 128, 2229), ("v0.5", "H100", "GPT-J 6B", 64, 1, 2048, 2048, 2980),
+    ("v0.5", "H100", "LLaMA 7B", 64, 1, 128, 128, 9193), ("v0.5", "H100", "LLaMA 7B", 64, 1, 128, 2048, 5367),
+    ("v0.5", "H100", "LLaMA 7B", 64, 1, 2048, 128, 2058), ("v0.5", "H100", "LLaMA 7B", 32, 1, 2048, 2048, 2230),
+    ("v0.5", "L40S", "GPT-J 6B", 64, 1, 128, 128, 3630), ("v0.5", "L40S", "GPT-J 6B", 64, 1, 128, 2048, 1859),
+    ("v0.5", "L40S", "GPT-J 6B", 32, 1, 2048, 128, 616), ("v0.5", "L40S", "GPT-J 6B", 32, 1, 2048, 2048, 757),
+    ("v0.5", "L40S", "LLaMA 7B", 64, 1, 128, 128, 3240), ("v0.5", "L40S", "LLaMA 7B", 64, 1, 128, 2048, 1622),
+    ("v0.5", "L40S", "LLaMA 7B", 32, 1, 2048, 128, 581), ("v0.5", "L40S", "LLaMA 7B", 16, 1, 2048, 2048, 531),
+    ("v0.5", "A100", "GPT-J 6B", 64, 1, 128, 128, 3679), ("v0.5", "A100", "GPT-J 6B", 32, 1, 128, 2048, 1558),
+    ("v0.5", "A100", "GPT-J 6B", 32, 1, 2048, 128, 526), ("v0.5", "A100", "GPT-J 6B", 16, 1, 2048, 2048, 650),
+    ("v0.5", "A100", "LLaMA 7B", 64, 1, 128, 128, 3486), ("v0.5", "A100", "LLaMA 7B", 32, 1, 128, 2048, 1459),
+    ("v0.5", "A100", "LLaMA 7B", 32, 1, 2048, 128, 529), ("v0.5", "A100", "LLaMA 7B", 16, 1, 2048, 2048, 592),
+    ("v0.6.1", "H100", "GPT-J 6B", 1024, 1, 128, 128, 26150), ("v0.6.1", "H100", "GPT-J 6B", 120, 1, 128, 2048, 8011),
+    ("v0.6.1", "H100", "GPT-J 6B", 64, 1, 2048, 128, 2551), ("v0.6.1", "H100", "GPT-J 6B", 64, 1, 2048, 2048, 3327),
+    ("v0.6.1", "H100", "LLaMA 7B", 768, 1, 128, 128, 19694), ("v0.6.1", "H100", "LLaMA 7B", 112, 1, 128, 2048, 6818),
+    ("v0.6.1", "H100", "LLaMA 7B", 80, 1, 2048, 128, 2244), ("v0.6.1", "H100", "LLaMA 7B", 48, 1, 2048, 2048, 2740),
+    ("v0.6.1", "H100", "LLaMA 70B", 1024, 2, 128, 128, 2657), ("v0.6.1", "H100", "LLaMA 70B", 480, 4, 128, 2048, 1486),
+    ("v0.6.1", "H100", "LLaMA 70B", 96, 2, 2048, 128, 306), ("v0.6.1", "H100", "LLaMA 70B", 64, 2, 2048, 2048, 547),
+    ("v0.6.1", "A100", "GPT-J 6B", 512, 1, 128, 128, 6374), ("v0.6.1", "A100", "GPT-J 6B", 120, 2, 128, 2048, 2192),
+    ("v0.6.1", "A100", "GPT-J 6B", 60, 1, 2048, 128, 670), ("v0.6.1", "A100", "GPT-J 6B", 64, 2, 2048, 2048, 903),
+    ("v0.6.1", "A100", "LLaMA 7B", 384, 1, 128, 128, 5586), ("v0.6.1", "A100", "LLaMA 7B", 60, 1, 128, 2048, 1928),
+    ("v0.6.1", "A100", "LLaMA 7B", 52, 1, 2048, 128, 591), ("v0.6.1", "A100", "LLaMA 7B", 64, 2, 2048, 2048, 782),
+    ("v0.6.1", "A100", "LLaMA 70B", 1280, 4, 128, 128, 670), ("v0.6.1", "A100", "LLaMA 70B", 240, 4, 128, 2048, 525),
+    ("v0.6.1", "A100", "LLaMA 70B", 120, 4, 2048, 128, 79),
+    ("v0.9", "H200", "GPT-J 6B", 1024, 1, 128, 128, 27304), ("v0.9", "H200", "GPT-J 6B", 120, 1, 128, 2048, 8530),
+    ("v0.9", "H200", "GPT-J 6B", 64, 1, 2048, 128, 2785), ("v0.9", "H200", "GPT-J 6B", 64, 1, 2048, 2048, 3753),
+    ("v0.9", "H200", "Mistral 7B", 896, 1, 128, 128, 20460), ("v0.9", "H200", "Mistral 7B", 120, 1, 128, 2048, 8950),
+    ("v0.9", "H200", "Mistral 7B", 64, 1, 2048, 128, 2423), ("v0.9", "H200", "Mistral 7B", 56, 1, 2048, 2048, 3867),
+    ("v0.9", "H200", "LLaMA 7B", 896, 1, 128, 128, 20618), ("v0.9", "H200", "LLaMA 7B", 120, 1, 128, 2048, 8348),
+    ("v0.9", "H200", "LLaMA 7B", 64, 1, 2048, 128, 2391), ("v0.9", "H200", "LLaMA 7B", 56, 1, 2048, 2048, 3522),
+    ("v0.9", "H200", "LLaMA 70B", 1024, 1, 128, 128, 3989), ("v0.9", "H200", "LLaMA 70B", 512, 2, 128, 2048, 3963),
+    ("v0.9", "H200", "LLaMA 70B", 64, 1, 2048, 128, 418), ("v0.9", "H200", "LLaMA 70B", 64, 1, 2048, 2048, 1458),
+    ("v0.9", "H100", "GPT-J 6B", 1024, 1, 128, 128, 25860), ("v0.9", "H100", "GPT-J 6B", 120, 1, 128, 2048, 7350),
+    ("v0.9", "H100", "GPT-J 6B", 64, 1, 2048, 128, 2570), ("v0.9", "H100", "GPT-J 6B", 64, 1, 2048, 2048, 3212),
+    ("v0.9", "H100", "Mistral 7B", 896, 1, 128, 128, 20404), ("v0.9", "H100", "Mistral 7B", 120, 1, 128, 2048, 8623),
+    ("v0.9", "H100", "Mistral 7B", 84, 1, 2048, 128, 2405), ("v0.9", "H100", "Mistral 7B", 56, 1, 2048, 2048, 3731),
+    ("v0.9", "H100", "LLaMA 7B", 896, 1, 128, 128, 19854), ("v0.9", "H100", "LLaMA 7B", 120, 1, 128, 2048, 6944),
+    ("v0.9", "H100", "LLaMA 7B", 84, 1, 2048, 128, 2163),
 )
 # (GPU, model, tp, input tokens, first-token latency ms) at batch 1
 FIRST_TOKEN = (
@@ -115,11 +144,12 @@ def forecast_run(gpu: str, model: str, batch: int, tp: int, isl: int, osl: int, 
 def forecast(config_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     cache: dict = {}
     rows = []
-    for gpu, model, batch, tp, isl, osl, measured in THROUGHPUT:
+    for version, gpu, model, batch, tp, isl, osl, measured in THROUGHPUT:
         f = forecast_run(gpu, model, batch, tp, isl, osl, config_dir, cache)
         tps = batch * osl / (f.total_ms / 1e3) / tp
-        rows.append({"GPU": gpu, "precision": GPUS[gpu][1].upper(), "model": model, "batch": batch, "tp": tp,
-                     "input": isl, "output": osl, "measured tok/s/GPU": float(measured), "forecast tok/s/GPU": tps,
+        rows.append({"version": version, "GPU": gpu, "precision": GPUS[gpu][1].upper(), "model": model,
+                     "batch": batch, "tp": tp, "input": isl, "output": osl, "measured tok/s/GPU": float(measured),
+                     "forecast tok/s/GPU": tps,
                      "error %": (tps / measured - 1) * 100, "prefill share %": 100 * f.prefill_ms / f.total_ms,
                      "forecast decode step ms": f.decode_ms / max(osl - 1, 1)})
     first = []
@@ -175,13 +205,13 @@ def main() -> None:
     signed = ["error %", "mean signed error %"]
     one_gpu = thr[thr["tp"] == 1]
     text = "\n".join([
-        "# Batched generation against TensorRT-LLM's published speeds (A100, H100, L40S)", "",
+        "# Batched generation against TensorRT-LLM's published speeds (A100, H100, H200, L40S)", "",
         f"Generated by `python scripts/bench_generation_public.py` in {time.time() - t0:.0f} s; regenerate it, do "
         "not edit it. The script's docstring says where the numbers come from and what the forecast does. Nothing "
         "is fitted to them.", "",
         f"Source: {SOURCE}. Forecast: `neusight.predict_generation` of the same batch, prompt and output lengths "
         "with the KV cache written in place, under torch.compile, PyTorch's fused attention, FP16 on the A100 and "
-        "FP8 GEMMs and KV cache on the H100 and L40S, tensor parallelism as published. Positive error: the "
+        "FP8 GEMMs and KV cache on the H100, H200 and L40S, tensor parallelism as published. Positive error: the "
         "forecast is faster than TensorRT-LLM.", "",
         f"- Throughput, all {len(thr)} rows: mean absolute error {thr['error %'].abs().mean():.1f} % (signed "
         f"{thr['error %'].mean():+.1f} %); on one GPU ({len(one_gpu)} rows) "
@@ -190,7 +220,7 @@ def main() -> None:
         f"{first['error %'].abs().mean():.1f} % (signed {first['error %'].mean():+.1f} %; the published values "
         "are whole milliseconds).", "",
         "## Throughput (static batches)", "",
-        markdown_table(summary(thr, ["GPU", "precision", "model"]), index=False, signed=signed), "",
+        markdown_table(summary(thr, ["version", "GPU", "precision", "model"]), index=False, signed=signed), "",
         "Output tokens per second per GPU (batch x output / the whole run's time / GPUs); `prefill share`: the "
         "forecast's prompt forward as a share of its run; `decode step`: its mean decode step.", "",
         markdown_table(thr, index=False, signed=["error %"]), "",
