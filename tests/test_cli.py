@@ -87,6 +87,8 @@ BAD = {
     "predict-tp-not-dividing-heads": (("neusight-predict", "model=gpt2", "device=t4", "tp=5"), "tp=5"),
     "predict-fp8-without-fp8-cores": (("neusight-predict", "model=llama-3-8b", "device=a100-80gb-pcie", "fp8=true",
                                       "dtype=bfloat16"), "fp8=True needs FP8 tensor cores; a100-80gb-pcie"),
+    "predict-fp8-unknown-scaling": (("neusight-predict", "model=llama-3-8b", "device=h100-sxm5-80gb", "fp8=maybe",
+                                    "dtype=bfloat16"), "fp8='maybe' is not true, false, 'dynamic' or 'static'"),
     "predict-int4-training": (("neusight-predict", "model=llama-3-8b", "device=l4", "mode=training",
                                "weight_quant=int4"), "weight_quant='int4' forecasts serving a quantized checkpoint"),
     "predict-interleaving-without-stages": (("neusight-predict", "model=gpt2", "device=t4", "vpp=2"),

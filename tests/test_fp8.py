@@ -85,12 +85,42 @@ def test_layers_scaled_mm_cannot_take_stay_in_their_precision():
     (_TINY_LLAMA, dict(amp="bfloat16", dtype="float32"), "fp8=True with amp= is not modelled"),
     (_TINY_LLAMA, dict(mode="training", lora_rank=4), "fp8=True with lora_rank=4"),
     ("gpt2", dict(), "GPT2LMHeadModel has none that qualify"),
-    (_TINY_LLAMA, dict(fp8="yes"), "fp8='yes' is not true or false"),
+    (_TINY_LLAMA, dict(fp8="yes"), "fp8='yes' is not true, false, 'dynamic' or 'static'"),
+    (_TINY_LLAMA, dict(fp8="static", mode="training"), "fp8='static' casts each input with the fixed scale"),
 ])
 def test_bad_fp8_runs_say_what_to_change(model, kw, fragment):
     kw = {"batch_size": 1, "seq_len": 16, "mode": "inference", "dtype": "bfloat16", "fp8": True, **kw}
     with pytest.raises(InputError, match=re.escape(fragment)):
         neusight.trace(model, **kw)
+
+
+def test_static_scaling_casts_with_a_fixed_scale_and_no_max_per_call():
+    """fp8='static' (a calibrated checkpoint's input scales): the same FP8 GEMMs on the same FP8 weights as dynamic
+    scaling, but no max |x| reduction before each cast, so fewer and lighter memory-bound kernels, eager or fused;
+    routed experts' casts too. fp8='dynamic' is fp8=True."""
+    kw = dict(batch_size=2, seq_len=32, mode="inference", dtype="bfloat16")
+    dynamic, static = (neusight.trace(_TINY_LLAMA, fp8=mode, **kw) for mode in (True, "static"))
+    cols = ["dims", "dtype", "bytes"]
+    assert _gemms(static, "scaled_mm")[cols].reset_index(drop=True).equals(
+        _gemms(dynamic, "scaled_mm")[cols].reset_index(drop=True))
+    assert [p.dtype for p in static.params] == [p.dtype for p in dynamic.params]
+    assert (dynamic.kernels["kernel"] == "max").sum() == 14 and not (static.kernels["kernel"] == "max").any()
+    memory_bound = lambda g: g.kernels[~g.kernels["family"].isin(["linear", "bmm"])]  # noqa: E731
+    assert len(memory_bound(static)) < len(memory_bound(dynamic))
+    assert memory_bound(static)["bytes"].sum() < memory_bound(dynamic)["bytes"].sum()
+    assert any("static per-tensor scaling" in n for n in static.notes)
+    same = neusight.trace(_TINY_LLAMA, fp8="dynamic", **kw)
+    assert same.kernels[["kernel", "dims", "bytes"]].reset_index(drop=True).equals(
+        dynamic.kernels[["kernel", "dims", "bytes"]].reset_index(drop=True))
+    # fused: a dynamic cast's amax over 1,024 tokens x 64 is split over thread blocks (a kernel of its own, as
+    # Inductor runs it); a static cast joins the kernel that makes its input
+    fused = {m: neusight.predict(_TINY_LLAMA, "h100-sxm5-80gb", fp8=m, fused=True, memory=False,
+                                 **dict(kw, seq_len=512)) for m in (True, "static")}
+    assert len(fused["static"].kernels) < len(fused[True].kernels)
+    assert fused["static"].latency_ms < fused[True].latency_ms
+    moe = {m: neusight.trace(_TINY_MIXTRAL, fp8=m, moe_kernels="grouped", **kw) for m in (True, "static")}
+    assert (moe[True].kernels["kernel"] == "max").sum() > (moe["static"].kernels["kernel"] == "max").sum() == 0
+    assert (moe["static"].kernels["kernel"] == "scaled_grouped_mm").sum() == 4
 
 
 def test_a_trace_with_fp8_gemms_is_refused_on_a_gpu_without_fp8_tensor_cores():

@@ -98,7 +98,8 @@ class PredictConfig:
     memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
-    fp8: bool = False                    # nn.Linear GEMMs in FP8 (torchao-style dynamic scaling; Ada / Hopper / CDNA3)
+    fp8: Any = False                     # nn.Linear GEMMs in FP8 (Ada / Hopper / Blackwell / CDNA3): true = torchao-style
+    #                                      dynamic scaling | static: a calibrated checkpoint's fixed input scales (serving)
     weight_quant: Optional[str] = None   # inference with int8 / int4 / mxfp4 weights (weight-only, dequantized in
     #                                      the GEMM; mxfp4 in a mixture of experts: its routed experts, as gpt-oss)
     #                                      | nvfp4 (weights and activations in FP4 on Blackwell's FP4 tensor cores)

@@ -12,7 +12,10 @@ FP32 accumulate) with dynamic per-tensor scaling, as torchao runs them in eager 
 
 A cast is the eager sequence of torchao's dynamic scaling: max |x| (two kernels), the scale, the tensor scaled in
 FP32, saturated and cast (memory-bound kernels that ``fused=True``, i.e. ``torch.compile``, merges as it does for
-torchao). Layers left in their precision: the output embedding (LM head), as torchao's recipes and torchtitan
+torchao). ``fp8="static"`` (inference) casts with a fixed per-tensor input scale instead, as FP8 checkpoints
+calibrated offline carry one (``input_scale``: TensorRT-LLM's and ModelOpt's FP8, vLLM's and SGLang's static FP8
+checkpoints): no max |x|, only the scaled, saturated cast, which ``fused=True`` merges into the kernel that makes
+the input. Layers left in their precision: the output embedding (LM head), as torchao's recipes and torchtitan
 leave it, and every layer whose input or output features are not a multiple of 16 (``torch._scaled_mm`` needs
 them). Only exact ``nn.Linear`` modules are converted (transformers' GPT-2 ``Conv1D`` is not a Linear). No FP8
 kernel measurement trains the predictor: FP8 GEMMs are bounded by the FP8 tensor peak of the spec sheet with the
@@ -32,10 +35,13 @@ from neusight.graph.moe import dense_experts_kept, is_routed_experts
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALED_MM_MULTIPLE = 16     # torch._scaled_mm: both GEMM dims of the weight must be multiples of 16
-FP8_NOTE = ("FP8 linear layers ({how}): {n} nn.Linear GEMMs as FP8 matrix multiplies (torch._scaled_mm, dynamic "
-            "per-tensor scaling, as torchao runs them in eager PyTorch; with fused=true the casts fuse as under "
-            "torch.compile){skipped}; no FP8 kernel was measured to train the predictor: they are bounded by the "
-            "GPU's FP8 tensor peak with utilizations learned from FP32 kernels")
+FP8_NOTE = ("FP8 linear layers ({how}): {n} nn.Linear GEMMs as FP8 matrix multiplies (torch._scaled_mm, {scaling}; "
+            "with fused=true the casts fuse as under torch.compile){skipped}; no FP8 kernel was measured to train the "
+            "predictor: they are bounded by the GPU's FP8 tensor peak with utilizations learned from FP32 kernels")
+SCALING = {False: "dynamic per-tensor scaling, as torchao runs them in eager PyTorch",
+           True: "static per-tensor scaling: each input cast with the fixed scale an FP8 checkpoint carries, no max "
+                 "|x| per call, as TensorRT-LLM and vLLM run calibrated FP8 checkpoints"}
+FP8_MODES = (True, False, None, "dynamic", "static")
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +52,12 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     scale = fmax / torch.clamp(amax.to(torch.float32), min=1e-12)
     data = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
     return data, scale.reciprocal()
+
+
+def _static_cast(t: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """Static per-tensor scaling: ``t`` divided by its fixed (calibrated) scale in FP32, saturated and cast."""
+    fmax = torch.finfo(dtype).max
+    return (t.to(torch.float32) / scale).clamp(-fmax, fmax).to(dtype)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -89,17 +101,25 @@ def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def apply_fp8(module: nn.Module, training: bool) -> str:
+def _static_inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    x8 = _static_cast(x.reshape(-1, x.shape[-1]), self.neusight_input_scale, E4M3)
+    y = torch._scaled_mm(x8, self.weight.t(), self.neusight_input_scale, self.neusight_weight_scale,
+                         out_dtype=x.dtype)
+    y = y.reshape(*x.shape[:-1], self.weight.shape[0])
+    return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def apply_fp8(module: nn.Module, training: bool, static: bool = False) -> str:
     """Run every eligible ``nn.Linear`` of ``module`` (on the meta device) as an FP8 layer, in place (module
-    docstring); inference layers get FP8 weights. Returns the note for the forecast; InputError when no layer is
-    eligible."""
+    docstring); inference layers get FP8 weights, and with ``static`` a fixed input scale each (no max |x| per
+    call). Returns the note for the forecast; InputError when no layer is eligible."""
     from neusight.graph.quant import linear_layers
 
     head, layers, misaligned = linear_layers(
         module, lambda m: m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0)
     routed = [m for m in module.modules() if is_routed_experts(m)]
     if routed and not training:
-        _fp8_experts(routed)
+        _fp8_experts(routed, static)
     converted = 0
     for mod in layers:
         if training:
@@ -108,7 +128,9 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
             w = mod.weight
             mod.weight = nn.Parameter(torch.empty(w.shape, dtype=E4M3, device="meta"), requires_grad=False)
             mod.register_buffer("neusight_weight_scale", torch.ones((), device="meta"))
-            mod.forward = types.MethodType(_inference_forward, mod)
+            if static:
+                mod.register_buffer("neusight_input_scale", torch.ones((), device="meta"))
+            mod.forward = types.MethodType(_static_inference_forward if static else _inference_forward, mod)
         converted += 1
     if not converted:
         raise InputError(f"fp8=True runs nn.Linear layers as FP8 GEMMs; {type(module).__name__} has none that qualify "
@@ -127,8 +149,8 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     if dense:
         skipped.append(dense)
     how = "torchao Float8Linear, tensorwise" if training else "FP8 weights, inputs cast per call"
-    note = FP8_NOTE.format(how=how, n=converted, skipped=f"; kept in the model's precision: {', '.join(skipped)}"
-                           if skipped else "")
+    note = FP8_NOTE.format(how=how, n=converted, scaling=SCALING[static],
+                           skipped=f"; kept in the model's precision: {', '.join(skipped)}" if skipped else "")
     if routed and not training:
         note += (f"; the routed experts of {len(routed)} layers hold FP8 weights too, each projection one FP8 grouped "
                  "GEMM over the experts (torch._scaled_grouped_mm, as serving stacks' FP8 MoE kernels run them, in "
@@ -136,12 +158,14 @@ def apply_fp8(module: nn.Module, training: bool) -> str:
     return note
 
 
-def _fp8_experts(routed: list[nn.Module]) -> None:
+def _fp8_experts(routed: list[nn.Module], static: bool = False) -> None:
     """Inference: routed experts' stacked weights stored in e4m3, their projections as FP8 grouped GEMMs
-    (:func:`neusight.graph.moe._fp8_grouped_mm`), whatever experts implementation the model had."""
+    (:func:`neusight.graph.moe._fp8_grouped_mm`; ``static``: inputs cast with a fixed scale), whatever experts
+    implementation the model had."""
     from neusight.graph.moe import _grouped_experts_forward
 
     for mod in routed:
+        mod.neusight_fp8_static = static
         for name in ("gate_up_proj", "up_proj", "down_proj"):
             w = getattr(mod, name, None)
             if isinstance(w, nn.Parameter) and w.dim() == 3:

@@ -182,7 +182,7 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
             w = w[:active]
         w = w if transposed else w.transpose(1, 2)                                  # (experts, in, out)
         if w.dtype == torch.float8_e4m3fn:  # FP8 experts (fp8=True, inference): one FP8 grouped GEMM
-            y = _fp8_grouped_mm(h, w, share)
+            y = _fp8_grouped_mm(h, w, share, getattr(self, "neusight_fp8_static", False))
         elif w.dtype in (torch.int8, torch.uint8):   # weight-only quantized experts (weight_quant=)
             y = self.neusight_quantized_mm(h, w, share, scales)
         elif grouped:
@@ -205,13 +205,14 @@ def _sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     return y.to(hidden_states.dtype)
 
 
-def _fp8_grouped_mm(h: torch.Tensor, w: torch.Tensor, share: int) -> torch.Tensor:
-    """FP8 experts (:func:`neusight.graph.fp8.apply_fp8` in inference): the rows cast to e4m3 (dynamic scaling), then
-    one grouped GEMM over the experts' FP8 weights ``w`` (experts, in, out), ``share`` rows each, with per-row and
-    per-output-channel scales, as serving stacks' FP8 MoE kernels run them (``torch._scaled_grouped_mm``)."""
-    from neusight.graph.fp8 import E4M3, _cast
+def _fp8_grouped_mm(h: torch.Tensor, w: torch.Tensor, share: int, static: bool = False) -> torch.Tensor:
+    """FP8 experts (:func:`neusight.graph.fp8.apply_fp8` in inference): the rows cast to e4m3 (dynamic scaling, or
+    with a fixed scale when ``static``), then one grouped GEMM over the experts' FP8 weights ``w`` (experts, in,
+    out), ``share`` rows each, with per-row and per-output-channel scales, as serving stacks' FP8 MoE kernels run
+    them (``torch._scaled_grouped_mm``)."""
+    from neusight.graph.fp8 import E4M3, _cast, _static_cast
 
-    x8, _ = _cast(h, E4M3)
+    x8 = _static_cast(h, 1.0, E4M3) if static else _cast(h, E4M3)[0]
     experts, rows = w.shape[0], h.shape[0]
     offs = (torch.arange(1, experts + 1, device=h.device, dtype=torch.int32) * share)
     scale_a = torch.ones(rows, device=h.device, dtype=torch.float32)

@@ -868,7 +868,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           head: str | None = None, optimizer: str | None = "adamw", attn_implementation: str = "eager",
           image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
           dtype: str | torch.dtype = torch.float32, include_loss: bool = True, tensor_parallel: int = 1,
-          expert_parallel: int = 1, fp8: bool = False, weight_quant: str | None = None,
+          expert_parallel: int = 1, fp8: bool | str = False, weight_quant: str | None = None,
           clip_grad_norm: float | None = None, zero_grad: bool = False, amp: Any = None,
           kv_cache: int | None = None, gradient_checkpointing: bool | int | str = False, lora_rank: int | None = None,
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
@@ -920,11 +920,13 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         LoRA fine-tuning (:mod:`neusight.graph.lora`): every base weight frozen, rank-``lora_rank`` adapters on the
         projections named by ``lora_targets`` (the last part of their module names; default: PEFT's for the
         architecture, e.g. the attention's query and value projections).
-    fp8 : bool
+    fp8 : bool or {"dynamic", "static"}
         FP8 linear layers (:mod:`neusight.graph.fp8`): every ``nn.Linear`` but the LM head (and those whose features
         are not multiples of 16) as FP8 GEMMs with dynamic per-tensor scaling, as torchao runs them: in training its
         Float8Linear (weights, gradients and optimizer in the model's precision, FP8 casts in every pass), in
-        inference FP8 weights (one byte each) with each input cast per call. Needs a GPU with FP8 tensor cores.
+        inference FP8 weights (one byte each) with each input cast per call. ``"static"`` (inference): each input
+        cast with the fixed scale of a calibrated FP8 checkpoint (TensorRT-LLM, vLLM), no max |x| per call.
+        ``True`` = ``"dynamic"``. Needs a GPU with FP8 tensor cores.
     weight_quant : {None, "int8", "int4", "mxfp4", "nvfp4"}
         Weight-only quantized inference (:mod:`neusight.graph.quant`): every ``nn.Linear`` weight but the LM head's
         stored in 8 or 4 bits (int4: groups of 128 inputs; mxfp4: OCP microscaling, groups of 32, and in a mixture
@@ -1232,11 +1234,18 @@ def _to_channels_last(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
 
 def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype | None, lora_rank: int | None,
                 device: Any) -> str | None:
-    """``fp8=True``: the model's linear layers as FP8 GEMMs (:func:`neusight.graph.fp8.apply_fp8`); its note."""
+    """``fp8=True`` / ``"dynamic"`` / ``"static"``: the model's linear layers as FP8 GEMMs
+    (:func:`neusight.graph.fp8.apply_fp8`); its note."""
     if fp8 is False or fp8 is None:
         return None
-    if not isinstance(fp8, bool):
-        raise InputError(f"fp8={fp8!r} is not true or false. Fix: fp8=true (FP8 linear layers) or leave it out")
+    if not (fp8 is True or fp8 in ("dynamic", "static")):
+        raise InputError(f"fp8={fp8!r} is not true, false, 'dynamic' or 'static'. Fix: fp8=true (FP8 linear layers, "
+                         "dynamic scaling as torchao runs them), fp8=static (the fixed input scales of a calibrated "
+                         "FP8 checkpoint, inference) or leave it out")
+    if fp8 == "static" and mode == "training":
+        raise InputError("fp8='static' casts each input with the fixed scale of a calibrated FP8 checkpoint, which "
+                         "serving runs; FP8 training scales every pass dynamically. Fix: fp8=true (torchao's "
+                         "Float8Linear) for training, or mode='inference'")
     if amp is not None:
         raise InputError("fp8=True with amp= is not modelled (FP8 layers keep their inputs' precision). Fix: a "
                          "bfloat16 model (dtype='bfloat16') with fp8=True, or leave one of them out")
@@ -1245,7 +1254,7 @@ def _fp8_layers(module: torch.nn.Module, fp8: Any, mode: str, amp: torch.dtype |
     from neusight.graph.fp8 import apply_fp8, check_fp8_device
 
     check_fp8_device(device)
-    return apply_fp8(module, mode == "training")
+    return apply_fp8(module, mode == "training", static=fp8 == "static")
 
 
 def _enable_checkpointing(built: BuiltModel, mode: str, every: Any = True, amp: torch.dtype | None = None,
