@@ -87,6 +87,45 @@ def test_a_group_a_gemm_reads_never_fuses_with_kernels_after_that_gemm():
     assert len(fused) == len(g.kernels)
 
 
+class _SharedInput(nn.Module):
+    """A norm whose output three projections read, each through its own pointwise cast (as static FP8 casts or
+    dtype conversions are), as Llama's q / k / v read their input norm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.q(y * 0.5 + 1) + self.k(y * 0.25 + 1) + self.v(y * 0.125 + 1)
+
+
+def test_a_pointwise_op_after_a_gemm_joins_the_group_it_reads_when_it_needs_nothing_made_after_it():
+    """Inductor schedules by dataflow: the k and v inputs' pointwise ops, traced after the q GEMM, need only the
+    norm's output, so they run in the norm's kernel before that GEMM (Inductor's CPU code generation compiles the
+    same pattern, with FP8 casts, into one kernel). The projections' own outputs are summed after all three
+    GEMMs, which no such hoisting may reorder."""
+    g = neusight.trace(_SharedInput(), batch_size=8, input_shapes=[(64,)], mode="inference")
+    fused = fused_kernels(g)
+    kinds = fused["kernel"].tolist()
+    assert kinds.count(FUSED_KERNEL) == 2                  # norm + the three inputs' ops; the final sum
+    first = kinds.index(FUSED_KERNEL)
+    assert all(k.startswith(("addmm", "mm")) for k in kinds[first + 1:first + 4])
+    # one read of x, three 8 x 64 inputs written (FP32): nothing of the norm's output itself reaches DRAM
+    assert fused.iloc[first]["bytes"] == 4 * (8 * 64 + 3 * 8 * 64)
+
+
+def test_a_group_with_a_reduction_stays_after_the_gemm_it_follows():
+    """GPT-2's bias gradients (sums over the batch of a gradient that an earlier kernel makes) stay kernels of their
+    own after the weight-gradient GEMMs, as Inductor left such a sum of a GELU gradient (not hoisted)."""
+    g = neusight.trace("gpt2", batch_size=2, seq_len=32, mode="training", optimizer=None)
+    fused = fused_kernels(g)
+    layer = fused[fused["module"].str.contains(r"\.h\.1\.") & (fused["phase"] == "backward")]
+    sums = layer[layer["kernel"].astype(str) == "sum"]
+    assert set(sums["module"].str.rsplit(".", n=2).str[-2:].str.join(".")) == {
+        "mlp.c_proj", "mlp.c_fc", "attn.c_proj", "attn.c_attn"}
+
+
 class _RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

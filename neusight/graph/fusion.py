@@ -12,7 +12,9 @@ intermediate tensors never reach DRAM. That is the whole model here:
    update never links unrelated kernels). Inductor schedules by dataflow, not program order, so a group also
    takes a kernel after a GEMM while nothing outside the group has read the group's outputs yet (in the same
    phase): a SwiGLU's silu, run between its gate and up GEMMs in eager, fuses with the product after the up
-   GEMM. A group that a GEMM (or any kernel outside it) reads must run before that reader and stays closed.
+   GEMM. A group that a GEMM (or any kernel outside it) reads must run before that reader and stays closed, but
+   a pointwise group that reads it and nothing made after it closed runs inside it, before that reader: the k
+   and v inputs' casts join the norm that makes them, as the q input's does.
 3. A group becomes one kernel: FLOPs summed; bytes = inputs read from outside the group (each storage version
    once, at most its size and at most what the reading kernel was traced to move) + outputs read after the
    group, kept alive at the end (the model's outputs) or never read in the trace (gradients).
@@ -180,6 +182,7 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
     segment: dict[int, int] = {}
     phase: dict[int, str] = {}
     escaped: set[int] = set()                           # roots of groups something outside them has read
+    closed_at: dict[int, int] = {}                      # ... and the op that first read them from outside
     split: set[int] = set()                             # split reductions (_split_reduction)
     reducing: set[int] = set()                          # roots of groups with a reduction (GROUP_FAMILY_ORDER)
     level: dict[int, int] = {}                          # split reductions a kernel depends on, in a chain
@@ -198,6 +201,12 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
             for flags in (escaped, reducing):
                 if ra in flags:
                     flags.add(rb)
+            if ra in closed_at:
+                closed_at[rb] = min(closed_at.pop(ra), closed_at.get(rb, ra))
+
+    def escape(root: int, by: int) -> None:
+        escaped.add(root)
+        closed_at.setdefault(root, by)
 
     for r in g.ops:
         if r.index not in reads:
@@ -228,12 +237,12 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
             for s, v, _ in ins:
                 src = produced.get((s, v))
                 if src is not None and src in parent and find(src) != find(r.index):
-                    escaped.add(find(src))
+                    escape(find(src), r.index)
         else:
             for s, v, _ in ins:                           # a GEMM reads these groups' outputs: they run before it
                 src = produced.get((s, v))
                 if src is not None and src in parent:
-                    escaped.add(find(src))
+                    escape(find(src), r.index)
             seg += 1                                      # nothing fuses across a GEMM that reads the group
 
     groups: dict[int, list[int]] = {}
@@ -258,6 +267,26 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
         if phase[consumer] == phase[root]:
             union(root, consumer)
             groups[consumer] = groups.pop(consumer) + groups.pop(root)
+    # A pointwise group that reads one closed group and nothing made after that group closed runs inside it, before
+    # the op that closed it, as Inductor (which schedules by dataflow, not program order) fuses it: the casts of the
+    # k and v projections' input join the norm that makes it, before the q projection's GEMM, as the q cast does
+    # (checked with Inductor's CPU code generation, one kernel for the norm and the three casts). Groups with a
+    # reduction stay where they are: Inductor left a bias gradient's sum of a GELU gradient in a kernel of its own.
+    for root in sorted(groups, key=lambda r: min(groups[r])):
+        if root not in groups:
+            continue
+        members = set(groups[root])
+        srcs = {src for i in members for s, v, _ in reads[i] if (src := produced.get((s, v))) is not None} - members
+        owners = {find(src) for src in srcs if src in parent}
+        if root in reducing or members & split or len(owners) != 1:
+            continue
+        target = owners.pop()
+        if target not in escaped or phase[target] != phase[root] or \
+                max(level[i] for i in members) != max(level[i] for i in groups[target]):
+            continue
+        if all((src in parent and find(src) == target) or src < closed_at[target] for src in srcs):
+            union(root, target)
+            groups[target] = groups.pop(target) + groups.pop(root)
 
     rows, replaced = [], set()
     units = [set(chain.ops) for chain in attention]
