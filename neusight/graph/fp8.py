@@ -41,7 +41,6 @@ FP8_NOTE = ("FP8 linear layers ({how}): {n} nn.Linear GEMMs as FP8 matrix multip
 SCALING = {False: "dynamic per-tensor scaling, as torchao runs them in eager PyTorch",
            True: "static per-tensor scaling: each input cast with the fixed scale an FP8 checkpoint carries, no max "
                  "|x| per call, as TensorRT-LLM and vLLM run calibrated FP8 checkpoints"}
-FP8_MODES = (True, False, None, "dynamic", "static")
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -202,7 +202,8 @@ def _fuse_graph(g: Graph, device: Any) -> tuple[pd.DataFrame, list[set[int]]]:
                 if ra in flags:
                     flags.add(rb)
             if ra in closed_at:
-                closed_at[rb] = min(closed_at.pop(ra), closed_at.get(rb, ra))
+                closed = closed_at.pop(ra)
+                closed_at[rb] = min(closed, closed_at.get(rb, closed))
 
     def escape(root: int, by: int) -> None:
         escaped.add(root)
