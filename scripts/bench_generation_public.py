@@ -134,17 +134,21 @@ def model_ref(name: str, config_dir: Path) -> str:
     return str(path)
 
 
+def run_options(gpu: str, decode: bool = True) -> dict:
+    """How the forecast runs on ``gpu`` (see the module docstring): FP16, SDPA, torch.compile, the cache in place;
+    FP8 GEMMs with static scales and, with decode steps, an FP8 cache on the FP8 GPUs."""
+    kw = dict(dtype="float16", attn_implementation="sdpa", fused=True, static_cache=True)
+    if GPUS[gpu][1] == "fp8":
+        kw.update(fp8="static", **(dict(kv_cache_dtype="fp8") if decode else {}))
+    return kw
+
+
 def forecast_run(gpu: str, model: str, batch: int, tp: int, isl: int, osl: int, config_dir: Path, cache: dict):
     """The generation forecast of one published configuration (see the module docstring)."""
     from neusight.generation import predict_generation
 
-    device, precision = GPUS[gpu]
-    kw = dict(dtype="float16", attn_implementation="sdpa", fused=True, static_cache=True, tp=tp, cache=cache)
-    if precision == "fp8":
-        kw.update(fp8="static")
-        if osl > 1:
-            kw.update(kv_cache_dtype="fp8")
-    return predict_generation(model_ref(model, config_dir), device, batch, isl, osl, **kw)
+    return predict_generation(model_ref(model, config_dir), GPUS[gpu][0], batch, isl, osl, tp=tp, cache=cache,
+                              **run_options(gpu, decode=osl > 1))
 
 
 def forecast(config_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -179,9 +183,8 @@ def decode_breakdown() -> pd.DataFrame:
     out = []
     for gpu, batch in BREAKDOWN:
         device, precision = GPUS[gpu]
-        kw = dict(fp8="static", kv_cache_dtype="fp8") if precision == "fp8" else {}
-        p = predict(MODELS["LLaMA 7B"], device, batch, 1, "inference", dtype="float16", attn_implementation="sdpa",
-                    fused=True, memory=False, kv_cache=BREAKDOWN_CONTEXT, static_cache=True, **kw)
+        p = predict(MODELS["LLaMA 7B"], device, batch, 1, "inference", memory=False, kv_cache=BREAKDOWN_CONTEXT,
+                    **run_options(gpu))
         g = p.kernels.groupby("kernel").agg(kernels=("latency_ms", "size"), ms=("latency_ms", "sum"),
                                             roofline_ms=("roofline_ms", "sum"), GB=("bytes", "sum"))
         g["GB"] /= 1e9

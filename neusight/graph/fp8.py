@@ -94,16 +94,11 @@ def _training_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    x8, sx = _cast(x.reshape(-1, x.shape[-1]), E4M3)
+    """FP8 weights; the input cast per call, with its own max |x| (dynamic) or the layer's fixed scale (static)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    fixed = getattr(self, "neusight_input_scale", None)
+    x8, sx = _cast(x2, E4M3) if fixed is None else (_static_cast(x2, fixed, E4M3), fixed)
     y = torch._scaled_mm(x8, self.weight.t(), sx, self.neusight_weight_scale, out_dtype=x.dtype)
-    y = y.reshape(*x.shape[:-1], self.weight.shape[0])
-    return y if self.bias is None else y + self.bias.to(y.dtype)
-
-
-def _static_inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    x8 = _static_cast(x.reshape(-1, x.shape[-1]), self.neusight_input_scale, E4M3)
-    y = torch._scaled_mm(x8, self.weight.t(), self.neusight_input_scale, self.neusight_weight_scale,
-                         out_dtype=x.dtype)
     y = y.reshape(*x.shape[:-1], self.weight.shape[0])
     return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -129,7 +124,7 @@ def apply_fp8(module: nn.Module, training: bool, static: bool = False) -> str:
             mod.register_buffer("neusight_weight_scale", torch.ones((), device="meta"))
             if static:
                 mod.register_buffer("neusight_input_scale", torch.ones((), device="meta"))
-            mod.forward = types.MethodType(_static_inference_forward if static else _inference_forward, mod)
+            mod.forward = types.MethodType(_inference_forward, mod)
         converted += 1
     if not converted:
         raise InputError(f"fp8=True runs nn.Linear layers as FP8 GEMMs; {type(module).__name__} has none that qualify "
