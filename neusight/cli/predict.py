@@ -11,6 +11,8 @@ one inference pass or training step and print where the time goes.
   run cannot be forecast on are listed apart with the reason.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
+- A forecast that does not fit in its GPU's memory is forecast again with the usual memory remedies until one fits
+  (:mod:`neusight.remedies`; ``advise=false``: not).
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
@@ -22,6 +24,7 @@ The task function returns the total latency (ms) for sweepers (of the first GPU 
 
 from __future__ import annotations
 
+import dataclasses
 import json as _json
 import logging
 import os
@@ -128,6 +131,8 @@ class PredictConfig:
     #                                      per 1M tokens (images, samples), and of a run with total_*
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
+    advise: bool = True                  # a step that does not fit: forecast it again with the usual memory remedies
+    #                                      (sdpa, recompute, 16-bit; neusight.remedies) until one fits
     top: int = 10                        # rows of the kernel and layer tables (0: totals only)
     json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
     csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
@@ -509,12 +514,9 @@ def forecast(cfg: PredictConfig, extra: Device | None = None,
     from neusight.errors import InputError
 
     devices = _gpus(cfg) + ([extra] if extra is not None else [])
-    preds = predict_many(cfg.model, devices, cfg.batch_size, cfg.seq_len, cfg.mode, head=cfg.head,
-                         optimizer=cfg.optimizer, predictor=cfg.checkpoint, memory=cfg.memory, fused=cfg.fused,
-                         tf32=cfg.tf32, host_us=cfg.host_us, left_out=skipped,
-                         progress=lambda gpus: each_gpu(gpus, "forecasts", cfg.progress),
-                         attn_implementation=cfg.attn_implementation, image_size=cfg.image_size, dtype=cfg.dtype,
-                         amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
+    preds = predict_many(cfg.model, devices, cfg.batch_size, cfg.seq_len, cfg.mode, memory=cfg.memory,
+                         left_out=skipped, progress=lambda gpus: each_gpu(gpus, "forecasts", cfg.progress),
+                         **_run_kwargs(cfg))
     if extra is not None and skipped and extra.key in skipped:
         raise InputError(f"anchor_device={extra.key}: {skipped[extra.key]}. Fix: an anchor GPU the run can be "
                          "forecast on")
@@ -523,8 +525,48 @@ def forecast(cfg: PredictConfig, extra: Device | None = None,
     return preds
 
 
+def _run_kwargs(cfg: PredictConfig) -> dict[str, Any]:
+    """The keywords of ``neusight.predict_many`` that describe ``cfg``'s run (besides model, GPUs and sizes)."""
+    return dict(head=cfg.head, optimizer=cfg.optimizer, predictor=cfg.checkpoint, fused=cfg.fused, tf32=cfg.tf32,
+                host_us=cfg.host_us, attn_implementation=cfg.attn_implementation, image_size=cfg.image_size,
+                dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
+
+
+def fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[Any]]:
+    """:func:`neusight.remedies.fit_remedies` of the forecasts in ``preds`` that do not fit (with ``cfg.advise``)."""
+    from neusight.remedies import fit_remedies as remedies
+
+    if not (cfg.memory and cfg.advise) or not any(getattr(p.memory, "fits", None) is False for p in preds):
+        return {}
+    return remedies(cfg.model, [p.device for p in preds], cfg.batch_size, cfg.seq_len, cfg.mode, predictions=preds,
+                    **_run_kwargs(cfg))
+
+
+def remedies_text(preds: list[Prediction], remedies: dict[str, list[Any]]) -> str:
+    """What the CLI prints of :func:`fit_remedies`: per GPU without a fit, each remedy tried and its forecast."""
+    lines = []
+    for p in preds:
+        if p.device.key not in remedies:
+            continue
+        rungs = remedies[p.device.key]
+        where = f"{p.device.key} ({p.device.memory_gib:g} GiB)"
+        instead = ("find_max_batch=true finds the largest batch that fits (gradient accumulation keeps the batch); "
+                   "gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism)")
+        if not rungs:
+            lines.append(f"to fit on {where}: none of the usual remedies (sdpa, gradient checkpointing, 16-bit) "
+                         f"applies to this run or lowers its peak; {instead}")
+            continue
+        lines.append(f"to fit on {where}, the same run forecast again with the usual memory remedies, each added "
+                     "to the ones before:")
+        lines += [f"  {'+ ' if i else ''}{r.line(p.latency_ms)}" for i, r in enumerate(rungs)]
+        if not rungs[-1].fits:
+            lines.append(f"  none of these fits: {instead}")
+    return "\n".join(lines)
+
+
 def _write_outputs(cfg: PredictConfig, preds: list[Prediction],
-                   costs: list[dict[str, Any] | None] | None = None) -> None:
+                   costs: list[dict[str, Any] | None] | None = None,
+                   remedies: dict[str, list[Any]] | None = None) -> None:
     import pandas as pd
 
     from neusight.util import atomic_write_text
@@ -535,6 +577,9 @@ def _write_outputs(cfg: PredictConfig, preds: list[Prediction],
         for d, c in zip(records, costs or []):
             if c is not None:
                 d["cost"] = c
+        for d, p in zip(records, preds):
+            if remedies and p.device.key in remedies:
+                d["fit_remedies"] = [dataclasses.asdict(r) for r in remedies[p.device.key]]
         atomic_write_text(path, _json.dumps(records[0] if len(records) == 1 else records, indent=2, default=float))
         print(f"forecast: {path}")
     if cfg.csv:
@@ -688,7 +733,10 @@ def _app(cfg: PredictConfig) -> float:
             table.loc[f"anchored ms ({anchor.device.key} = {cfg.anchor_ms:g})"] = [
                 f"{anchored[p.device.key]:,.2f}" for p in preds]
         print(table.to_string())
-    _write_outputs(cfg, preds, costs)
+    remedies = {} if ranking else fit_remedies(cfg, preds)
+    if remedies:
+        print("\n" + remedies_text(preds, remedies))
+    _write_outputs(cfg, preds, costs, remedies)
     _extras(cfg, preds, searches=not ranking)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
