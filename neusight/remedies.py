@@ -1,20 +1,24 @@
 """What would make a step fit: the usual memory remedies, each re-forecast.
 
 A forecast whose memory peak exceeds the GPU answers "no" where the user asked "how fast?". An engineer then
-reaches for the same few switches, roughly in this order, each cheaper in speed than the next:
+reaches for the same few switches, roughly from the ones that cost no time to the one that costs the most:
 
 1. an attention that keeps no score matrices (``attn_implementation=sdpa``: the fused kernels save a row
    statistic instead of the batch x heads x seq x seq probabilities and dropout mask of the eager attention);
-2. in training, activation recompute (``gradient_checkpointing=true``: each block's forward runs again in the
-   backward pass, only the block inputs are kept);
-3. 16-bit tensors: in training, mixed precision (``amp``: 16-bit activations, FP32 weights and optimizer); in
+2. 16-bit tensors: in training, mixed precision (``amp``: 16-bit activations, FP32 weights and optimizer); in
    inference, the model in 16 bits (``dtype``: weights and activations). BF16 where the GPU has BF16 tensor
-   cores, else FP16.
+   cores, else FP16;
+3. in training, gradient accumulation (``microbatches=k``: the batch in k equal micro-batches, forward and
+   backward in turn, one optimizer step; the fewest that fit);
+4. in training, activation recompute (``gradient_checkpointing=true``: each block's forward runs again in the
+   backward pass, only the block inputs are kept), then gradient accumulation again if it still does not fit.
 
 :func:`fit_remedies` forecasts the same run again with each remedy added to the ones before, until the peak fits,
 and says what each costs in time. A remedy the run cannot take (a model without gradient checkpointing, a
-convolutional net's attention) or that does not lower the peak is left out and not carried on. Nothing here is
-fitted: the peaks and times are the forecasts of :func:`neusight.predict_many` for the changed runs.
+convolutional net's attention) or that does not lower the peak is left out and not carried on; so is gradient
+accumulation that does not fit when recompute comes after it. Nothing here is fitted: the peaks and times are the
+forecasts of :func:`neusight.predict_many` (and :func:`neusight.predict_parallel` for micro-batches) for the
+changed runs.
 """
 
 from __future__ import annotations
@@ -43,16 +47,22 @@ class Remedy:
                 f"{self.latency_ms:,.2f} ms ({change:+.1f} %)")
 
 
-def _rungs(mode: str, device: Any, run: dict[str, Any]) -> list[tuple[str, Any]]:
+ACCUMULATE = ("microbatches", None)     # the gradient-accumulation rung: a search for the fewest micro-batches
+
+
+def _rungs(mode: str, device: Any, batch_size: int, run: dict[str, Any]) -> list[tuple[str, Any]]:
     """The remedies this run does not already use, in the order tried (see the module docstring)."""
     out: list[tuple[str, Any]] = []
     if run.get("attn_implementation", "eager") == "eager":
         out.append(("attn_implementation", "sdpa"))
-    if mode == "training" and not run.get("gradient_checkpointing"):
-        out.append(("gradient_checkpointing", True))
     if str(run.get("dtype", "float32")).removeprefix("torch.") == "float32" and not run.get("amp"):
         half = "bfloat16" if getattr(device, "bf16_tensor_tflops", 0) else "float16"
         out.append(("amp" if mode == "training" else "dtype", half))
+    if mode == "training":
+        accumulate = [ACCUMULATE] if batch_size > 1 else []
+        out += accumulate
+        if not run.get("gradient_checkpointing"):
+            out += [("gradient_checkpointing", True)] + accumulate
     return out
 
 
@@ -64,7 +74,8 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     ----------
     model, devices, batch_size, seq_len, mode, **run
         As for :func:`neusight.predict_many` (``run``: its keywords, e.g. ``attn_implementation``, ``dtype``,
-        ``amp``, ``gradient_checkpointing``, ``head``, ``optimizer``, ``predictor``, ``fused``).
+        ``amp``, ``gradient_checkpointing``, ``head``, ``optimizer`` (AdamW unless given, as there), ``predictor``,
+        ``fused``).
     predictions : list of Prediction, optional
         The run's own forecasts on ``devices`` with their memory, when the caller has them (else forecast here).
 
@@ -78,7 +89,7 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     --------
     >>> r = fit_remedies("gpt2", "t4", batch_size=16, seq_len=512, mode="training")
     >>> [x.added for x in r["t4"]], [x.fits for x in r["t4"]]
-    (['attn_implementation=sdpa', 'gradient_checkpointing=true'], [False, True])
+    (['attn_implementation=sdpa', 'amp=float16'], [False, True])
     """
     from neusight.api import load_devices, predict_many
 
@@ -92,34 +103,81 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
         m = p.memory
         if m is None or m.fits is not False or p.device.key not in by_key:
             continue
-        state[p.device.key] = {"options": {}, "peak": m.peak_bytes, "rungs": _rungs(mode, p.device, run)}
+        state[p.device.key] = {"options": {}, "peak": m.peak_bytes,
+                               "rungs": _rungs(mode, p.device, batch_size, run), "searched": {}}
     out: dict[str, list[Remedy]] = {k: [] for k in state}
+    cache: dict = {}                 # the micro-batch searches' traces, shared by GPUs on the same software path
     while True:
-        # the next rung of every GPU still without a fit, GPUs trying the same options forecast together
+        # the next rung of every GPU still without a fit; GPUs trying the same options are forecast together
         groups: dict[tuple, list[str]] = {}
+        searches = []
         for key, s in state.items():
-            if s["rungs"]:
-                name, value = s["rungs"].pop(0)
-                options = {**s["options"], name: value}
-                groups.setdefault(tuple(sorted(options.items(), key=lambda kv: kv[0])), []).append(key)
-        if not groups:
+            if not s["rungs"]:
+                continue
+            rung = s["rungs"].pop(0)
+            if rung == ACCUMULATE:
+                searches.append(key)
+                continue
+            options = {**s["options"], rung[0]: rung[1]}
+            groups.setdefault(tuple(sorted(options.items(), key=lambda kv: kv[0])), []).append(key)
+        if not groups and not searches:
             return out
         for items, keys in groups.items():
             options = dict(items)
-            left_out: dict[str, str] = {}
             try:
                 preds = predict_many(model, [by_key[k] for k in keys], batch_size, seq_len, mode, memory=True,
-                                     left_out=left_out, **{**run, **options})
+                                     left_out={}, **{**run, **options})
             except InputError:      # the run cannot take this remedy on any of these GPUs
                 continue
             added = next(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()
                          if k not in state[keys[0]]["options"])
             for p in preds:
-                s, m = state[p.device.key], p.memory
-                if m is None or m.peak_bytes >= SAME_PEAK * s["peak"]:
-                    continue         # no help: not carried on to the next rungs
-                out[p.device.key].append(Remedy(added, options, int(m.peak_bytes), bool(m.fits),
-                                                float(p.latency_ms)))
-                s["options"], s["peak"] = options, m.peak_bytes
-                if m.fits:
-                    del state[p.device.key]
+                _step(state, out, p.device.key, Remedy(added, options, int(p.memory.peak_bytes),
+                                                       bool(p.memory.fits), float(p.latency_ms)))
+        for key in searches:
+            s = state[key]
+            found = s["searched"].get(_frozen(s["options"]))
+            if found is None:
+                found = s["searched"][_frozen(s["options"])] = _fewest_microbatches(
+                    model, by_key[key], batch_size, seq_len, s["options"], run, cache)
+            # accumulation that does not fit is kept only as the last rung: recompute, tried next, starts without it
+            if found is not None and (found.fits or not s["rungs"]):
+                _step(state, out, key, found)
+
+
+def _frozen(options: dict[str, Any]) -> tuple:
+    return tuple(sorted(options.items(), key=lambda kv: kv[0]))
+
+
+def _step(state: dict[str, dict[str, Any]], out: dict[str, list[Remedy]], key: str, r: Remedy) -> None:
+    """Record rung ``r`` of GPU ``key`` if it lowered the peak, and carry its options on (done once it fits)."""
+    s = state[key]
+    if r.peak_bytes >= SAME_PEAK * s["peak"]:
+        return               # no help: not carried on to the next rungs
+    out[key].append(r)
+    s["options"], s["peak"] = r.options, r.peak_bytes
+    if r.fits:
+        del state[key]
+
+
+def _fewest_microbatches(model: Any, device: Any, batch_size: int, seq_len: int | None, options: dict[str, Any],
+                         run: dict[str, Any], cache: dict) -> Remedy | None:
+    """Gradient accumulation: the batch in the fewest equal micro-batches whose step fits
+    (:func:`neusight.parallel.predict_parallel` of one replica: each micro-batch's forward and backward in turn,
+    one optimizer step), with ``options``; micro-batches of one sample if none fits. None if the run cannot be
+    split so."""
+    from neusight.parallel import predict_parallel
+
+    last = None
+    for k in (k for k in range(2, batch_size + 1) if batch_size % k == 0):
+        try:
+            # predict_parallel steps no optimizer unless told; the run's is predict_many's (AdamW unless given)
+            p = predict_parallel(model, device, batch_size, seq_len, "training", microbatches=k, cache=cache,
+                                 **{"optimizer": "adamw", **run, **options})
+        except InputError:
+            return last
+        last = Remedy(f"microbatches={k}", {**options, "microbatches": k}, int(p.memory_peak_bytes),
+                      bool(p.memory_fits), float(p.latency_ms))
+        if last.fits:
+            break
+    return last

@@ -11,21 +11,23 @@ import pytest
 
 import neusight
 from neusight.devices import load_device
-from neusight.remedies import Remedy, _rungs, fit_remedies
+from neusight.remedies import ACCUMULATE, Remedy, _rungs, fit_remedies
 
 BIN = Path(sys.executable).parent
 
 
 def test_the_ladder_skips_what_the_run_already_uses_and_picks_the_gpus_16_bit_type():
     t4, l4 = load_device("t4"), load_device("l4")       # T4 (Turing): no BF16 tensor cores; L4 (Ada): BF16
-    assert _rungs("training", t4, {}) == [("attn_implementation", "sdpa"), ("gradient_checkpointing", True),
-                                          ("amp", "float16")]
-    assert _rungs("training", l4, {"attn_implementation": "eager"})[-1] == ("amp", "bfloat16")
-    # inference: no recompute; the model itself in 16 bits (dtype), not autocast
-    assert _rungs("inference", l4, {}) == [("attn_implementation", "sdpa"), ("dtype", "bfloat16")]
-    assert _rungs("training", l4, {"attn_implementation": "flash_attention_2", "gradient_checkpointing": "selective",
-                                   "amp": "bfloat16"}) == []
-    assert _rungs("inference", l4, {"dtype": "float16"}) == [("attn_implementation", "sdpa")]
+    # training: sdpa, 16-bit, accumulation, then recompute and accumulation again (cheapest in time first)
+    assert _rungs("training", t4, 8, {}) == [("attn_implementation", "sdpa"), ("amp", "float16"), ACCUMULATE,
+                                             ("gradient_checkpointing", True), ACCUMULATE]
+    assert _rungs("training", l4, 1, {"attn_implementation": "eager"}) == [
+        ("attn_implementation", "sdpa"), ("amp", "bfloat16"), ("gradient_checkpointing", True)]   # batch 1: no split
+    # inference: no recompute, no accumulation; the model itself in 16 bits (dtype), not autocast
+    assert _rungs("inference", l4, 8, {}) == [("attn_implementation", "sdpa"), ("dtype", "bfloat16")]
+    assert _rungs("training", l4, 8, {"attn_implementation": "flash_attention_2",
+                                      "gradient_checkpointing": "selective", "amp": "bfloat16"}) == [ACCUMULATE]
+    assert _rungs("inference", l4, 8, {"dtype": "float16"}) == [("attn_implementation", "sdpa")]
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +42,42 @@ def test_remedies_add_up_until_the_step_fits_and_each_is_the_forecast_of_its_run
     run, base, remedies = gpt2_on_t4
     assert base.memory.fits is False
     rungs = remedies["t4"]
-    # sdpa alone still needs more than 16 GiB (the blocks' other activations); recompute on top of it fits
-    assert [r.added for r in rungs] == ["attn_implementation=sdpa", "gradient_checkpointing=true"]
+    # sdpa alone still needs more than 16 GiB (the blocks' other activations); FP16 autocast on top of it fits
+    assert [r.added for r in rungs] == ["attn_implementation=sdpa", "amp=float16"]
     assert [r.fits for r in rungs] == [False, True]
-    assert rungs[1].options == {"attn_implementation": "sdpa", "gradient_checkpointing": True}
+    assert rungs[1].options == {"attn_implementation": "sdpa", "amp": "float16"}
     peaks = [base.memory.peak_bytes] + [r.peak_bytes for r in rungs]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 3
     for r in rungs:          # each rung is exactly predict() of the run with its options
         p = neusight.predict("gpt2", "t4", **run, **r.options)
         assert (r.peak_bytes, r.fits, r.latency_ms) == (p.memory.peak_bytes, p.memory.fits, p.latency_ms)
-    # recompute runs the blocks' forward again: slower than sdpa alone
-    assert rungs[1].latency_ms > rungs[0].latency_ms
+    # 16-bit GEMMs on T4's tensor cores: faster than sdpa in FP32
+    assert rungs[1].latency_ms < rungs[0].latency_ms
+
+
+def test_gradient_accumulation_takes_the_fewest_micro_batches_that_fit():
+    # GPT-2 training at batch 64 x 1,024 on T4: ~96 GiB even with sdpa and FP16 autocast; 8 micro-batches of 8 fit
+    run = dict(batch_size=64, seq_len=1024, mode="training")
+    rungs = fit_remedies("gpt2", "t4", **run)["t4"]
+    assert [r.added for r in rungs] == ["attn_implementation=sdpa", "amp=float16", "microbatches=8"]
+    last, half = rungs[-1], {"attn_implementation": "sdpa", "amp": "float16"}
+    assert last.fits and last.options == {**half, "microbatches": 8}
+    # the accumulated step holds one micro-batch's activations: the peak of a plain step at batch 64 / 8, with the
+    # run's optimizer (AdamW) stepped once
+    assert last.peak_bytes == neusight.predict("gpt2", "t4", 8, 1024, "training", **half).memory.peak_bytes
+    four = neusight.predict_parallel("gpt2", "t4", 64, 1024, "training", microbatches=4, optimizer="adamw", **half)
+    assert not four.memory_fits                          # 4 micro-batches of 16 do not fit: 8 is the fewest
+
+
+def test_recompute_comes_after_accumulation_that_does_not_fit_and_starts_without_it():
+    # GPT-2, batch 2 x 1,024, on a T4 of 3.2 GiB. With sdpa and FP16 autocast: batch 2 ~4.9 GiB, 2 micro-batches of 1
+    # ~3.4 (no fit: not kept), recompute at batch 2 ~3.2 (just over), recompute with 2 micro-batches ~2.7: fits
+    small = neusight.modify_device("t4", memory_gib=3.2)
+    rungs = fit_remedies("gpt2", small, batch_size=2, seq_len=1024, mode="training")[small.key]
+    assert [r.added for r in rungs] == ["attn_implementation=sdpa", "amp=float16", "gradient_checkpointing=true",
+                                        "microbatches=2"]
+    assert [r.fits for r in rungs] == [False, False, False, True]
+    assert rungs[2].options == {"attn_implementation": "sdpa", "amp": "float16", "gradient_checkpointing": True}
 
 
 def test_a_run_that_fits_gets_no_remedies():
@@ -91,9 +118,9 @@ def test_the_command_line_prints_and_writes_the_remedies_unless_told_not_to(tmp_
     assert r.returncode == 0, r.stderr
     assert "to fit on t4 (16 GiB)" in r.stdout
     assert "\n  attn_implementation=sdpa: peak " in r.stdout
-    assert "\n  + gradient_checkpointing=true: peak " in r.stdout and ", fits, " in r.stdout
+    assert "\n  + amp=float16: peak " in r.stdout and ", fits, " in r.stdout
     data = json.loads((tmp_path / "a" / "f.json").read_text())
-    assert [x["added"] for x in data["fit_remedies"]] == ["attn_implementation=sdpa", "gradient_checkpointing=true"]
+    assert [x["added"] for x in data["fit_remedies"]] == ["attn_implementation=sdpa", "amp=float16"]
     r = subprocess.run([*args, "advise=false", f"hydra.run.dir={tmp_path / 'b'}"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr

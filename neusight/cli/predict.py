@@ -132,7 +132,7 @@ class PredictConfig:
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
     advise: bool = True                  # a step that does not fit: forecast it again with the usual memory remedies
-    #                                      (sdpa, recompute, 16-bit; neusight.remedies) until one fits
+    #                                      (sdpa, 16-bit, accumulation, recompute; neusight.remedies) until one fits
     top: int = 10                        # rows of the kernel and layer tables (0: totals only)
     json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
     csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
@@ -553,8 +553,8 @@ def remedies_text(preds: list[Prediction], remedies: dict[str, list[Any]]) -> st
         instead = ("find_max_batch=true finds the largest batch that fits (gradient accumulation keeps the batch); "
                    "gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism)")
         if not rungs:
-            lines.append(f"to fit on {where}: none of the usual remedies (sdpa, gradient checkpointing, 16-bit) "
-                         f"applies to this run or lowers its peak; {instead}")
+            lines.append(f"to fit on {where}: none of the usual remedies (sdpa, 16-bit, gradient accumulation or "
+                         f"checkpointing) applies to this run or lowers its peak; {instead}")
             continue
         lines.append(f"to fit on {where}, the same run forecast again with the usual memory remedies, each added "
                      "to the ones before:")
