@@ -35,7 +35,7 @@ SAME_PEAK = 0.999    # a remedy that leaves the peak above this fraction of it d
 @dataclass(frozen=True)
 class Remedy:
     """One rung: the run with ``options`` (every remedy so far, as predict keywords) and what it forecasts."""
-    added: str                 # the option this rung adds, "key=value" as the CLI takes it
+    added: str                 # the options this rung adds, "key=value" as the CLI takes them
     options: dict[str, Any]    # all the options changed from the run, this one included
     peak_bytes: int
     fits: bool
@@ -98,15 +98,83 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     if predictions is None:
         predictions = predict_many(model, devs, batch_size, seq_len, mode, memory=True, **run)
     by_key = {d.key: d for d in devs}
-    state: dict[str, dict[str, Any]] = {}       # device key -> options so far, peak so far, rungs left
-    for p in predictions:
-        m = p.memory
-        if m is None or m.fits is not False or p.device.key not in by_key:
-            continue
-        state[p.device.key] = {"options": {}, "peak": m.peak_bytes,
-                               "rungs": _rungs(mode, p.device, batch_size, run), "searched": {}}
-    out: dict[str, list[Remedy]] = {k: [] for k in state}
+    start = {p.device.key: (p.memory.peak_bytes, _rungs(mode, p.device, batch_size, run)) for p in predictions
+             if p.memory is not None and p.memory.fits is False and p.device.key in by_key}
+
+    def forecast(keys: list[str], options: dict[str, Any]) -> list[tuple]:
+        preds = predict_many(model, [by_key[k] for k in keys], batch_size, seq_len, mode, memory=True, left_out={},
+                             **{**run, **options})
+        return [(p.device.key, p.memory.peak_bytes, p.memory.fits, p.latency_ms) for p in preds]
+
     cache: dict = {}                 # the micro-batch searches' traces, shared by GPUs on the same software path
+    return _climb(start, forecast, lambda key, options: _fewest_microbatches(
+        model, by_key[key], batch_size, seq_len, options, run, cache))
+
+
+def _generation_rungs(device: Any, run: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The remedies of a ``generate()`` run it does not already use, in the order tried (see
+    :func:`fit_generation_remedies`)."""
+    out: list[tuple[str, Any]] = []
+    if run.get("attn_implementation", "eager") == "eager":
+        out.append(("attn_implementation", "sdpa"))
+    if not run.get("static_cache"):
+        out.append(("static_cache", True))
+    if str(run.get("dtype", "float32")).removeprefix("torch.") == "float32" and not run.get("amp"):
+        out.append(("dtype", "bfloat16" if getattr(device, "bf16_tensor_tflops", 0) else "float16"))
+    if not run.get("kv_cache_dtype"):   # an FP8 cache is written in place and read by a fused attention
+        needs = {**({"attn_implementation": "sdpa"} if run.get("attn_implementation", "eager") == "eager" else {}),
+                 **({} if run.get("static_cache") else {"static_cache": True})}
+        out.append(("kv_cache_dtype", "fp8", needs))
+    return out
+
+
+def fit_generation_remedies(model: Any, devices: Any, batch_size: int = 1, *, forecasts: list | None = None,
+                            **run: Any) -> dict[str, list[Remedy]]:
+    """:func:`fit_remedies` for ``generate()`` (:func:`neusight.predict_generation`, whose keywords ``run`` holds:
+    ``prompt_len``, ``new_tokens``, ``tp``, ``dtype``...): the attention in SDPA, the cache written in place
+    (``static_cache``: no copy of the whole cache per step), the model in 16 bits, then the cache in FP8
+    (``kv_cache_dtype=fp8``, half its bytes), each added to the ones before until the peak fits. ``forecasts``: the
+    run's own, when the caller has them. The batch is not split here: fewer sequences per call is the serving
+    search's question (``find_max_batch``).
+
+    >>> r = fit_generation_remedies("gpt2", "t4", 192, prompt_len=512, new_tokens=512)
+    >>> [x.added for x in r["t4"]], r["t4"][-1].fits
+    (['static_cache=true', 'dtype=float16'], True)
+    """
+    from neusight.api import load_devices
+    from neusight.generation import predict_generation
+
+    devs = load_devices(devices)
+    cache: dict = {}                 # traces shared by the GPUs and rungs on the same software path
+    if forecasts is None:
+        forecasts = [predict_generation(model, d, batch_size, cache=cache, **run) for d in devs]
+    by_key = {d.key: d for d in devs}
+    start = {f.device.key: (f.memory_peak_bytes, _generation_rungs(f.device, run)) for f in forecasts
+             if f.memory_fits is False and f.device.key in by_key}
+
+    def forecast(keys: list[str], options: dict[str, Any]) -> list[tuple]:
+        out, error = [], None
+        for key in keys:
+            try:
+                f = predict_generation(model, by_key[key], batch_size, cache=cache, **{**run, **options})
+            except InputError as e:     # this GPU cannot take it (FP8 on a GPU without FP8 tensor cores, ...)
+                error = e
+                continue
+            out.append((key, f.memory_peak_bytes, f.memory_fits, f.total_ms))
+        if not out and error is not None:
+            raise error
+        return out
+
+    return _climb(start, forecast)
+
+
+def _climb(start: dict[str, tuple[float, list]], forecast: Any, search: Any = None) -> dict[str, list[Remedy]]:
+    """Each GPU of ``start`` (key -> its peak, its rungs) up its rungs until one fits. ``forecast(keys, options)``
+    forecasts GPUs that try the same options together: (key, peak bytes, fits, ms) each, an InputError if the run
+    cannot take them; ``search(key, options)`` runs an ACCUMULATE rung (a Remedy or None)."""
+    state = {key: {"options": {}, "peak": peak, "rungs": list(rungs), "searched": {}}
+             for key, (peak, rungs) in start.items()}
+    out: dict[str, list[Remedy]] = {k: [] for k in state}
     while True:
         # the next rung of every GPU still without a fit; GPUs trying the same options are forecast together
         groups: dict[tuple, list[str]] = {}
@@ -118,28 +186,25 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
             if rung == ACCUMULATE:
                 searches.append(key)
                 continue
-            options = {**s["options"], rung[0]: rung[1]}
-            groups.setdefault(tuple(sorted(options.items(), key=lambda kv: kv[0])), []).append(key)
+            options = {**(rung[2] if len(rung) > 2 else {}), **s["options"], rung[0]: rung[1]}   # with its needs
+            groups.setdefault(_frozen(options), []).append(key)
         if not groups and not searches:
             return out
         for items, keys in groups.items():
             options = dict(items)
             try:
-                preds = predict_many(model, [by_key[k] for k in keys], batch_size, seq_len, mode, memory=True,
-                                     left_out={}, **{**run, **options})
+                results = forecast(keys, options)
             except InputError:      # the run cannot take this remedy on any of these GPUs
                 continue
-            added = next(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()
-                         if k not in state[keys[0]]["options"])
-            for p in preds:
-                _step(state, out, p.device.key, Remedy(added, options, int(p.memory.peak_bytes),
-                                                       bool(p.memory.fits), float(p.latency_ms)))
+            added = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()
+                             if k not in state[keys[0]]["options"])
+            for key, peak, fits, ms in results:
+                _step(state, out, key, Remedy(added, options, int(peak), bool(fits), float(ms)))
         for key in searches:
             s = state[key]
             found = s["searched"].get(_frozen(s["options"]))
             if found is None:
-                found = s["searched"][_frozen(s["options"])] = _fewest_microbatches(
-                    model, by_key[key], batch_size, seq_len, s["options"], run, cache)
+                found = s["searched"][_frozen(s["options"])] = search(key, s["options"])
             # accumulation that does not fit is kept only as the last rung: recompute, tried next, starts without it
             if found is not None and (found.fits or not s["rungs"]):
                 _step(state, out, key, found)

@@ -101,14 +101,16 @@ def test_remedies_text_says_when_none_fits_or_none_applies():
     gib = 2**30
     remedies = {"t4": [Remedy("attn_implementation=sdpa", {"attn_implementation": "sdpa"}, 20 * gib, False, 2.0)],
                 "l4": []}
-    text = remedies_text(preds, remedies)
+    text = remedies_text([(p.device, p.latency_ms) for p in preds], remedies)
     lines = text.splitlines()
     assert lines[0].startswith("to fit on t4 (16 GiB)")
     # +100 %: 2.0 ms against the forecast's own time
     base = preds[0].latency_ms
     assert lines[1] == f"  attn_implementation=sdpa: peak 20.0 GiB, does NOT fit, 2.00 ms ({100 * (2 / base - 1):+.1f} %)"
     assert lines[2].startswith("  none of these fits: find_max_batch=true")
-    assert lines[3].startswith("to fit on l4 (24 GiB): none of the usual remedies")
+    assert lines[3].startswith("to fit on l4 (24 GiB): none of the usual remedies (SDPA, 16-bit, gradient")
+    generation = remedies_text([(p.device, p.latency_ms) for p in preds], remedies, generation=True).splitlines()
+    assert generation[2].startswith("  none of these fits: find_max_batch=true finds how many sequences fit")
 
 
 def test_the_command_line_prints_and_writes_the_remedies_unless_told_not_to(tmp_path):
@@ -126,3 +128,35 @@ def test_the_command_line_prints_and_writes_the_remedies_unless_told_not_to(tmp_
     assert r.returncode == 0, r.stderr
     assert "does NOT fit" in r.stdout and "to fit on" not in r.stdout
     assert "fit_remedies" not in json.loads((tmp_path / "b" / "f.json").read_text())
+
+
+def test_generation_remedies_add_a_static_cache_16_bits_then_an_fp8_cache_with_what_it_needs():
+    from neusight.generation import predict_generation
+    from neusight.remedies import fit_generation_remedies
+
+    # GPT-2 XL generating 512 tokens after 512-token prompts for 64 sequences on T4, FP32, eager, DynamicCache:
+    # ~81 GiB. SDPA alone does not lower the decode-step peak (one query: no large score matrix): left out. The FP8
+    # cache needs a fused attention and an in-place cache, so its rung brings SDPA with it
+    run = dict(prompt_len=512, new_tokens=512)
+    base = predict_generation("gpt2-xl", "t4", 64, **run)
+    assert base.memory_fits is False
+    rungs = fit_generation_remedies("gpt2-xl", "t4", 64, forecasts=[base], **run)["t4"]
+    assert [r.added for r in rungs] == ["static_cache=true", "dtype=float16",
+                                        "attn_implementation=sdpa kv_cache_dtype=fp8"]
+    assert rungs[-1].options == {"static_cache": True, "dtype": "float16", "attn_implementation": "sdpa",
+                                 "kv_cache_dtype": "fp8"}
+    assert not rungs[-1].fits                      # ~19 GiB: 64 sequences need more than 16 GiB even so
+    for r in rungs:
+        f = predict_generation("gpt2-xl", "t4", 64, **run, **r.options)
+        assert (r.peak_bytes, r.fits, r.latency_ms) == (int(f.memory_peak_bytes), f.memory_fits, f.total_ms)
+
+
+def test_generation_on_the_command_line_prints_its_remedies(tmp_path):
+    # GPT-2, 64 prompts of 512 + 256 new tokens, on a T4 cut to 2 GiB (what-if spec): does not fit as given
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=t4", "batch_size=64", "seq_len=512",
+                        "new_tokens=256", "+spec.memory_gib=2", "json=g.json", f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "to fit on t4+memory_gib=2 (2 GiB), the same run forecast again" in r.stdout
+    rows = json.loads((tmp_path / "g.json").read_text())
+    assert rows[0]["fit_remedies"][0]["added"] == "static_cache=true"

@@ -11,8 +11,8 @@ one inference pass or training step and print where the time goes.
   run cannot be forecast on are listed apart with the reason.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
-- A forecast that does not fit in its GPU's memory is forecast again with the usual memory remedies until one fits
-  (:mod:`neusight.remedies`; ``advise=false``: not).
+- A forecast (or ``generate()``, ``new_tokens=``) that does not fit in its GPU's memory is forecast again with the
+  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not; not with ``device=all``).
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
@@ -131,8 +131,8 @@ class PredictConfig:
     #                                      per 1M tokens (images, samples), and of a run with total_*
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
-    advise: bool = True                  # a step that does not fit: forecast it again with the usual memory remedies
-    #                                      (sdpa, 16-bit, accumulation, recompute; neusight.remedies) until one fits
+    advise: bool = True                  # a run that does not fit: forecast it again with the usual memory remedies
+    #                                      (sdpa, 16-bit, accumulation, recompute; generate(): static / FP8 cache)
     top: int = 10                        # rows of the kernel and layer tables (0: totals only)
     json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
     csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
@@ -542,23 +542,31 @@ def fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[
                     **_run_kwargs(cfg))
 
 
-def remedies_text(preds: list[Prediction], remedies: dict[str, list[Any]]) -> str:
-    """What the CLI prints of :func:`fit_remedies`: per GPU without a fit, each remedy tried and its forecast."""
+def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]], generation: bool = False) -> str:
+    """What the CLI prints of :func:`neusight.remedies.fit_remedies` (``generation``: of
+    :func:`neusight.remedies.fit_generation_remedies`): per GPU of ``runs`` ((device, the run's forecast ms)) without
+    a fit, each remedy tried and its forecast."""
     lines = []
-    for p in preds:
-        if p.device.key not in remedies:
-            continue
-        rungs = remedies[p.device.key]
-        where = f"{p.device.key} ({p.device.memory_gib:g} GiB)"
+    if generation:
+        what = "SDPA, a static or FP8 KV cache, 16-bit weights"
+        instead = ("find_max_batch=true finds how many sequences fit (the serving search); tp=N splits the model "
+                   "and its cache over N GPUs")
+    else:
+        what = "SDPA, 16-bit, gradient accumulation or checkpointing"
         instead = ("find_max_batch=true finds the largest batch that fits (gradient accumulation keeps the batch); "
                    "gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism)")
+    for device, base_ms in runs:
+        if device.key not in remedies:
+            continue
+        rungs = remedies[device.key]
+        where = f"{device.key} ({device.memory_gib:g} GiB)"
         if not rungs:
-            lines.append(f"to fit on {where}: none of the usual remedies (sdpa, 16-bit, gradient accumulation or "
-                         f"checkpointing) applies to this run or lowers its peak; {instead}")
+            lines.append(f"to fit on {where}: none of the usual remedies ({what}) applies to this run or lowers its "
+                         f"peak; {instead}")
             continue
         lines.append(f"to fit on {where}, the same run forecast again with the usual memory remedies, each added "
                      "to the ones before:")
-        lines += [f"  {'+ ' if i else ''}{r.line(p.latency_ms)}" for i, r in enumerate(rungs)]
+        lines += [f"  {'+ ' if i else ''}{r.line(base_ms)}" for i, r in enumerate(rungs)]
         if not rungs[-1].fits:
             lines.append(f"  none of these fits: {instead}")
     return "\n".join(lines)
@@ -735,7 +743,7 @@ def _app(cfg: PredictConfig) -> float:
         print(table.to_string())
     remedies = {} if ranking else fit_remedies(cfg, preds)
     if remedies:
-        print("\n" + remedies_text(preds, remedies))
+        print("\n" + remedies_text([(p.device, p.latency_ms) for p in preds], remedies))
     _write_outputs(cfg, preds, costs, remedies)
     _extras(cfg, preds, searches=not ranking)
     hc = HydraConfig.get()
@@ -885,6 +893,15 @@ def _generation(cfg: PredictConfig) -> float:
         table = table.drop(columns="memory_peak_bytes").T
         print("\nside by side:\n"
               + table.to_string(float_format=lambda v: f"{v:,.2f}" if abs(v) >= 10 else f"{v:,.4g}"))
+    if cfg.advise and not ranking and any(f.memory_fits is False for f in forecasts):
+        from neusight.remedies import fit_generation_remedies
+
+        remedies = fit_generation_remedies(cfg.model, [f.device for f in forecasts], cfg.batch_size,
+                                           forecasts=forecasts, **({"tp": cfg.tp} if cfg.tp > 1 else {}), **kw)
+        print("\n" + remedies_text([(f.device, f.total_ms) for f in forecasts], remedies, generation=True))
+        for row in rows:
+            if row["device"] in remedies:
+                row["fit_remedies"] = [dataclasses.asdict(r) for r in remedies[row["device"]]]
     return _searched_and_written(cfg, forecasts, rows, kw, prices, ranking, "total_ms")
 
 
