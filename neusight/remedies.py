@@ -8,7 +8,8 @@ reaches for the same few switches, roughly from the ones that cost no time to th
 2. 16-bit tensors: in training, mixed precision (``amp``: 16-bit activations, FP32 weights and optimizer); in
    inference, the model in 16 bits (``dtype``: weights and activations). BF16 where the GPU has BF16 tensor
    cores, else FP16;
-3. in training, gradient accumulation (``microbatches=k``: the batch in k equal micro-batches, forward and
+3. in inference, int4 weights (``weight_quant=int4``: an AWQ / GPTQ-style checkpoint, dequantized in the GEMM);
+   in training, gradient accumulation (``microbatches=k``: the batch in k equal micro-batches, forward and
    backward in turn, one optimizer step; the fewest that fit);
 4. in training, activation recompute (``gradient_checkpointing=true``: each block's forward runs again in the
    backward pass, only the block inputs are kept), then gradient accumulation again if it still does not fit.
@@ -26,10 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from neusight.errors import InputError
+from neusight.errors import InputError, ModelError, TraceError
 
 GIB = 2**30
 SAME_PEAK = 0.999    # a remedy that leaves the peak above this fraction of it did not help
+CANNOT = (InputError, ModelError, TraceError)   # the run cannot take a remedy: that rung is left out
 
 
 @dataclass(frozen=True)
@@ -50,14 +52,24 @@ class Remedy:
 ACCUMULATE = ("microbatches", None)     # the gradient-accumulation rung: a search for the fewest micro-batches
 
 
-def _rungs(mode: str, device: Any, batch_size: int, run: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The remedies this run does not already use, in the order tried (see the module docstring)."""
-    out: list[tuple[str, Any]] = []
+def _half(device: Any, run: dict[str, Any]) -> str | None:
+    """The 16-bit type a float32 run (no autocast) could take on ``device`` (BF16 where it has BF16 tensor cores,
+    else FP16); None if the run has one already."""
+    if str(run.get("dtype", "float32")).removeprefix("torch.") != "float32" or run.get("amp"):
+        return None
+    return "bfloat16" if getattr(device, "bf16_tensor_tflops", 0) else "float16"
+
+
+def _rungs(mode: str, device: Any, batch_size: int, run: dict[str, Any]) -> list[tuple]:
+    """The remedies this run does not already use, in the order tried (see the module docstring): (option, value)
+    each, or ACCUMULATE."""
+    out: list[tuple] = []
     if run.get("attn_implementation", "eager") == "eager":
         out.append(("attn_implementation", "sdpa"))
-    if str(run.get("dtype", "float32")).removeprefix("torch.") == "float32" and not run.get("amp"):
-        half = "bfloat16" if getattr(device, "bf16_tensor_tflops", 0) else "float16"
+    if half := _half(device, run):
         out.append(("amp" if mode == "training" else "dtype", half))
+    if mode == "inference" and not (run.get("weight_quant") or run.get("fp8")):
+        out.append(("weight_quant", "int4"))
     if mode == "training":
         accumulate = [ACCUMULATE] if batch_size > 1 else []
         out += accumulate
@@ -111,16 +123,18 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
         model, by_key[key], batch_size, seq_len, options, run, cache))
 
 
-def _generation_rungs(device: Any, run: dict[str, Any]) -> list[tuple[str, Any]]:
+def _generation_rungs(device: Any, run: dict[str, Any]) -> list[tuple]:
     """The remedies of a ``generate()`` run it does not already use, in the order tried (see
-    :func:`fit_generation_remedies`)."""
-    out: list[tuple[str, Any]] = []
+    :func:`fit_generation_remedies`): (option, value) each, the last with the options it needs."""
+    out: list[tuple] = []
     if run.get("attn_implementation", "eager") == "eager":
         out.append(("attn_implementation", "sdpa"))
     if not run.get("static_cache"):
         out.append(("static_cache", True))
-    if str(run.get("dtype", "float32")).removeprefix("torch.") == "float32" and not run.get("amp"):
-        out.append(("dtype", "bfloat16" if getattr(device, "bf16_tensor_tflops", 0) else "float16"))
+    if half := _half(device, run):
+        out.append(("dtype", half))
+    if not (run.get("weight_quant") or run.get("fp8")):
+        out.append(("weight_quant", "int4"))
     if not run.get("kv_cache_dtype"):   # an FP8 cache is written in place and read by a fused attention
         needs = {**({"attn_implementation": "sdpa"} if run.get("attn_implementation", "eager") == "eager" else {}),
                  **({} if run.get("static_cache") else {"static_cache": True})}
@@ -132,8 +146,8 @@ def fit_generation_remedies(model: Any, devices: Any, batch_size: int = 1, *, fo
                             **run: Any) -> dict[str, list[Remedy]]:
     """:func:`fit_remedies` for ``generate()`` (:func:`neusight.predict_generation`, whose keywords ``run`` holds:
     ``prompt_len``, ``new_tokens``, ``tp``, ``dtype``...): the attention in SDPA, the cache written in place
-    (``static_cache``: no copy of the whole cache per step), the model in 16 bits, then the cache in FP8
-    (``kv_cache_dtype=fp8``, half its bytes), each added to the ones before until the peak fits. ``forecasts``: the
+    (``static_cache``: no copy of the whole cache per step), the model in 16 bits, int4 weights, then the cache in
+    FP8 (``kv_cache_dtype=fp8``, half its bytes), each added to the ones before until the peak fits. ``forecasts``: the
     run's own, when the caller has them. The batch is not split here: fewer sequences per call is the serving
     search's question (``find_max_batch``).
 
@@ -157,7 +171,7 @@ def fit_generation_remedies(model: Any, devices: Any, batch_size: int = 1, *, fo
         for key in keys:
             try:
                 f = predict_generation(model, by_key[key], batch_size, cache=cache, **{**run, **options})
-            except InputError as e:     # this GPU cannot take it (FP8 on a GPU without FP8 tensor cores, ...)
+            except CANNOT as e:     # this GPU cannot take it (FP8 on a GPU without FP8 tensor cores, ...)
                 error = e
                 continue
             out.append((key, f.memory_peak_bytes, f.memory_fits, f.total_ms))
@@ -194,7 +208,7 @@ def _climb(start: dict[str, tuple[float, list]], forecast: Any, search: Any = No
             options = dict(items)
             try:
                 results = forecast(keys, options)
-            except InputError:      # the run cannot take this remedy on any of these GPUs
+            except CANNOT:      # the run cannot take this remedy on any of these GPUs
                 continue
             added = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()
                              if k not in state[keys[0]]["options"])
@@ -239,7 +253,7 @@ def _fewest_microbatches(model: Any, device: Any, batch_size: int, seq_len: int 
             # predict_parallel steps no optimizer unless told; the run's is predict_many's (AdamW unless given)
             p = predict_parallel(model, device, batch_size, seq_len, "training", microbatches=k, cache=cache,
                                  **{"optimizer": "adamw", **run, **options})
-        except InputError:
+        except CANNOT:
             return last
         last = Remedy(f"microbatches={k}", {**options, "microbatches": k}, int(p.memory_peak_bytes),
                       bool(p.memory_fits), float(p.latency_ms))

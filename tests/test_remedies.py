@@ -11,7 +11,7 @@ import pytest
 
 import neusight
 from neusight.devices import load_device
-from neusight.remedies import ACCUMULATE, Remedy, _rungs, fit_remedies
+from neusight.remedies import ACCUMULATE, Remedy, _generation_rungs, _rungs, fit_remedies
 
 BIN = Path(sys.executable).parent
 
@@ -23,11 +23,30 @@ def test_the_ladder_skips_what_the_run_already_uses_and_picks_the_gpus_16_bit_ty
                                              ("gradient_checkpointing", True), ACCUMULATE]
     assert _rungs("training", l4, 1, {"attn_implementation": "eager"}) == [
         ("attn_implementation", "sdpa"), ("amp", "bfloat16"), ("gradient_checkpointing", True)]   # batch 1: no split
-    # inference: no recompute, no accumulation; the model itself in 16 bits (dtype), not autocast
-    assert _rungs("inference", l4, 8, {}) == [("attn_implementation", "sdpa"), ("dtype", "bfloat16")]
+    # inference: no recompute, no accumulation; the model itself in 16 bits (dtype), not autocast; then int4 weights
+    assert _rungs("inference", l4, 8, {}) == [("attn_implementation", "sdpa"), ("dtype", "bfloat16"),
+                                              ("weight_quant", "int4")]
     assert _rungs("training", l4, 8, {"attn_implementation": "flash_attention_2",
                                       "gradient_checkpointing": "selective", "amp": "bfloat16"}) == [ACCUMULATE]
-    assert _rungs("inference", l4, 8, {"dtype": "float16"}) == [("attn_implementation", "sdpa")]
+    assert _rungs("inference", l4, 8, {"dtype": "float16", "weight_quant": "int8"}) == [("attn_implementation", "sdpa")]
+    # generate(): an in-place cache, 16 bits, int4 weights, then an FP8 cache with what it needs
+    assert _generation_rungs(t4, {}) == [("attn_implementation", "sdpa"), ("static_cache", True),
+                                         ("dtype", "float16"), ("weight_quant", "int4"),
+                                         ("kv_cache_dtype", "fp8", {"attn_implementation": "sdpa",
+                                                                    "static_cache": True})]
+    assert _generation_rungs(l4, {"attn_implementation": "flash_attention_2", "static_cache": True,
+                                  "dtype": "bfloat16", "fp8": "static"}) == [("kv_cache_dtype", "fp8", {})]
+
+
+def test_inference_takes_16_bit_then_int4_weights():
+    # Llama-3.2-1B inference, batch 1 x 512, FP32, on a T4 cut to 2 GiB: ~5 GiB of FP32 weights; FP16 ~2.8 GiB (no
+    # fit); int4 weights (a quarter of FP16's bytes for the linear layers) ~1.4 GiB: fits
+    small = neusight.modify_device("t4", memory_gib=2)
+    rungs = fit_remedies("llama-3.2-1b", small, 1, 512, "inference")[small.key]
+    assert [(r.added, r.fits) for r in rungs] == [("dtype=float16", False), ("weight_quant=int4", True)]
+    p = neusight.predict("llama-3.2-1b", small, 1, 512, **rungs[-1].options)
+    assert rungs[-1].options == {"dtype": "float16", "weight_quant": "int4"}
+    assert (rungs[-1].peak_bytes, rungs[-1].latency_ms) == (p.memory.peak_bytes, p.latency_ms)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +127,7 @@ def test_remedies_text_says_when_none_fits_or_none_applies():
     base = preds[0].latency_ms
     assert lines[1] == f"  attn_implementation=sdpa: peak 20.0 GiB, does NOT fit, 2.00 ms ({100 * (2 / base - 1):+.1f} %)"
     assert lines[2].startswith("  none of these fits: find_max_batch=true")
-    assert lines[3].startswith("to fit on l4 (24 GiB): none of the usual remedies (SDPA, 16-bit, gradient")
+    assert lines[3].startswith("to fit on l4 (24 GiB): none of the usual remedies (SDPA, 16-bit, int4")
     generation = remedies_text([(p.device, p.latency_ms) for p in preds], remedies, generation=True).splitlines()
     assert generation[2].startswith("  none of these fits: find_max_batch=true finds how many sequences fit")
 
@@ -135,8 +154,9 @@ def test_generation_remedies_add_a_static_cache_16_bits_then_an_fp8_cache_with_w
     from neusight.remedies import fit_generation_remedies
 
     # GPT-2 XL generating 512 tokens after 512-token prompts for 64 sequences on T4, FP32, eager, DynamicCache:
-    # ~81 GiB. SDPA alone does not lower the decode-step peak (one query: no large score matrix): left out. The FP8
-    # cache needs a fused attention and an in-place cache, so its rung brings SDPA with it
+    # ~81 GiB. SDPA alone does not lower the decode-step peak (one query: no large score matrix), nor do int4
+    # weights (GPT-2's projections are Conv1D modules, not nn.Linear): left out. The FP8 cache needs a fused
+    # attention and an in-place cache, so its rung brings SDPA with it
     run = dict(prompt_len=512, new_tokens=512)
     base = predict_generation("gpt2-xl", "t4", 64, **run)
     assert base.memory_fits is False

@@ -548,11 +548,11 @@ def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any
     a fit, each remedy tried and its forecast."""
     lines = []
     if generation:
-        what = "SDPA, a static or FP8 KV cache, 16-bit weights"
+        what = "SDPA, a static or FP8 KV cache, 16-bit or int4 weights"
         instead = ("find_max_batch=true finds how many sequences fit (the serving search); tp=N splits the model "
                    "and its cache over N GPUs")
     else:
-        what = "SDPA, 16-bit, gradient accumulation or checkpointing"
+        what = "SDPA, 16-bit, int4 weights, gradient accumulation or checkpointing"
         instead = ("find_max_batch=true finds the largest batch that fits (gradient accumulation keeps the batch); "
                    "gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism)")
     for device, base_ms in runs:
