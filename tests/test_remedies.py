@@ -180,3 +180,15 @@ def test_generation_on_the_command_line_prints_its_remedies(tmp_path):
     assert "to fit on t4+memory_gib=2 (2 GiB), the same run forecast again" in r.stdout
     rows = json.loads((tmp_path / "g.json").read_text())
     assert rows[0]["fit_remedies"][0]["added"] == "static_cache=true"
+
+
+def test_a_ranking_where_some_gpus_do_not_fit_says_how_to_ask_what_would():
+    import pandas as pd
+
+    from neusight.cli.predict import ranking_text
+
+    hint = "on the others, device=<GPU> (or a list) forecasts what would make it fit"
+    table = pd.DataFrame({"GPU": ["h100-sxm5-80gb", "t4"], "ms": [1.0, 2.0], "fits": ["no", "yes"]})
+    text = ranking_text(table, "ms", "a run", {})
+    assert "the run fits in the memory of 1 of 2 GPUs; the fastest of them: t4 (2.00 ms); " + hint in text
+    assert hint not in ranking_text(table.assign(fits="yes"), "ms", "a run", {})

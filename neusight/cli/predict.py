@@ -351,7 +351,9 @@ def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str
         fitting = table[table["fits"] == "yes"]
         lines.append(f"the run fits in the memory of {len(fitting)} of {len(table)} GPUs"
                      + (f"; the fastest of them: {fitting.iloc[0]['GPU']} ({fitting.iloc[0][key]:,.2f} ms)"
-                        if len(fitting) else ""))
+                        if len(fitting) else "")
+                     + ("; on the others, device=<GPU> (or a list) forecasts what would make it fit"
+                        if len(fitting) < len(table) else ""))
     if "max batch" in table:
         most = table.loc[table["max batch"].idxmax()]
         lines.append(f"the largest batch fits on {most['GPU']} ({most['max batch']:,})")
