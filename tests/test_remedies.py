@@ -192,3 +192,16 @@ def test_a_ranking_where_some_gpus_do_not_fit_says_how_to_ask_what_would():
     text = ranking_text(table, "ms", "a run", {})
     assert "the run fits in the memory of 1 of 2 GPUs; the fastest of them: t4 (2.00 ms); " + hint in text
     assert hint not in ranking_text(table.assign(fits="yes"), "ms", "a run", {})
+    # a ranking of multi-GPU layouts or of a serving engine names its own way to a fit, or none
+    assert "on the others, gpus=4 plans" in ranking_text(table, "ms", "a run", {}, "gpus=4 plans ...")
+    assert "on the others" not in ranking_text(table, "ms", "a run", {}, None)
+
+
+def test_a_multi_gpu_step_that_does_not_fit_points_to_the_plan(tmp_path):
+    # GPT-2 training as dp=2 on T4s cut to 1 GiB (what-if spec): ~3 GiB per GPU
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=t4", "batch_size=4", "seq_len=256",
+                        "mode=training", "dp=2", "+spec.memory_gib=1", f"hydra.run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "does NOT fit" in r.stdout
+    assert "to fit: gpus=2 plans every dp x tp x pp layout of these GPUs" in r.stdout

@@ -331,10 +331,15 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
             "measured_error": short_accuracy(p.accuracy)}
 
 
-def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str]) -> str:
+FIT_HINT = "device=<GPU> (or a list) forecasts what would make it fit"    # neusight.remedies, one GPU each
+
+
+def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str],
+                 fit_hint: str | None = FIT_HINT) -> str:
     """What ``device=all`` prints: the ``run`` line, the ranked ``table`` (:func:`neusight.api.ranking_table` or
     :func:`neusight.generation.generation_ranking_table`, ordered by its ``key`` column, in ms), the fastest GPU
-    (and the fastest the run fits on), the cheapest when priced, and the GPUs left out with the reason."""
+    (and the fastest the run fits on, with ``fit_hint`` where some do not), the cheapest when priced, and the GPUs
+    left out with the reason."""
     import textwrap
 
     from neusight.api import table_formats
@@ -352,8 +357,7 @@ def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str
         lines.append(f"the run fits in the memory of {len(fitting)} of {len(table)} GPUs"
                      + (f"; the fastest of them: {fitting.iloc[0]['GPU']} ({fitting.iloc[0][key]:,.2f} ms)"
                         if len(fitting) else "")
-                     + ("; on the others, device=<GPU> (or a list) forecasts what would make it fit"
-                        if len(fitting) < len(table) else ""))
+                     + (f"; on the others, {fit_hint}" if fit_hint and len(fitting) < len(table) else ""))
     if "max batch" in table:
         most = table.loc[table["max batch"].idxmax()]
         lines.append(f"the largest batch fits on {most['GPU']} ({most['max batch']:,})")
@@ -955,7 +959,8 @@ def _continuous(cfg: PredictConfig, devices: list, prices: dict[str, Any], kw: d
         f = forecasts[0]
         what = (f"{f.model}: continuous batching, {f.batch_size} sequences at once, prompts of {f.prompt_len}, "
                 f"{f.new_tokens} new tokens" + (f", tensor parallel over {f.tp} GPUs of each type" if f.tp > 1 else ""))
-        print(ranking_text(continuous_ranking_table(forecasts, costs), "per output token ms", what, skipped))
+        print(ranking_text(continuous_ranking_table(forecasts, costs), "per output token ms", what, skipped,
+                           "find_max_batch=true finds how many sequences fit"))
     if cfg.plot:
         _serving_curve(cfg, [f.device for f in forecasts], run, shared)
     return _searched_and_written(cfg, forecasts, rows, kw, prices, ranking, "time_per_output_token_ms")
@@ -1218,6 +1223,11 @@ def _finish_plans(cfg: PredictConfig, plans: list, records: list[dict[str, Any]]
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=_json_value))
 
 
+# a multi-GPU step that does not fit: the plan searches what would (a layout's own remedies are not forecast)
+_PLAN_HINT = ("gpus={gpus} plans every dp x tp x pp layout of these GPUs with ZeRO stages, micro-batches and "
+              "recompute, those that fit first")
+
+
 def _parallel(cfg: PredictConfig) -> float:
     """A multi-GPU forecast per GPU type of ``cfg.device`` (neusight.parallel); JSON of the parts on request."""
     from neusight.api import left_out_reason, names_all, unrunnable_error
@@ -1264,6 +1274,8 @@ def _parallel(cfg: PredictConfig) -> float:
         if ranking:
             continue
         print(("\n" if len(preds) > 1 else "") + p.summary())
+        if p.memory_fits is False:
+            print(f"to fit: {_PLAN_HINT.format(gpus=gpus)}")
         if cost is not None:
             print(_cost_text(cost))
         if _wants_run(cfg):
@@ -1291,7 +1303,8 @@ def _parallel(cfg: PredictConfig) -> float:
         if not preds:
             raise unrunnable_error(errors)
         run = preds[0].run_line(f"{preds[0].parallelism.gpus} GPUs of each type")
-        print(ranking_text(parallel_ranking_table(preds, costs), "ms", run, skipped))
+        print(ranking_text(parallel_ranking_table(preds, costs), "ms", run, skipped, _PLAN_HINT.format(
+            gpus=preds[0].parallelism.gpus)))
     if cfg.json:
         atomic_write_text(_out_path(cfg.json), _json.dumps(records, indent=2, default=float))
     return float(records[0]["latency_ms"])
