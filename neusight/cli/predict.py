@@ -12,7 +12,8 @@ one inference pass or training step and print where the time goes.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
 - A forecast (or ``generate()``, ``new_tokens=``) that does not fit in its GPU's memory is forecast again with the
-  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not; not with ``device=all``).
+  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not; not with ``device=all``,
+  whose ranking says to name the GPU; a multi-GPU step that does not fit points to ``gpus=N`` instead).
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
