@@ -539,14 +539,14 @@ def _run_kwargs(cfg: PredictConfig) -> dict[str, Any]:
                 dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
 
 
-def fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[Any]]:
+def _fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[Any]]:
     """:func:`neusight.remedies.fit_remedies` of the forecasts in ``preds`` that do not fit (with ``cfg.advise``)."""
-    from neusight.remedies import fit_remedies as remedies
+    from neusight.remedies import fit_remedies
 
     if not (cfg.memory and cfg.advise) or not any(getattr(p.memory, "fits", None) is False for p in preds):
         return {}
-    return remedies(cfg.model, [p.device for p in preds], cfg.batch_size, cfg.seq_len, cfg.mode, predictions=preds,
-                    **_run_kwargs(cfg))
+    return fit_remedies(cfg.model, [p.device for p in preds], cfg.batch_size, cfg.seq_len, cfg.mode,
+                        predictions=preds, **_run_kwargs(cfg))
 
 
 def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]], generation: bool = False) -> str:
@@ -748,7 +748,7 @@ def _app(cfg: PredictConfig) -> float:
             table.loc[f"anchored ms ({anchor.device.key} = {cfg.anchor_ms:g})"] = [
                 f"{anchored[p.device.key]:,.2f}" for p in preds]
         print(table.to_string())
-    remedies = {} if ranking else fit_remedies(cfg, preds)
+    remedies = {} if ranking else _fit_remedies(cfg, preds)
     if remedies:
         print("\n" + remedies_text([(p.device, p.latency_ms) for p in preds], remedies))
     _write_outputs(cfg, preds, costs, remedies)
