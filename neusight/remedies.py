@@ -41,7 +41,7 @@ class Remedy:
     options: dict[str, Any]    # all the options changed from the run, this one included
     peak_bytes: int
     fits: bool
-    latency_ms: float
+    latency_ms: float          # the step's forecast (generate(): the whole call's)
 
     def line(self, base_ms: float) -> str:
         change = 100 * (self.latency_ms / base_ms - 1) if base_ms > 0 else 0.0
@@ -184,8 +184,8 @@ def fit_generation_remedies(model: Any, devices: Any, batch_size: int = 1, *, fo
 
 def _climb(start: dict[str, tuple[float, list]], forecast: Any, search: Any = None) -> dict[str, list[Remedy]]:
     """Each GPU of ``start`` (key -> its peak, its rungs) up its rungs until one fits. ``forecast(keys, options)``
-    forecasts GPUs that try the same options together: (key, peak bytes, fits, ms) each, an InputError if the run
-    cannot take them; ``search(key, options)`` runs an ACCUMULATE rung (a Remedy or None)."""
+    forecasts GPUs that try the same options together: (key, peak bytes, fits, ms) each, one of CANNOT's errors if
+    the run cannot take them; ``search(key, options)`` runs an ACCUMULATE rung (a Remedy or None)."""
     state = {key: {"options": {}, "peak": peak, "rungs": list(rungs), "searched": {}}
              for key, (peak, rungs) in start.items()}
     out: dict[str, list[Remedy]] = {k: [] for k in state}
