@@ -16,6 +16,14 @@ from neusight.remedies import ACCUMULATE, Remedy, _generation_rungs, _rungs, fit
 BIN = Path(sys.executable).parent
 
 
+def _predict(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``neusight-predict args``, its outputs in ``run_dir``; it must succeed."""
+    r = subprocess.run([str(BIN / "neusight-predict"), *args, f"hydra.run.dir={run_dir}"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def test_the_ladder_skips_what_the_run_already_uses_and_picks_the_gpus_16_bit_type():
     t4, l4 = load_device("t4"), load_device("l4")       # T4 (Turing): no BF16 tensor cores; L4 (Ada): BF16
     # training: sdpa, 16-bit, accumulation, then recompute and accumulation again (cheapest in time first)
@@ -133,18 +141,14 @@ def test_remedies_text_says_when_none_fits_or_none_applies():
 
 
 def test_the_command_line_prints_and_writes_the_remedies_unless_told_not_to(tmp_path):
-    args = [str(BIN / "neusight-predict"), "model=gpt2", "device=t4", "batch_size=16", "seq_len=512",
-            "mode=training", "top=0", "json=f.json"]
-    r = subprocess.run([*args, f"hydra.run.dir={tmp_path / 'a'}"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    args = ["model=gpt2", "device=t4", "batch_size=16", "seq_len=512", "mode=training", "top=0", "json=f.json"]
+    r = _predict(tmp_path / "a", *args)
     assert "to fit on t4 (16 GiB)" in r.stdout
     assert "\n  attn_implementation=sdpa: peak " in r.stdout
     assert "\n  + amp=float16: peak " in r.stdout and ", fits, " in r.stdout
     data = json.loads((tmp_path / "a" / "f.json").read_text())
     assert [x["added"] for x in data["fit_remedies"]] == ["attn_implementation=sdpa", "amp=float16"]
-    r = subprocess.run([*args, "advise=false", f"hydra.run.dir={tmp_path / 'b'}"], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr
+    r = _predict(tmp_path / "b", *args, "advise=false")
     assert "does NOT fit" in r.stdout and "to fit on" not in r.stdout
     assert "fit_remedies" not in json.loads((tmp_path / "b" / "f.json").read_text())
 
@@ -173,10 +177,8 @@ def test_generation_remedies_add_a_static_cache_16_bits_then_an_fp8_cache_with_w
 
 def test_generation_on_the_command_line_prints_its_remedies(tmp_path):
     # GPT-2, 64 prompts of 512 + 256 new tokens, on a T4 cut to 2 GiB (what-if spec): does not fit as given
-    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=t4", "batch_size=64", "seq_len=512",
-                        "new_tokens=256", "+spec.memory_gib=2", "json=g.json", f"hydra.run.dir={tmp_path}"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    r = _predict(tmp_path, "model=gpt2", "device=t4", "batch_size=64", "seq_len=512", "new_tokens=256",
+                 "+spec.memory_gib=2", "json=g.json")
     assert "to fit on t4+memory_gib=2 (2 GiB), the same run forecast again" in r.stdout
     rows = json.loads((tmp_path / "g.json").read_text())
     assert rows[0]["fit_remedies"][0]["added"] == "static_cache=true"
@@ -199,9 +201,7 @@ def test_a_ranking_where_some_gpus_do_not_fit_says_how_to_ask_what_would():
 
 def test_a_multi_gpu_step_that_does_not_fit_points_to_the_plan(tmp_path):
     # GPT-2 training as dp=2 on T4s cut to 1 GiB (what-if spec): ~3 GiB per GPU
-    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=t4", "batch_size=4", "seq_len=256",
-                        "mode=training", "dp=2", "+spec.memory_gib=1", f"hydra.run.dir={tmp_path}"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    r = _predict(tmp_path, "model=gpt2", "device=t4", "batch_size=4", "seq_len=256", "mode=training", "dp=2",
+                 "+spec.memory_gib=1")
     assert "does NOT fit" in r.stdout
     assert "to fit: gpus=2 plans every dp x tp x pp layout of these GPUs" in r.stdout
