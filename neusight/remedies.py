@@ -246,9 +246,10 @@ def _fewest_microbatches(model: Any, device: Any, batch_size: int, seq_len: int 
     one optimizer step), with ``options``; micro-batches of one sample if none fits. None if the run cannot be
     split so."""
     from neusight.parallel import predict_parallel
+    from neusight.plan import _divisors
 
     last = None
-    for k in (k for k in range(2, batch_size + 1) if batch_size % k == 0):
+    for k in _divisors(batch_size)[1:]:         # 1 micro-batch: the run itself
         try:
             # predict_parallel steps no optimizer unless told; the run's is predict_many's (AdamW unless given)
             p = predict_parallel(model, device, batch_size, seq_len, "training", microbatches=k, cache=cache,
