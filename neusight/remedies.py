@@ -79,7 +79,8 @@ def _rungs(mode: str, device: Any, batch_size: int, run: dict[str, Any]) -> list
 
 
 def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | None = None,
-                 mode: str = "inference", *, predictions: list | None = None, **run: Any) -> dict[str, list[Remedy]]:
+                 mode: str = "inference", *, predictions: list | None = None, progress: Any = None,
+                 **run: Any) -> dict[str, list[Remedy]]:
     """For each GPU of ``devices`` on which the run does not fit, the remedies tried and their forecasts.
 
     Parameters
@@ -90,12 +91,15 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
         ``fused``).
     predictions : list of Prediction, optional
         The run's own forecasts on ``devices`` with their memory, when the caller has them (else forecast here).
+    progress : callable, optional
+        Wraps the GPUs of each rung's forecast, as :func:`neusight.predict_many`'s ``progress`` (a progress bar).
 
     Returns
     -------
     dict
         Device key -> the rungs that lowered the peak, in order, ending with the first that fits (every one tried
-        if none does; an empty list if no remedy applies or helps). GPUs the run fits on are not in it.
+        if none does; an empty list if no remedy applies or helps, or if the GPU's memory is below
+        :func:`least_peak_bytes`, when no rung is tried). GPUs the run fits on are not in it.
 
     Examples
     --------
@@ -110,17 +114,40 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     if predictions is None:
         predictions = predict_many(model, devs, batch_size, seq_len, mode, memory=True, **run)
     by_key = {d.key: d for d in devs}
-    start = {p.device.key: (p.memory.peak_bytes, _rungs(mode, p.device, batch_size, run)) for p in predictions
-             if p.memory is not None and p.memory.fits is False and p.device.key in by_key}
+    short = [p for p in predictions if p.memory is not None and p.memory.fits is False and p.device.key in by_key]
+    # GPUs smaller than what no remedy here lowers (training: weights, gradients, optimizer state) are not climbed
+    beyond = {p.device.key for p in short if (least_peak_bytes(p) or 0) > p.device.memory_bytes}
+    start = {p.device.key: (p.memory.peak_bytes, _rungs(mode, p.device, batch_size, run)) for p in short
+             if p.device.key not in beyond}
 
     def forecast(keys: list[str], options: dict[str, Any]) -> list[tuple]:
         preds = predict_many(model, [by_key[k] for k in keys], batch_size, seq_len, mode, memory=True, left_out={},
-                             **{**run, **options})
+                             progress=progress, **{**run, **options})
         return [(p.device.key, p.memory.peak_bytes, p.memory.fits, p.latency_ms) for p in preds]
 
     cache: dict = {}                 # the micro-batch searches' traces, shared by GPUs on the same software path
-    return _climb(start, forecast, lambda key, options: _fewest_microbatches(
+    out = _climb(start, forecast, lambda key, options: _fewest_microbatches(
         model, by_key[key], batch_size, seq_len, options, run, cache))
+    return {p.device.key: out.get(p.device.key, []) for p in short}
+
+
+def least_peak_bytes(prediction: Any) -> int | None:
+    """The least memory peak :func:`fit_remedies` can reach for a training step: the bytes of the weights, gradients
+    and optimizer state at their largest together in the step's memory timeline, plus the framework's own (CUDA
+    context, libraries). None of the remedies changes these (mixed precision keeps FP32 weights, gradients and
+    optimizer state; accumulation still sums whole gradients); a GPU with less memory is out of their reach.
+    None for an inference run or a forecast without memory.
+
+    >>> import neusight
+    >>> p = neusight.predict("gpt2", "t4", 8, 512, "training")
+    >>> round(least_peak_bytes(p) / 2**30, 2), round(p.memory.peak_bytes / 2**30, 2)
+    (2.17, 11.35)
+    """
+    m = getattr(prediction, "memory", None)
+    if m is None or m.mode != "training":
+        return None
+    held = m.timeline[["weights", "gradients", "optimizer"]].sum(axis=1)
+    return int(held.max() if len(held) else 0) + int(m.breakdown.get("framework", 0))
 
 
 def _generation_rungs(device: Any, run: dict[str, Any]) -> list[tuple]:

@@ -11,7 +11,7 @@ import pytest
 
 import neusight
 from neusight.devices import load_device
-from neusight.remedies import ACCUMULATE, Remedy, _generation_rungs, _rungs, fit_remedies
+from neusight.remedies import ACCUMULATE, Remedy, _generation_rungs, _rungs, fit_remedies, least_peak_bytes
 
 BIN = Path(sys.executable).parent
 
@@ -105,6 +105,31 @@ def test_recompute_comes_after_accumulation_that_does_not_fit_and_starts_without
                                         "microbatches=2"]
     assert [r.fits for r in rungs] == [False, False, False, True]
     assert rungs[2].options == {"attn_implementation": "sdpa", "amp": "float16", "gradient_checkpointing": True}
+
+
+def test_no_remedy_goes_below_the_weights_gradients_and_optimizer_state(gpt2_on_t4, monkeypatch):
+    run, base, remedies = gpt2_on_t4
+    least = least_peak_bytes(base)
+    assert least <= min(r.peak_bytes for r in remedies["t4"]) < base.memory.peak_bytes
+    # the same bound under recompute and accumulation: GPT-2 at batch 2 x 1,024 goes down to ~2.7 GiB; ~2.2 held
+    small = neusight.modify_device("t4", memory_gib=3.2)
+    plain = neusight.predict("gpt2", small, 2, 1024, "training")
+    rungs = fit_remedies("gpt2", small, 2, 1024, "training", predictions=[plain])[small.key]
+    assert rungs[-1].options.get("microbatches") == 2 and rungs[-1].fits
+    assert least_peak_bytes(plain) <= min(r.peak_bytes for r in rungs)
+    # AdamW holds the FP32 weights, their gradients and two moments (the optimizer's twice the weights' bytes)
+    w = plain.memory.breakdown["weights"]
+    assert least_peak_bytes(plain) >= 4 * w and plain.memory.breakdown["optimizer"] == 2 * w
+    assert least_peak_bytes(neusight.predict("gpt2", "t4", 2, 1024)) is None      # inference: weights can shrink
+    # a GPU below the bound: no rung is tried (no forecast made), its list is empty
+    tiny = neusight.modify_device("t4", memory_gib=2)
+    base_tiny = neusight.predict("gpt2", tiny, 16, 512, "training")
+    assert least_peak_bytes(base_tiny) > tiny.memory_bytes
+
+    def no_forecast(*args, **kwargs):
+        raise AssertionError("a rung was forecast on a GPU no remedy can fit")
+    monkeypatch.setattr(neusight.api, "predict_many", no_forecast)
+    assert fit_remedies("gpt2", tiny, 16, 512, "training", predictions=[base_tiny]) == {tiny.key: []}
 
 
 def test_a_run_that_fits_gets_no_remedies():
@@ -205,3 +230,42 @@ def test_a_multi_gpu_step_that_does_not_fit_points_to_the_plan(tmp_path):
                  "+spec.memory_gib=1")
     assert "does NOT fit" in r.stdout
     assert "to fit: gpus=2 plans every dp x tp x pp layout of these GPUs" in r.stdout
+
+
+def test_a_ranking_lists_the_gpus_that_fit_with_remedies_fastest_first_and_why_the_others_do_not():
+    from neusight.cli.predict import remedies_ranking_text
+
+    preds = [neusight.predict("gpt2", d, 1, 64, memory=False) for d in ("t4", "l4", "p4", "h100-sxm5-80gb")]
+    gib = 2**30
+    sdpa = {"attn_implementation": "sdpa"}
+    remedies = {"t4": [Remedy("attn_implementation=sdpa", sdpa, 20 * gib, False, 5.0),
+                       Remedy("amp=float16", {**sdpa, "amp": "float16"}, 10 * gib, True, 3.0)],
+                "l4": [Remedy("attn_implementation=sdpa", sdpa, 10 * gib, True, 1.0)],
+                "p4": []}          # h100: fits as is, not in the remedies
+    text = remedies_ranking_text(preds, remedies, {"p4": 9 * gib})
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    # ranked by the remedied run's forecast: l4 (1 ms) before t4 (3 ms); the options as the CLI takes them
+    assert [r[1] for r in rows] == ["l4", "t4"]
+    assert rows[1][-2:] == ["attn_implementation=sdpa", "amp=float16"] and rows[1][2] == "3.00"
+    assert rows[1][4] == f"{100 * (3 / preds[0].latency_ms - 1):.1f}"            # against the run's own forecast
+    assert "the run fits on 2 more GPUs" in text
+    flat = " ".join(text.split())
+    assert ("none of the remedies makes it fit on 1 GPU (1 of them hold less than the weights, gradients and "
+            "optimizer state alone, 9.0 GiB or more") in flat
+    assert "find_max_batch" not in flat            # no batch fits where the state alone does not
+    flat = " ".join(remedies_ranking_text(preds, remedies, {"p4": 2 * gib}).split())
+    assert "makes it fit on 1 GPU: gpus=N plans" in flat and "find_max_batch=true finds the largest batch" in flat
+
+
+def test_the_ranking_of_every_gpu_forecasts_the_remedies_of_those_the_run_does_not_fit(tmp_path):
+    # GPT-2 training at batch 4 x 256 with every GPU cut to 2 GiB (what-if spec): its weights, gradients and AdamW
+    # state alone take ~2.2 GiB, so no rung is tried and the ranking says why
+    r = _predict(tmp_path, "model=gpt2", "device=all", "batch_size=4", "seq_len=256", "mode=training", "top=0",
+                 "+spec.memory_gib=2", "json=all.json")
+    flat = " ".join(r.stdout.split())
+    n = len(json.loads((tmp_path / "all.json").read_text()))
+    assert (f"the run fits in the memory of 0 of {n} GPUs; on the others, below, what the usual memory remedies "
+            "do") in flat
+    assert (f"none of the remedies makes it fit on {n} GPUs ({n} of them hold less than the weights, gradients and "
+            "optimizer state alone, 2.2 GiB or more") in flat
+    assert all(x["fit_remedies"] == [] for x in json.loads((tmp_path / "all.json").read_text()))

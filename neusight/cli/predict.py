@@ -12,8 +12,9 @@ one inference pass or training step and print where the time goes.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
 - A forecast (or ``generate()``, ``new_tokens=``) that does not fit in its GPU's memory is forecast again with the
-  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not; not with ``device=all``,
-  whose ranking says to name the GPU; a multi-GPU step that does not fit points to ``gpus=N`` instead).
+  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not); ``device=all`` ranks the
+  GPUs a step fits on only with them below its ranking (:func:`remedies_ranking_text`; a ``generate()`` ranking
+  says to name the GPU); a multi-GPU step that does not fit points to ``gpus=N`` instead.
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
@@ -541,18 +542,28 @@ def _run_kwargs(cfg: PredictConfig) -> dict[str, Any]:
 
 def _fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[Any]]:
     """:func:`neusight.remedies.fit_remedies` of the forecasts in ``preds`` that do not fit (with ``cfg.advise``)."""
+    from neusight.cli.common import each_gpu
     from neusight.remedies import fit_remedies
 
     if not (cfg.memory and cfg.advise) or not any(getattr(p.memory, "fits", None) is False for p in preds):
         return {}
     return fit_remedies(cfg.model, [p.device for p in preds], cfg.batch_size, cfg.seq_len, cfg.mode,
-                        predictions=preds, **_run_kwargs(cfg))
+                        predictions=preds, progress=lambda gpus: each_gpu(gpus, "memory remedies", cfg.progress),
+                        **_run_kwargs(cfg))
 
 
-def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]], generation: bool = False) -> str:
+def _options_text(options: dict[str, Any]) -> str:
+    """A remedy's options as the CLI takes them (``attn_implementation=sdpa amp=bfloat16``)."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+
+
+def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]], generation: bool = False,
+                  least: dict[str, int | None] | None = None) -> str:
     """What the CLI prints of :func:`neusight.remedies.fit_remedies` (``generation``: of
     :func:`neusight.remedies.fit_generation_remedies`): per GPU of ``runs`` ((device, the run's forecast ms)) without
-    a fit, each remedy tried and its forecast."""
+    a fit, each remedy tried and its forecast. ``least``: device key -> the least peak the remedies can reach
+    (:func:`neusight.remedies.least_peak_bytes`), to say why none was tried on a GPU smaller than that."""
+    least = least or {}
     lines = []
     if generation:
         what = "SDPA, a static or FP8 KV cache, 16-bit or int4 weights"
@@ -567,6 +578,12 @@ def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any
             continue
         rungs = remedies[device.key]
         where = f"{device.key} ({device.memory_gib:g} GiB)"
+        if not rungs and (least.get(device.key) or 0) > device.memory_bytes:
+            lines.append(f"to fit on {where}: the weights, gradients and optimizer state alone take "
+                         f"{least[device.key] / GIB:,.1f} GiB (with the framework's memory), which none of the usual "
+                         f"remedies ({what}) lowers; gpus=N plans a multi-GPU layout that shards them (ZeRO, tensor "
+                         "or pipeline parallelism)")
+            continue
         if not rungs:
             lines.append(f"to fit on {where}: none of the usual remedies ({what}) applies to this run or lowers its "
                          f"peak; {instead}")
@@ -576,6 +593,55 @@ def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any
         lines += [f"  {'+ ' if i else ''}{r.line(base_ms)}" for i, r in enumerate(rungs)]
         if not rungs[-1].fits:
             lines.append(f"  none of these fits: {instead}")
+    return "\n".join(lines)
+
+
+def remedies_ranking_text(preds: list[Prediction], remedies: dict[str, list[Any]],
+                          least: dict[str, int | None] | None = None) -> str:
+    """What ``device=all`` prints of :func:`neusight.remedies.fit_remedies`: the GPUs the run fits on only with
+    remedies, ranked by the changed run's forecast, then how many none of them makes it fit, and why (``least`` as
+    for :func:`remedies_text`)."""
+    import textwrap
+
+    from neusight.api import ranked, table_formats
+
+    least = least or {}
+    rows, short = [], []
+    for p in preds:
+        if p.device.key not in remedies:
+            continue
+        rungs = remedies[p.device.key]
+        if not rungs or not rungs[-1].fits:
+            short.append(p.device)
+            continue
+        r = rungs[-1]
+        rows.append({"GPU": p.device.key, "forecast ms": r.latency_ms,
+                     "change %": 100 * (r.latency_ms / p.latency_ms - 1),
+                     "memory GiB": f"{r.peak_bytes / GIB:,.1f} of {p.device.memory_gib:g}",
+                     "remedies": _options_text(r.options)})
+    def fill(text: str) -> str:
+        return textwrap.fill(text, width=116, break_on_hyphens=False)
+
+    lines = []
+    if rows:
+        table = ranked(rows, "forecast ms")
+        lines.append(fill(f"with the usual memory remedies (each added to the ones before, cheapest first, until the "
+                          f"peak fits; every one forecast again) the run fits on {len(rows)} more GPUs:"))
+        with pd_wide():
+            lines.append(table.to_string(index=False, formatters=table_formats(table.columns)))
+        lines.append(fill("a remedy changes the run (SDPA and 16 bits are faster, accumulation and recompute slower); "
+                          "the GPUs the run fits on as is were not forecast with it: pass the remedies' options with "
+                          "device=all to rank every GPU on the same run"))
+    if short:
+        beyond = [d for d in short if (least.get(d.key) or 0) > d.memory_bytes]
+        why = ""
+        if beyond:
+            need = min(least[d.key] for d in beyond)
+            why = (f" ({len(beyond)} of them hold less than the weights, gradients and optimizer state alone, "
+                   f"{need / GIB:,.1f} GiB or more, which none of the remedies lowers)")
+        smaller = "" if len(beyond) == len(short) else "; find_max_batch=true finds the largest batch that fits"
+        lines.append(fill(f"none of the remedies makes it fit on {len(short)} GPU{'s' * (len(short) > 1)}{why}: "
+                          f"gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism){smaller}"))
     return "\n".join(lines)
 
 
@@ -740,7 +806,9 @@ def _app(cfg: PredictConfig) -> float:
         table = ranking_table(preds, costs, anchored)
         for col, values in _ranking_searches(cfg, preds).items():   # find_max_batch / find_max_seq_len per GPU
             table.insert(table.columns.get_loc("predictor trained on it"), col, table["GPU"].map(values))
-        print(ranking_text(table, "anchored ms" if anchored is not None else "ms", _run_line(preds[0]), skipped))
+        remedies = _fit_remedies(cfg, preds)
+        print(ranking_text(table, "anchored ms" if anchored is not None else "ms", _run_line(preds[0]), skipped,
+                           fit_hint="below, what the usual memory remedies do" if remedies else FIT_HINT))
     elif len(preds) > 1:
         print("\nside by side:")
         table = comparison_table([{**summary_record(p), "cost": c} for p, c in zip(preds, costs)])
@@ -748,9 +816,14 @@ def _app(cfg: PredictConfig) -> float:
             table.loc[f"anchored ms ({anchor.device.key} = {cfg.anchor_ms:g})"] = [
                 f"{anchored[p.device.key]:,.2f}" for p in preds]
         print(table.to_string())
-    remedies = {} if ranking else _fit_remedies(cfg, preds)
+    if not ranking:
+        remedies = _fit_remedies(cfg, preds)
     if remedies:
-        print("\n" + remedies_text([(p.device, p.latency_ms) for p in preds], remedies))
+        from neusight.remedies import least_peak_bytes
+
+        least = {p.device.key: least_peak_bytes(p) for p in preds}
+        print("\n" + (remedies_ranking_text(preds, remedies, least) if ranking
+                      else remedies_text([(p.device, p.latency_ms) for p in preds], remedies, least=least)))
     _write_outputs(cfg, preds, costs, remedies)
     _extras(cfg, preds, searches=not ranking)
     hc = HydraConfig.get()
