@@ -1,11 +1,12 @@
-"""Speed of ranking every GPU of the library (``neusight-predict device=all``): one training step of GPT-2 Large
-(batch 4, seq 1024) and one ``generate()`` of Llama-3-8B in BF16 (batch 8, prompt 512, 128 new tokens, SDPA, a
-static KV cache) forecast on each GPU from shared traces, in Python (``neusight.rank`` /
-``predict_generation_many``, warm process) and as the whole command (fresh process: imports, Hydra, predictors;
-the step's with the memory remedies of the GPUs it does not fit, and without them, ``advise=false``); and the command with ``find_max_batch=true`` (GPT-2 at sequence 128), which searches each GPU's memory in turn,
-reusing the probes' traces of the GPUs before it on the same software path.
+"""Speed of ranking every GPU of the library (``neusight-predict device=all``): one training step of GPT-2 Large (batch
+4, seq 1024) and one ``generate()`` of Llama-3-8B in BF16 (batch 8, prompt 512, 128 new tokens, SDPA, a static KV
+cache) forecast on each GPU from shared traces, in Python (``neusight.rank`` / ``predict_generation_many``, warm
+process) and as the whole command (fresh process: imports, Hydra, predictors; the step's with the memory remedies of
+the GPUs it does not fit, and without them, ``advise=false``); and the command with ``find_max_batch=true`` (GPT-2
+at sequence 128), which searches each GPU's memory in turn, reusing the probes' traces of the GPUs before it on the
+same software path.
 
-    python scripts/bench_rank.py              # prints, and rewrites its section of docs/speed.md (about 4 min)
+    python scripts/bench_rank.py              # prints, and rewrites its section of docs/speed.md (about 5 min)
     python scripts/bench_rank.py --no-write
 """
 
