@@ -183,7 +183,7 @@ def fit_generation_remedies(model: Any, devices: Any, batch_size: int = 1, *, fo
     (['static_cache=true', 'dtype=float16'], True)
     """
     from neusight.api import load_devices
-    from neusight.generation import predict_generation
+    from neusight.generation import predict_generation, predict_generation_many
 
     devs = load_devices(devices)
     cache: dict = {}                 # traces shared by the GPUs and rungs on the same software path
@@ -194,6 +194,13 @@ def fit_generation_remedies(model: Any, devices: Any, batch_size: int = 1, *, fo
              if f.memory_fits is False and f.device.key in by_key}
 
     def forecast(keys: list[str], options: dict[str, Any]) -> list[tuple]:
+        if run.get("tp", 1) == 1 and len(keys) > 1:    # one GPU each: the GPUs' forecasts from shared traces
+            try:
+                fs = predict_generation_many(model, [by_key[k] for k in keys], batch_size, left_out={},
+                                             **{k: v for k, v in {**run, **options}.items() if k != "tp"})
+                return [(f.device.key, f.memory_peak_bytes, f.memory_fits, f.total_ms) for f in fs]
+            except CANNOT:   # some GPU cannot take a decode step so: each on its own, below
+                pass
         out, error = [], None
         for key in keys:
             try:

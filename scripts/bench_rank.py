@@ -1,9 +1,9 @@
 """Speed of ranking every GPU of the library (``neusight-predict device=all``): one training step of GPT-2 Large (batch
 4, seq 1024) and one ``generate()`` of Llama-3-8B in BF16 (batch 8, prompt 512, 128 new tokens, SDPA, a static KV
 cache) forecast on each GPU from shared traces, in Python (``neusight.rank`` / ``predict_generation_many``, warm
-process) and as the whole command (fresh process: imports, Hydra, predictors; the step's with the memory remedies of
-the GPUs it does not fit, and without them, ``advise=false``); and the command with ``find_max_batch=true`` (GPT-2
-at sequence 128), which searches each GPU's memory in turn, reusing the probes' traces of the GPUs before it on the
+process) and as the whole command (fresh process: imports, Hydra, predictors; the step's also with the memory
+remedies of the GPUs it does not fit, ``advise=true``); and the command with ``find_max_batch=true`` (GPT-2 at
+sequence 128), which searches each GPU's memory in turn, reusing the probes' traces of the GPUs before it on the
 same software path.
 
     python scripts/bench_rank.py              # prints, and rewrites its section of docs/speed.md (about 5 min)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     step_s, table = timed(lambda: neusight.rank(devices="all", **STEP))
     gen_s, forecasts = timed(lambda: predict_generation_many(devices="all", **GEN))
     step_cli, gen_cli, search_cli = command_wall(STEP_CLI), command_wall(GEN_CLI), command_wall(SEARCH_CLI)
-    plain_cli = command_wall(STEP_CLI + ["advise=false"])     # without the memory remedies of the GPUs it misses
+    advised_cli = command_wall(STEP_CLI + ["advise=true"])     # with the memory remedies of the GPUs it misses
     load_after = os.getloadavg()
     fits = int((table["fits"] == "yes").sum())
     gen_fits = sum(bool(f.memory_fits) for f in forecasts)
@@ -80,8 +80,8 @@ Python, and the whole command in a fresh process.
 | `predict_generation_many("llama-3-8b", "all", batch_size=8, prompt_len=512, new_tokens=128, dtype="bfloat16", attn_implementation="sdpa", static_cache=True)` | {len(forecasts)} | {gen_fits} | {gen_s:.1f} | {gen_cli:.1f} |
 
 Commands: `neusight-predict {' '.join(STEP_CLI)}` and `neusight-predict {' '.join(GEN_CLI)}`.
-The step's command also forecasts the memory remedies (`neusight.fit_remedies`) on the {len(table) - fits} GPUs the
-step does not fit (`advise=true`, the default); with `advise=false`: {plain_cli:.1f} s.
+With `advise=true` the step's command also forecasts the memory remedies (`neusight.fit_remedies`) on the
+{len(table) - fits} GPUs the step does not fit and ranks those they make it fit on: {advised_cli:.1f} s.
 With a largest-batch search on each GPU (one search per GPU; a probe traced for one GPU is reused by the next
 on the same software path):
 `neusight-predict {' '.join(SEARCH_CLI)}`: **{search_cli:.0f} s**.

@@ -303,7 +303,7 @@ def test_device_all_ranks_every_gpu_of_the_library_fastest_first(tmp_path):
     fitting = sum(d["memory"]["fits"] for d in data.values())
     assert f"the run fits in the memory of {fitting} of {len(data)} GPUs" in r.stdout
     # where some do not fit, the ranking says how to ask what would make it fit on them (neusight.remedies)
-    assert ("device=<GPU> (or a list) forecasts what would make it fit" in r.stdout) == (fitting < len(data))
+    assert ("advise=true ranks the GPUs it fits on with the usual memory remedies" in r.stdout) == (fitting < len(data))
 
 
 def test_device_all_leaves_out_the_gpus_that_cannot_run_it(tmp_path):

@@ -200,6 +200,25 @@ def test_generation_remedies_add_a_static_cache_16_bits_then_an_fp8_cache_with_w
         assert (r.peak_bytes, r.fits, r.latency_ms) == (int(f.memory_peak_bytes), f.memory_fits, f.total_ms)
 
 
+def test_generation_remedies_of_several_gpus_are_each_gpus_own_forecast():
+    from neusight.generation import predict_generation
+    from neusight.remedies import fit_generation_remedies
+
+    # two FP16 GPUs cut to 2 GiB (what-if specs) take the same rungs: forecast together from shared traces
+    # (predict_generation_many), each rung must be predict_generation of that GPU with its options
+    gpus = [neusight.modify_device(d, memory_gib=2) for d in ("t4", "rtx-2080-ti")]
+    run = dict(prompt_len=512, new_tokens=256)
+    remedies = fit_generation_remedies("gpt2", gpus, 64, **run)
+    assert sorted(remedies) == sorted(d.key for d in gpus)
+    for d in gpus:
+        rungs = remedies[d.key]
+        assert rungs and rungs[0].added == "static_cache=true"
+        for r in rungs:
+            f = predict_generation("gpt2", d, 64, **run, **r.options)
+            assert (r.peak_bytes, r.fits, r.latency_ms) == (int(f.memory_peak_bytes), f.memory_fits, f.total_ms)
+    assert remedies[gpus[0].key][-1].latency_ms != remedies[gpus[1].key][-1].latency_ms
+
+
 def test_generation_on_the_command_line_prints_its_remedies(tmp_path):
     # GPT-2, 64 prompts of 512 + 256 new tokens, on a T4 cut to 2 GiB (what-if spec): does not fit as given
     r = _predict(tmp_path, "model=gpt2", "device=t4", "batch_size=64", "seq_len=512", "new_tokens=256",
@@ -214,7 +233,7 @@ def test_a_ranking_where_some_gpus_do_not_fit_says_how_to_ask_what_would():
 
     from neusight.cli.predict import ranking_text
 
-    hint = "on the others, device=<GPU> (or a list) forecasts what would make it fit"
+    hint = "on the others, advise=true ranks the GPUs it fits on with the usual memory remedies (slower"
     table = pd.DataFrame({"GPU": ["h100-sxm5-80gb", "t4"], "ms": [1.0, 2.0], "fits": ["no", "yes"]})
     text = ranking_text(table, "ms", "a run", {})
     assert "the run fits in the memory of 1 of 2 GPUs; the fastest of them: t4 (2.00 ms); " + hint in text
@@ -242,7 +261,8 @@ def test_a_ranking_lists_the_gpus_that_fit_with_remedies_fastest_first_and_why_t
                        Remedy("amp=float16", {**sdpa, "amp": "float16"}, 10 * gib, True, 3.0)],
                 "l4": [Remedy("attn_implementation=sdpa", sdpa, 10 * gib, True, 1.0)],
                 "p4": []}          # h100: fits as is, not in the remedies
-    text = remedies_ranking_text(preds, remedies, {"p4": 9 * gib})
+    runs = [(p.device, p.latency_ms) for p in preds]
+    text = remedies_ranking_text(runs, remedies, {"p4": 9 * gib})
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["2"])]
     # ranked by the remedied run's forecast: l4 (1 ms) before t4 (3 ms); the options as the CLI takes them
     assert [r[1] for r in rows] == ["l4", "t4"]
@@ -253,15 +273,27 @@ def test_a_ranking_lists_the_gpus_that_fit_with_remedies_fastest_first_and_why_t
     assert ("none of the remedies makes it fit on 1 GPU (1 of them hold less than the weights, gradients and "
             "optimizer state alone, 9.0 GiB or more") in flat
     assert "find_max_batch" not in flat            # no batch fits where the state alone does not
-    flat = " ".join(remedies_ranking_text(preds, remedies, {"p4": 2 * gib}).split())
+    flat = " ".join(remedies_ranking_text(runs, remedies, {"p4": 2 * gib}).split())
     assert "makes it fit on 1 GPU: gpus=N plans" in flat and "find_max_batch=true finds the largest batch" in flat
+
+
+def test_remedies_are_forecast_for_named_gpus_by_default_and_for_a_ranking_when_asked():
+    from types import SimpleNamespace
+
+    from neusight.cli.predict import _advise
+
+    assert _advise(SimpleNamespace(advise=None, device="t4"))
+    assert _advise(SimpleNamespace(advise=None, device=["t4", "l4"]))
+    assert not _advise(SimpleNamespace(advise=None, device="all"))     # a climb per GPU: about 2-3x the ranking
+    assert _advise(SimpleNamespace(advise=True, device="all"))
+    assert not _advise(SimpleNamespace(advise=False, device="t4"))
 
 
 def test_the_ranking_of_every_gpu_forecasts_the_remedies_of_those_the_run_does_not_fit(tmp_path):
     # GPT-2 training at batch 4 x 256 with every GPU cut to 2 GiB (what-if spec): its weights, gradients and AdamW
-    # state alone take ~2.2 GiB, so no rung is tried and the ranking says why
+    # state alone take ~2.2 GiB, so no rung is tried and the ranking says why (advise=true: not by default there)
     r = _predict(tmp_path, "model=gpt2", "device=all", "batch_size=4", "seq_len=256", "mode=training", "top=0",
-                 "+spec.memory_gib=2", "json=all.json")
+                 "+spec.memory_gib=2", "advise=true", "json=all.json")
     flat = " ".join(r.stdout.split())
     n = len(json.loads((tmp_path / "all.json").read_text()))
     assert (f"the run fits in the memory of 0 of {n} GPUs; on the others, below, what the usual memory remedies "

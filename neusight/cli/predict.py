@@ -12,9 +12,10 @@ one inference pass or training step and print where the time goes.
 - ``gpu_hour_usd=2.5`` (or ``[1.3,2.5]``, one per device) adds what the work costs at that price per GPU-hour:
   per 1M tokens (images or samples), and for a whole run (``total_tokens=`` / ``total_samples=``).
 - A forecast (or ``generate()``, ``new_tokens=``) that does not fit in its GPU's memory is forecast again with the
-  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not); ``device=all`` ranks the
-  GPUs a step fits on only with them below its ranking (:func:`remedies_ranking_text`; a ``generate()`` ranking
-  says to name the GPU); a multi-GPU step that does not fit points to ``gpus=N`` instead.
+  usual memory remedies until one fits (:mod:`neusight.remedies`; ``advise=false``: not); ``device=all
+  advise=true`` ranks the GPUs a step or ``generate()`` fits on only with them below its ranking
+  (:func:`remedies_ranking_text`; not by default there: a climb per GPU); a multi-GPU step that does not fit
+  points to ``gpus=N`` instead.
 - ``device=list`` / ``model=list`` print the GPU spec library / the model presets instead of a forecast.
 - ``checkpoint=<dir>`` (or ``predictor=<dir>``) predicts with another predictor checkpoint; null = the
   shipped one. NB: ``conf/predictor/`` is the training hyper-parameter group of ``neusight-train``, so Hydra
@@ -133,8 +134,9 @@ class PredictConfig:
     #                                      per 1M tokens (images, samples), and of a run with total_*
     checkpoint: Optional[str] = None     # predictor checkpoint directory; null = the shipped predictor
     memory: bool = True                  # also forecast the memory peak
-    advise: bool = True                  # a run that does not fit: forecast it again with the usual memory remedies
-    #                                      (sdpa, 16-bit, accumulation, recompute; generate(): static / FP8 cache)
+    advise: Optional[bool] = None        # a run that does not fit: forecast it again with the usual memory remedies
+    #                                      (sdpa, 16-bit, accumulation, recompute; generate(): static / FP8 cache);
+    #                                      null: for named GPUs, not for device=all (true: ranks those that fit so)
     top: int = 10                        # rows of the kernel and layer tables (0: totals only)
     json: Optional[str] = None           # write the forecast as JSON (relative to Hydra's run directory)
     csv: Optional[str] = None            # write the kernel table as CSV (relative to Hydra's run directory)
@@ -333,7 +335,9 @@ def summary_record(p: Prediction, label: str | None = None) -> dict[str, Any]:
             "measured_error": short_accuracy(p.accuracy)}
 
 
-FIT_HINT = "device=<GPU> (or a list) forecasts what would make it fit"    # neusight.remedies, one GPU each
+# neusight.remedies: each remedy forecast on each GPU that misses, so not by default in a ranking
+FIT_HINT = ("advise=true ranks the GPUs it fits on with the usual memory remedies (slower: a forecast per remedy and "
+            "GPU); device=<GPU> lists them")
 
 
 def ranking_text(table: pd.DataFrame, key: str, run: str, skipped: dict[str, str],
@@ -540,12 +544,20 @@ def _run_kwargs(cfg: PredictConfig) -> dict[str, Any]:
                 dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, **_step_options(cfg))
 
 
+def _advise(cfg: PredictConfig) -> bool:
+    """Whether to forecast the memory remedies of a run that does not fit: ``cfg.advise``, else (null) for named
+    GPUs but not for ``device=all`` (a climb on each GPU that misses: about 2-3x the ranking's time)."""
+    from neusight.api import names_all
+
+    return bool(cfg.advise) if cfg.advise is not None else not names_all(cfg.device)
+
+
 def _fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[Any]]:
     """:func:`neusight.remedies.fit_remedies` of the forecasts in ``preds`` that do not fit (with ``cfg.advise``)."""
     from neusight.cli.common import each_gpu
     from neusight.remedies import fit_remedies
 
-    if not (cfg.memory and cfg.advise) or not any(getattr(p.memory, "fits", None) is False for p in preds):
+    if not (cfg.memory and _advise(cfg)) or not any(getattr(p.memory, "fits", None) is False for p in preds):
         return {}
     return fit_remedies(cfg.model, [p.device for p in preds], cfg.batch_size, cfg.seq_len, cfg.mode,
                         predictions=preds, progress=lambda gpus: each_gpu(gpus, "memory remedies", cfg.progress),
@@ -596,28 +608,28 @@ def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any
     return "\n".join(lines)
 
 
-def remedies_ranking_text(preds: list[Prediction], remedies: dict[str, list[Any]],
-                          least: dict[str, int | None] | None = None) -> str:
-    """What ``device=all`` prints of :func:`neusight.remedies.fit_remedies`: the GPUs the run fits on only with
-    remedies, ranked by the changed run's forecast, then how many none of them makes it fit, and why (``least`` as
-    for :func:`remedies_text`)."""
+def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]],
+                          least: dict[str, int | None] | None = None, generation: bool = False) -> str:
+    """What ``device=all`` prints of :func:`neusight.remedies.fit_remedies` (``generation``: of
+    :func:`neusight.remedies.fit_generation_remedies`): the GPUs of ``runs`` ((device, the run's forecast ms)) the
+    run fits on only with remedies, ranked by the changed run's forecast, then how many none of them makes it fit,
+    and why (``least`` as for :func:`remedies_text`)."""
     import textwrap
 
     from neusight.api import ranked, table_formats
 
     least = least or {}
     rows, short = [], []
-    for p in preds:
-        if p.device.key not in remedies:
+    for device, base_ms in runs:
+        if device.key not in remedies:
             continue
-        rungs = remedies[p.device.key]
+        rungs = remedies[device.key]
         if not rungs or not rungs[-1].fits:
-            short.append(p.device)
+            short.append(device)
             continue
         r = rungs[-1]
-        rows.append({"GPU": p.device.key, "forecast ms": r.latency_ms,
-                     "change %": 100 * (r.latency_ms / p.latency_ms - 1),
-                     "memory GiB": f"{r.peak_bytes / GIB:,.1f} of {p.device.memory_gib:g}",
+        rows.append({"GPU": device.key, "forecast ms": r.latency_ms, "change %": 100 * (r.latency_ms / base_ms - 1),
+                     "memory GiB": f"{r.peak_bytes / GIB:,.1f} of {device.memory_gib:g}",
                      "remedies": _options_text(r.options)})
     def fill(text: str) -> str:
         return textwrap.fill(text, width=116, break_on_hyphens=False)
@@ -629,9 +641,10 @@ def remedies_ranking_text(preds: list[Prediction], remedies: dict[str, list[Any]
                           f"peak fits; every one forecast again) the run fits on {len(rows)} more GPUs:"))
         with pd_wide():
             lines.append(table.to_string(index=False, formatters=table_formats(table.columns)))
-        lines.append(fill("a remedy changes the run (SDPA and 16 bits are faster, accumulation and recompute slower); "
-                          "the GPUs the run fits on as is were not forecast with it: pass the remedies' options with "
-                          "device=all to rank every GPU on the same run"))
+        how = ("a static cache and 16 bits are faster, int4 weights mostly too" if generation
+               else "SDPA and 16 bits are faster, accumulation and recompute slower")
+        lines.append(fill(f"a remedy changes the run ({how}); the GPUs the run fits on as is were not forecast with "
+                          "it: pass the remedies' options with device=all to rank every GPU on the same run"))
     if short:
         beyond = [d for d in short if (least.get(d.key) or 0) > d.memory_bytes]
         why = ""
@@ -639,9 +652,14 @@ def remedies_ranking_text(preds: list[Prediction], remedies: dict[str, list[Any]
             need = min(least[d.key] for d in beyond)
             why = (f" ({len(beyond)} of them hold less than the weights, gradients and optimizer state alone, "
                    f"{need / GIB:,.1f} GiB or more, which none of the remedies lowers)")
-        smaller = "" if len(beyond) == len(short) else "; find_max_batch=true finds the largest batch that fits"
+        if generation:
+            instead = ("find_max_batch=true finds how many sequences fit (the serving search); tp=N splits the model "
+                       "and its cache over N GPUs")
+        else:
+            instead = "gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism)" + (
+                "" if len(beyond) == len(short) else "; find_max_batch=true finds the largest batch that fits")
         lines.append(fill(f"none of the remedies makes it fit on {len(short)} GPU{'s' * (len(short) > 1)}{why}: "
-                          f"gpus=N plans a multi-GPU layout (ZeRO, tensor or pipeline parallelism){smaller}"))
+                          + instead))
     return "\n".join(lines)
 
 
@@ -822,8 +840,9 @@ def _app(cfg: PredictConfig) -> float:
         from neusight.remedies import least_peak_bytes
 
         least = {p.device.key: least_peak_bytes(p) for p in preds}
-        print("\n" + (remedies_ranking_text(preds, remedies, least) if ranking
-                      else remedies_text([(p.device, p.latency_ms) for p in preds], remedies, least=least)))
+        runs = [(p.device, p.latency_ms) for p in preds]
+        print("\n" + (remedies_ranking_text(runs, remedies, least) if ranking
+                      else remedies_text(runs, remedies, least=least)))
     _write_outputs(cfg, preds, costs, remedies)
     _extras(cfg, preds, searches=not ranking)
     hc = HydraConfig.get()
@@ -964,7 +983,9 @@ def _generation(cfg: PredictConfig) -> float:
         run = (f"{f.model}: generate(), batch {f.batch_size}, prompt {f.prompt_len}, {f.new_tokens} new tokens, "
                f"{'static' if cfg.static_cache else 'dynamic'} KV cache"
                + (f", tensor parallel over {f.tp} GPUs of each type" if f.tp > 1 else ""))
-        print(ranking_text(generation_ranking_table(forecasts, costs), "total ms", run, skipped))
+        advise = _advise(cfg) and any(f.memory_fits is False for f in forecasts)
+        print(ranking_text(generation_ranking_table(forecasts, costs), "total ms", run, skipped,
+                           fit_hint="below, what the usual memory remedies do" if advise else FIT_HINT))
     elif len(rows) > 1:
         import pandas as pd
 
@@ -973,12 +994,14 @@ def _generation(cfg: PredictConfig) -> float:
         table = table.drop(columns="memory_peak_bytes").T
         print("\nside by side:\n"
               + table.to_string(float_format=lambda v: f"{v:,.2f}" if abs(v) >= 10 else f"{v:,.4g}"))
-    if cfg.advise and not ranking and any(f.memory_fits is False for f in forecasts):
+    if _advise(cfg) and any(f.memory_fits is False for f in forecasts):
         from neusight.remedies import fit_generation_remedies
 
         remedies = fit_generation_remedies(cfg.model, [f.device for f in forecasts], cfg.batch_size,
                                            forecasts=forecasts, **({"tp": cfg.tp} if cfg.tp > 1 else {}), **kw)
-        print("\n" + remedies_text([(f.device, f.total_ms) for f in forecasts], remedies, generation=True))
+        runs = [(f.device, f.total_ms) for f in forecasts]
+        print("\n" + (remedies_ranking_text(runs, remedies, generation=True) if ranking
+                      else remedies_text(runs, remedies, generation=True)))
         for row in rows:
             if row["device"] in remedies:
                 row["fit_remedies"] = [dataclasses.asdict(r) for r in remedies[row["device"]]]
