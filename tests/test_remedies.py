@@ -273,6 +273,7 @@ def test_a_ranking_lists_the_gpus_that_fit_with_remedies_fastest_first_and_why_t
     assert ("none of the remedies makes it fit on 1 GPU (1 of them hold less than the weights, gradients and "
             "optimizer state alone, 9.0 GiB or more") in flat
     assert "find_max_batch" not in flat            # no batch fits where the state alone does not
+    assert "not anchored" not in flat and "not anchored" in remedies_ranking_text(runs, remedies, anchored=True)
     flat = " ".join(remedies_ranking_text(runs, remedies, {"p4": 2 * gib}).split())
     assert "makes it fit on 1 GPU: gpus=N plans" in flat and "find_max_batch=true finds the largest batch" in flat
 

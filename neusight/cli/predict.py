@@ -609,11 +609,13 @@ def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any
 
 
 def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]],
-                          least: dict[str, int | None] | None = None, generation: bool = False) -> str:
+                          least: dict[str, int | None] | None = None, generation: bool = False,
+                          anchored: bool = False) -> str:
     """What ``device=all`` prints of :func:`neusight.remedies.fit_remedies` (``generation``: of
     :func:`neusight.remedies.fit_generation_remedies`): the GPUs of ``runs`` ((device, the run's forecast ms)) the
     run fits on only with remedies, ranked by the changed run's forecast, then how many none of them makes it fit,
-    and why (``least`` as for :func:`remedies_text`)."""
+    and why (``least`` as for :func:`remedies_text`; ``anchored``: the ranking's times are anchored to a
+    measurement, these are not)."""
     import textwrap
 
     from neusight.api import ranked, table_formats
@@ -644,7 +646,9 @@ def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, 
         how = ("a static cache and 16 bits are faster, int4 weights mostly too" if generation
                else "SDPA and 16 bits are faster, accumulation and recompute slower")
         lines.append(fill(f"a remedy changes the run ({how}); the GPUs the run fits on as is were not forecast with "
-                          "it: pass the remedies' options with device=all to rank every GPU on the same run"))
+                          "it: pass the remedies' options with device=all to rank every GPU on the same run"
+                          + ("; these times are forecasts, not anchored (the anchor timed the run as given)"
+                             if anchored else "")))
     if short:
         beyond = [d for d in short if (least.get(d.key) or 0) > d.memory_bytes]
         why = ""
@@ -841,7 +845,7 @@ def _app(cfg: PredictConfig) -> float:
 
         least = {p.device.key: least_peak_bytes(p) for p in preds}
         runs = [(p.device, p.latency_ms) for p in preds]
-        print("\n" + (remedies_ranking_text(runs, remedies, least) if ranking
+        print("\n" + (remedies_ranking_text(runs, remedies, least, anchored=anchor is not None) if ranking
                       else remedies_text(runs, remedies, least=least)))
     _write_outputs(cfg, preds, costs, remedies)
     _extras(cfg, preds, searches=not ranking)
