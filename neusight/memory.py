@@ -301,7 +301,13 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int]
     phase = {r.index: r.phase for r in graph.ops}
     name = {r.index: r.call.op.split(".")[1] if "." in r.call.op else r.call.op   # aten.native_dropout.default
             for r in graph.ops}
-    pointwise = {Family.ELEMENTWISE.value, Family.VIEW.value}
+    plain = {Family.ELEMENTWISE.value, Family.VIEW.value}
+    # a dtype cast (autocast's _to_copy, a "memory" kernel) is a pointwise op to Inductor: fused and recomputed
+    cast = plain | {Family.MEMORY.value}
+
+    def pointwise(i: int) -> bool:
+        return fams.get(i, set()) <= (cast if name[i] == "_to_copy" else plain)
+
     made: dict[int, list[_Storage]] = {}
     read: dict[int, list[_Storage]] = {}
     for s in storages:
@@ -309,8 +315,7 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int]
         for u in s.users:
             read.setdefault(u, []).append(s)
     for unit in units:
-        if not all(phase[i] == "forward" and fams.get(i, set()) <= pointwise and name[i] not in RANDOM_OPS
-                   for i in unit):
+        if not all(phase[i] == "forward" and pointwise(i) and name[i] not in RANDOM_OPS for i in unit):
             continue
         inputs = [s for i in unit for s in read.get(i, []) if s.start not in unit]
         last = -1
@@ -318,7 +323,7 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int]
             if s.held or s.nbytes == 0 or s.kind != "made in forward":
                 continue
             back = sorted(u for u in s.users - views if phase[u] == "backward")
-            if not back or not all(fams.get(u, set()) <= pointwise for u in back):
+            if not back or not all(pointwise(u) for u in back):
                 continue
             s.end = max((u for u in s.users - views if phase[u] != "backward"), default=s.start)
             last = max(last, back[-1])

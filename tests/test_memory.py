@@ -493,6 +493,30 @@ def test_compiled_training_saves_the_input_of_a_pointwise_chain_not_its_intermed
     assert peaks[0] < peaks[1]
 
 
+class _ExpMLP(nn.Module):
+    """exp is on autocast's FP32 list: under autocast its input is cast up (a _to_copy kernel) inside the chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(h * torch.exp(-h) + h)
+
+
+@pytest.mark.parametrize("amp", [None, "float16"])
+def test_compiled_training_recomputes_a_pointwise_chain_through_autocasts_casts(amp):
+    # Inductor treats a dtype cast as one more pointwise op: under autocast, exp's FP32 output is recomputed from
+    # the chain's input in the backward as in FP32, not saved (before 2026-11-30 the cast kept the whole chain saved)
+    g = neusight.trace(_ExpMLP(), batch_size=64, input_shapes=[(128, 64)], mode="training", optimizer=None, amp=amp)
+    assert any(r.call.op == "aten._to_copy.default" for r in g.ops if r.phase == "forward") == (amp is not None)
+    first = next(r.index for r in g.ops if r.phase == "backward")
+    saved = [int(estimate_memory(g, allocator="exact", fused=f).timeline.loc[first, "activations"])
+             for f in (False, True)]
+    assert saved[0] - saved[1] == 64 * 128 * 256 * 4      # exp's (batch, 128, 256) FP32 output
+
+
 def test_compiled_training_of_rewritten_attention_keeps_no_scores():
     """A BERT training step under torch.compile: each layer's attention is one fused kernel whose backward recomputes
     the scores, so the softmax output, the dropout mask and the dropped-out probabilities (batch x heads x seq^2) are
