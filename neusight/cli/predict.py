@@ -553,7 +553,8 @@ def _advise(cfg: PredictConfig) -> bool:
 
 
 def _fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list[Any]]:
-    """:func:`neusight.remedies.fit_remedies` of the forecasts in ``preds`` that do not fit (with ``cfg.advise``)."""
+    """:func:`neusight.remedies.fit_remedies` of the forecasts in ``preds`` that do not fit (where :func:`_advise`
+    says so), with a progress bar over each rung's GPUs."""
     from neusight.cli.common import each_gpu
     from neusight.remedies import fit_remedies
 
@@ -633,6 +634,7 @@ def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, 
         rows.append({"GPU": device.key, "forecast ms": r.latency_ms, "change %": 100 * (r.latency_ms / base_ms - 1),
                      "memory GiB": f"{r.peak_bytes / GIB:,.1f} of {device.memory_gib:g}",
                      "remedies": _options_text(r.options)})
+
     def fill(text: str) -> str:
         return textwrap.fill(text, width=116, break_on_hyphens=False)
 
