@@ -116,7 +116,7 @@ def fit_remedies(model: Any, devices: Any, batch_size: int = 1, seq_len: int | N
     by_key = {d.key: d for d in devs}
     short = [p for p in predictions if p.memory is not None and p.memory.fits is False and p.device.key in by_key]
     # GPUs smaller than what no remedy here lowers (training: weights, gradients, optimizer state) are not climbed
-    beyond = {p.device.key for p in short if (least_peak_bytes(p) or 0) > p.device.memory_bytes}
+    beyond = {p.device.key for p in short if out_of_reach(least_peak_bytes(p), p.device)}
     start = {p.device.key: (p.memory.peak_bytes, _rungs(mode, p.device, batch_size, run)) for p in short
              if p.device.key not in beyond}
 
@@ -148,6 +148,16 @@ def least_peak_bytes(prediction: Any) -> int | None:
         return None
     held = m.timeline[["weights", "gradients", "optimizer"]].sum(axis=1)
     return int(held.max() if len(held) else 0) + int(m.breakdown.get("framework", 0))
+
+
+def out_of_reach(least: int | None, device: Any) -> bool:
+    """Whether ``device`` holds less than ``least`` (:func:`least_peak_bytes`; None: no such bound)."""
+    return (least or 0) > device.memory_bytes
+
+
+def options_text(options: dict[str, Any]) -> str:
+    """Remedy options as the CLI takes them (``attn_implementation=sdpa static_cache=true``)."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
 
 
 def _generation_rungs(device: Any, run: dict[str, Any]) -> list[tuple]:
@@ -244,8 +254,7 @@ def _climb(start: dict[str, tuple[float, list]], forecast: Any, search: Any = No
                 results = forecast(keys, options)
             except CANNOT:      # the run cannot take this remedy on any of these GPUs
                 continue
-            added = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()
-                             if k not in state[keys[0]]["options"])
+            added = options_text({k: v for k, v in options.items() if k not in state[keys[0]]["options"]})
             for key, peak, fits, ms in results:
                 _step(state, out, key, Remedy(added, options, int(peak), bool(fits), float(ms)))
         for key in searches:

@@ -565,17 +565,14 @@ def _fit_remedies(cfg: PredictConfig, preds: list[Prediction]) -> dict[str, list
                         **_run_kwargs(cfg))
 
 
-def _options_text(options: dict[str, Any]) -> str:
-    """A remedy's options as the CLI takes them (``attn_implementation=sdpa amp=bfloat16``)."""
-    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
-
-
 def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any]], generation: bool = False,
                   least: dict[str, int | None] | None = None) -> str:
     """What the CLI prints of :func:`neusight.remedies.fit_remedies` (``generation``: of
     :func:`neusight.remedies.fit_generation_remedies`): per GPU of ``runs`` ((device, the run's forecast ms)) without
     a fit, each remedy tried and its forecast. ``least``: device key -> the least peak the remedies can reach
     (:func:`neusight.remedies.least_peak_bytes`), to say why none was tried on a GPU smaller than that."""
+    from neusight.remedies import out_of_reach
+
     least = least or {}
     lines = []
     if generation:
@@ -591,7 +588,7 @@ def remedies_text(runs: list[tuple[Device, float]], remedies: dict[str, list[Any
             continue
         rungs = remedies[device.key]
         where = f"{device.key} ({device.memory_gib:g} GiB)"
-        if not rungs and (least.get(device.key) or 0) > device.memory_bytes:
+        if not rungs and out_of_reach(least.get(device.key), device):
             lines.append(f"to fit on {where}: the weights, gradients and optimizer state alone take "
                          f"{least[device.key] / GIB:,.1f} GiB (with the framework's memory), which none of the usual "
                          f"remedies ({what}) lowers; gpus=N plans a multi-GPU layout that shards them (ZeRO, tensor "
@@ -620,6 +617,7 @@ def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, 
     import textwrap
 
     from neusight.api import ranked, table_formats
+    from neusight.remedies import options_text, out_of_reach
 
     least = least or {}
     rows, short = [], []
@@ -633,7 +631,7 @@ def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, 
         r = rungs[-1]
         rows.append({"GPU": device.key, "forecast ms": r.latency_ms, "change %": 100 * (r.latency_ms / base_ms - 1),
                      "memory GiB": f"{r.peak_bytes / GIB:,.1f} of {device.memory_gib:g}",
-                     "remedies": _options_text(r.options)})
+                     "remedies": options_text(r.options)})
 
     def fill(text: str) -> str:
         return textwrap.fill(text, width=116, break_on_hyphens=False)
@@ -652,7 +650,7 @@ def remedies_ranking_text(runs: list[tuple[Device, float]], remedies: dict[str, 
                           + ("; these times are forecasts, not anchored (the anchor timed the run as given)"
                              if anchored else "")))
     if short:
-        beyond = [d for d in short if (least.get(d.key) or 0) > d.memory_bytes]
+        beyond = [d for d in short if out_of_reach(least.get(d.key), d)]
         why = ""
         if beyond:
             need = min(least[d.key] for d in beyond)
