@@ -14,6 +14,10 @@ Method (:func:`estimate_memory`)
 3. Live bytes per op = sum of the storages live while it runs (its inputs and outputs both held). The caching
    allocator rounds every block to 512 B; the peak op's blocks are then packed into segments (the reserved
    memory an OOM is decided on), and the framework's fixed costs (CUDA context, cuBLAS/cuDNN workspaces) added.
+4. Under torch.compile (``fused=True``) the storages become the compiled run's before step 2's lifetimes: what a
+   fused kernel keeps on chip is not allocated (:func:`_unmaterialized`), and the forward keeps for the backward
+   what Inductor's min-cut partitioner saves, the rest being recomputed there (:func:`_recomputed`,
+   :mod:`neusight.remat`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from torch.overrides import TorchFunctionMode
 from neusight.errors import InputError
 from neusight.graph.graph import Graph
 from neusight.kernels.base import Family
-from neusight.kernels.ops_misc import RANDOM_OPS
+
+SOFTMAX_OPS = ("_softmax", "_log_softmax", "_safe_softmax")
 
 __all__ = ["CATEGORIES", "CpuMeasurement", "MemoryReport", "estimate_memory", "find_max_batch", "fixed_costs",
            "measure_cpu", "saved_activations"]
@@ -274,6 +279,18 @@ def _category(s: _Storage, mode: str) -> str:
     return "workspace"
 
 
+def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
+    """Turn the eager run's storages into the compiled run's (step 4 of the module docstring)."""
+    from neusight.graph.fusion import fused_units
+
+    k = graph.kernels
+    launching = set(k.loc[k["family"] != Family.VIEW.value, "op_index"])
+    units, views = fused_units(graph, device), {r.index for r in graph.ops} - launching
+    sizes = [s.nbytes for s in storages]
+    _unmaterialized(storages, units, views)
+    _recomputed(storages, units, sizes, views, graph)
+
+
 def _unmaterialized(storages: list[_Storage], units: list[set[int]], views: set[int]) -> None:
     """Drop what a fused kernel keeps on chip: a storage made by an op of a fused unit
     (:func:`neusight.graph.fusion.fused_units`) that only ops of the same unit read (``views``, ops that launch no
@@ -288,48 +305,54 @@ def _unmaterialized(storages: list[_Storage], units: list[set[int]], views: set[
             s.nbytes = 0
 
 
-def _recomputed(storages: list[_Storage], units: list[set[int]], views: set[int], graph: Graph) -> None:
-    """What torch.compile's partitioner recomputes in the backward instead of saving it (its min-cut
-    rematerialization): what a forward group of pointwise kernels only (no reduction, no random draw:
-    :data:`neusight.kernels.ops_misc.RANDOM_OPS`) made, where
-    only pointwise backward kernels read it, is recomputed inside them from the group's inputs (a GeLU's
-    intermediates are not kept, its input is). What a backward GEMM reads stays saved (the partitioner does not
-    recompute what the backward materializes anyway). A recomputed storage lives to its last forward use, the
-    group's inputs to its last backward use."""
-    k = graph.kernels
-    fams = k.groupby("op_index")["family"].agg(set).to_dict()
+def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int], views: set[int],
+                graph: Graph) -> None:
+    """What torch.compile's partitioner saves for the backward and what it recomputes there instead
+    (:func:`neusight.remat.saved_set`, its min-cut): a recomputed storage lives to its last forward use (or is
+    never written, when a fused kernel kept it on chip), what it is recomputed from lives to the last backward use
+    of what it rebuilds; a saved one a fused kernel would have kept on chip is written after all. Storages of a
+    rewritten attention chain (a unit with backward ops) are the fused attention kernels' own business."""
+    from neusight.remat import saved_set
+
     phase = {r.index: r.phase for r in graph.ops}
-    name = {r.index: r.call.op.split(".")[1] if "." in r.call.op else r.call.op   # aten.native_dropout.default
-            for r in graph.ops}
-    plain = {Family.ELEMENTWISE.value, Family.VIEW.value}
-    # a dtype cast (autocast's _to_copy, a "memory" kernel) is a pointwise op to Inductor: fused and recomputed
-    cast = plain | {Family.MEMORY.value}
-
-    def pointwise(i: int) -> bool:
-        return fams.get(i, set()) <= (cast if name[i] == "_to_copy" else plain)
-
-    made: dict[int, list[_Storage]] = {}
-    read: dict[int, list[_Storage]] = {}
-    for s in storages:
-        made.setdefault(s.start, []).append(s)
-        for u in s.users:
-            read.setdefault(u, []).append(s)
-    for unit in units:
-        if not all(phase[i] == "forward" and pointwise(i) and name[i] not in RANDOM_OPS for i in unit):
+    attention = set().union(*(u for u in units if any(phase[i] == "backward" for i in u)))
+    candidates = {k for k, s in enumerate(storages) if s.kind == "made in forward" and not s.held
+                  and phase[s.start] == "forward" and s.start not in attention}
+    saved = saved_set(storages, graph, candidates, dict(enumerate(sizes)), views)
+    made: dict[int, list[int]] = {}
+    for k, s in enumerate(storages):
+        made.setdefault(s.start, []).append(k)
+    read: dict[int, set[int]] = {}
+    for k, s in enumerate(storages):
+        for u in s.users - views:
+            if s.start != u:
+                read.setdefault(u, set()).add(k)
+    need: dict[int, int] = {}   # recomputed storage -> the last backward op that reads it or what it rebuilds
+    for k in candidates - saved:
+        back = [u for u in storages[k].users - views if phase[u] == "backward"]
+        if back:
+            need[k] = max(back)
+    stats: list[_Storage] = []
+    for k in sorted(candidates, key=lambda k: storages[k].start, reverse=True):
+        s = storages[k]
+        if k in saved:
+            s.nbytes = max(s.nbytes, sizes[k])
             continue
-        inputs = [s for i in unit for s in read.get(i, []) if s.start not in unit]
-        last = -1
-        for s in (s for i in unit for s in made.get(i, [])):
-            if s.held or s.nbytes == 0 or s.kind != "made in forward":
-                continue
-            back = sorted(u for u in s.users - views if phase[u] == "backward")
-            if not back or not all(pointwise(u) for u in back):
-                continue
-            s.end = max((u for u in s.users - views if phase[u] != "backward"), default=s.start)
-            last = max(last, back[-1])
-        for s in inputs:
-            if last > s.end:
-                s.end, s.backward_use = last, True
+        if k not in need:
+            continue
+        s.end = max((u for u in s.users - views if phase[u] != "backward"), default=s.start)
+        s.backward_use = False
+        rec = graph.ops[s.start]
+        if rec.call.op.split(".")[1] in SOFTMAX_OPS:   # its two row statistics (max, sum of exp) are saved, in FP32
+            out = rec.call.outputs[0]
+            stats.append(_Storage(8 * out.numel // max(out.shape[-1], 1), s.start, need[k], s.kind, s.module,
+                                  backward_use=True))
+        for j in read.get(s.start, ()):
+            if j in candidates and j not in saved:
+                need[j] = max(need.get(j, -1), need[k])
+            elif need[k] > storages[j].end:
+                storages[j].end, storages[j].backward_use = need[k], True
+    storages += stats
 
 
 def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> None:
@@ -364,7 +387,8 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
     fused : bool
         The run under ``torch.compile`` (as ``predict(..., fused=True)`` forecasts its kernels): what a fused
         kernel keeps on chip is not allocated (:func:`_unmaterialized`), what its partitioner recomputes in the
-        backward is not saved (:func:`_recomputed`); everything else as the eager run holds it.
+        backward is not saved, what it saves instead is (:func:`_recomputed`); everything else as the eager run
+        holds it.
     transient : dict, optional
         Bytes held as workspace while op ``i`` runs, beyond the graph's tensors: communication buffers, e.g. those of
         context parallelism (:func:`neusight.parallel.context_buffer_bytes`), keyed by op index.
@@ -393,13 +417,7 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
     n = len(graph.ops)
     storages = _walk(graph)
     if fused:
-        from neusight.graph.fusion import fused_units
-
-        k = graph.kernels
-        launching = set(k.loc[k["family"] != Family.VIEW.value, "op_index"])
-        units, views = fused_units(graph, device), {r.index for r in graph.ops} - launching
-        _unmaterialized(storages, units, views)
-        _recomputed(storages, units, views, graph)
+        _compiled(storages, graph, device)
     _lifetimes(storages, n, keep_grads=graph.keeps_grads)
     storages += _layout_workspace(graph, device, fused)
     modules = {r.index: r.module for r in graph.ops}
@@ -440,9 +458,10 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
     return report
 
 
-def saved_activations(graph: Graph) -> pd.Series:
+def saved_activations(graph: Graph, fused: bool = False, device: Any = None) -> pd.Series:
     """Bytes of the forward-pass storages that backward reads again ("saved for backward"), per module path of
-    the op that made them (requested bytes, no allocator rounding), in program order.
+    the op that made them (requested bytes, no allocator rounding), in program order. ``fused=True``: what the
+    step under torch.compile saves (``estimate_memory(..., fused=True)``'s storages, on ``device``'s fusion).
 
     Examples
     --------
@@ -452,20 +471,23 @@ def saved_activations(graph: Graph) -> pd.Series:
     >>> int(saved.filter(like="transformer.h.3.").sum()) == int(saved.filter(like="transformer.h.4.").sum())
     True
     """
-    return _saved_by(graph, lambda s: s.module)
+    return _saved_by(graph, lambda s: s.module, fused, device)
 
 
-def saved_bytes_by_op(graph: Graph) -> pd.Series:
+def saved_bytes_by_op(graph: Graph, fused: bool = False, device: Any = None) -> pd.Series:
     """Bytes of the storages saved for backward (as :func:`saved_activations`), per index of the op that made
     them."""
-    return _saved_by(graph, lambda s: s.start)
+    return _saved_by(graph, lambda s: s.start, fused, device)
 
 
-def _saved_by(graph: Graph, key: Callable[[_Storage], Any]) -> pd.Series:
+def _saved_by(graph: Graph, key: Callable[[_Storage], Any], fused: bool, device: Any) -> pd.Series:
     """Bytes of the storages saved for backward, summed per ``key`` of the storage, in program order."""
     totals: dict[Any, int] = {}
-    for s in _walk(graph):
-        if s.backward_use and s.kind in ("made in forward", "made in loss"):
+    storages = _walk(graph)
+    if fused:
+        _compiled(storages, graph, device)
+    for s in storages:
+        if s.backward_use and s.nbytes and s.kind in ("made in forward", "made in loss"):
             totals[key(s)] = totals.get(key(s), 0) + s.nbytes
     return pd.Series(totals, dtype="int64", name="saved_bytes")
 
@@ -766,6 +788,10 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
     from neusight.graph.tracer import _CudaPaths, _enable_checkpointing, _make_optimizer
 
     training = mode == "training"
+    if "dtype" in build_kwargs:   # as neusight.trace takes it: a name ('bfloat16') or a torch.dtype
+        from neusight.graph.amp import model_dtype
+
+        build_kwargs["dtype"] = model_dtype(build_kwargs["dtype"])
     built = build_model(model, **build_kwargs)
     if built.needs_seq_len and not seq_len:
         raise InputError(f"{built.name} needs seq_len (a positive integer) for a real run")
