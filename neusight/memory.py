@@ -286,9 +286,42 @@ def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
     k = graph.kernels
     launching = set(k.loc[k["family"] != Family.VIEW.value, "op_index"])
     units, views = fused_units(graph, device), {r.index for r in graph.ops} - launching
+    storages += _gemm_copies_of_relaid_cats(storages, graph, views)
     sizes = [s.nbytes for s in storages]
     _unmaterialized(storages, units, views)
     _recomputed(storages, units, sizes, views, graph)
+
+
+def _gemm_copies_of_relaid_cats(storages: list[_Storage], graph: Graph, views: set[int]) -> list[_Storage]:
+    """A ``cat`` of one non-empty tensor (a KV cache's first update, ``cat([empty, k])``) is a copy to Inductor that
+    keeps its input's layout, where eager's cat is contiguous. When that input is a transposed view (heads split from
+    a projection: (batch, seq, heads, dim) in memory), the attention GEMMs that read the cache through views can no
+    longer flatten batch and heads, and Inductor gives each one a contiguous copy of its operand, which that GEMM's
+    backward reads: one more storage the size of the cat per GEMM that reads it in the forward."""
+    made: dict[int, list[_Storage]] = {}
+    for s in storages:
+        made.setdefault(s.start, []).append(s)
+    gemm = set(graph.kernels.loc[graph.kernels["family"].isin([Family.BMM.value, Family.LINEAR.value]), "op_index"])
+    copies: list[_Storage] = []
+    for r in graph.ops:
+        if r.phase != "forward" or r.call.op != "aten.cat.default":
+            continue
+        ins = [t for t in r.call.tensor_args() if t.nbytes > 0]
+        outs = [s for s in made.get(r.index, []) if s.kind == "made in forward"]
+        if len(ins) != 1 or len(outs) != 1 or _row_major(ins[0]):
+            continue
+        out = outs[0]
+        back = [u for u in out.users - views if u in gemm and graph.ops[u].phase == "backward"]
+        for u in sorted(u for u in out.users - views if u in gemm and graph.ops[u].phase == "forward"):
+            copies.append(_Storage(out.nbytes, u, max([u, *back]), "made in forward", graph.ops[u].module,
+                                   backward_use=bool(back), users={u, *back}))
+    return copies
+
+
+def _row_major(t: Any) -> bool:
+    """Whether ``t``'s dimensions (those longer than 1) lie in memory in their own order, outermost first."""
+    strides = [st for st, n in zip(t.stride, t.shape) if n > 1]
+    return all(a > b for a, b in zip(strides, strides[1:]))
 
 
 def _unmaterialized(storages: list[_Storage], units: list[set[int]], views: set[int]) -> None:
@@ -774,8 +807,8 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
         that copy alone is 9 MiB, 20 % of its peak); the native kernels allocate only small im2col buffers.
     compiled : bool
         Run the module under ``torch.compile`` (Inductor's CPU backend; needs a C++ compiler), compiled in an
-        un-measured first run: what its fused kernels keep on chip and what its partitioner saves for backward, to
-        check ``estimate_memory(..., fused=True)``. Without the tracer's CUDA code paths, which Dynamo does not
+        un-measured first run (Dynamo's cache reset first): what its fused kernels keep on chip and what its
+        partitioner saves for backward, to check ``estimate_memory(..., fused=True)``. Without the tracer's CUDA code paths, which Dynamo does not
         trace through (Inductor lowers dropout and attention itself).
 
     Returns
@@ -818,6 +851,8 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
         args, kwargs = built.make_inputs(batch_size, seq_len)
     opt = _make_optimizer(module, optimizer) if training and optimizer else None
 
+    if compiled:   # a clean Dynamo cache: an earlier compile of the same class (another config, dtype) would guard
+        torch._dynamo.reset()   # this one into a recompile, whose graph and memory differ (BERT: 255 -> 301 MiB)
     run = torch.compile(module) if compiled else module
     paths = contextlib.nullcontext if compiled else _CudaPaths
 

@@ -627,3 +627,29 @@ def test_fused_forecast_of_casts_matches_a_compiled_cpu_run():
     forecast = estimate_memory(neusight.trace(_CastingBlock(64).to(torch.bfloat16), **kw), allocator="exact",
                                fused=True)
     assert forecast.peak_bytes == pytest.approx(compiled.peak_bytes, rel=1e-4)
+
+
+def test_compiled_cache_update_of_split_heads_costs_the_attention_gemms_a_copy_each(monkeypatch):
+    """A KV cache's first update, cat([empty, k]), is a copy to Inductor that keeps k's layout: GPT-2's k and v are
+    head views of its fused QKV projection, so both attention GEMMs read a contiguous copy of their own, which their
+    backward reads. Llama's GEMMs read repeat_kv's copies instead (grouped-query), so it gets none."""
+    from neusight.memory import _gemm_copies_of_relaid_cats, _walk
+
+    n, s, width, heads, layers = 2, 64, 128, 4, 2
+    gpt2 = {"model_type": "gpt2", "n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": 512}
+    llama = {"model_type": "llama", "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads,
+             "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512}
+    for cfg, per_layer in ((gpt2, 2), (llama, 0)):
+        g = neusight.trace(cfg, batch_size=n, seq_len=s, mode="training", optimizer=None)
+        views = {r.index for r in g.ops if not r.kernels}
+        copies = _gemm_copies_of_relaid_cats(_walk(g), g, views)
+        assert len(copies) == per_layer * layers, cfg["model_type"]
+        for c in copies:
+            assert c.nbytes == n * s * width * 4 and c.backward_use
+            # read by its GEMM and by the one backward GEMM that reads that operand (dq = dS k, dP = dO v^T)
+            assert [(g.ops[u].call.op, g.ops[u].phase) for u in sorted(c.users)] == [
+                ("aten.bmm.default", "forward"), ("aten.bmm.default", "backward")]
+    g = neusight.trace(gpt2, batch_size=n, seq_len=s, mode="training", optimizer=None)
+    with_copies = sum(_saved_ops(g, True).values())
+    monkeypatch.setattr(neusight.memory, "_gemm_copies_of_relaid_cats", lambda *a: [])
+    assert with_copies - sum(_saved_ops(g, True).values()) == 2 * layers * n * s * width * 4
