@@ -1190,7 +1190,7 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
 
                 made = g.kernels.loc[sequence_parallel_mask(g.kernels) & (g.kernels["phase"] == "forward"),
                                      "op_index"]
-                saved = saved_bytes_by_op(g)
+                saved = saved_bytes_by_op(g, fused=fused, device=device)
                 kept["sp_saved"] = float(saved[saved.index.isin(made)].sum())
             b["activations"] = b["activations"] - kept["sp_saved"] * (1.0 - 1.0 / tp)
         in_flight = min(microbatches, pp) / pp if pp > 1 else 1.0

@@ -804,3 +804,22 @@ def test_predict_many_hands_its_gpus_to_a_progress_wrapper():
     ps = predict_many("gpt2", ["t4", "l4"], progress=spy, **kw)
     assert seen == [["t4", "l4"]] and [p.device.key for p in ps] == ["t4", "l4"]
     assert [p.latency_ms for p in ps] == [p.latency_ms for p in predict_many("gpt2", ["t4", "l4"], **kw)]
+
+
+def test_layers_csv_of_a_compiled_step_counts_what_the_compiled_backward_keeps(tmp_path):
+    """layers_csv='s saved_bytes under fused=true are the compiled run's (the min-cut's), not eager's."""
+    from neusight.memory import saved_activations
+
+    run = dict(batch_size=2, seq_len=64, mode="training")
+    r = subprocess.run([str(BIN / "neusight-predict"), "model=gpt2", "device=t4", "batch_size=2", "seq_len=64",
+                        "mode=training", "fused=true", f"layers_csv={tmp_path / 'layers.csv'}",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    from neusight.plots import layer_table
+
+    csv = pd.read_csv(tmp_path / "layers.csv")
+    p = neusight.predict("gpt2", "t4", fused=True, **run)
+    fused, eager = (int(layer_table(p.kernels, saved_bytes=saved_activations(p.graph, fused=f, device="t4"))
+                        ["saved_bytes"].sum()) for f in (True, False))
+    assert int(csv["saved_bytes"].sum()) == fused < eager

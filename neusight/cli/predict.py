@@ -723,7 +723,9 @@ def _extras(cfg: PredictConfig, preds: list[Prediction], searches: bool = True) 
             from neusight.memory import saved_activations
             from neusight.plots import layer_table
 
-            saved = saved_activations(p.graph) if p.graph.mode == "training" else None
+            fused = p.memory is not None and p.memory.fused      # under torch.compile: what its backward keeps
+            saved = (saved_activations(p.graph, fused=fused, device=p.device) if p.graph.mode == "training"
+                     else None)
             path = _out_path(cfg.layers_csv.replace(".csv", f"{suffix}.csv") if multi else cfg.layers_csv)
             atomic_write_text(path, layer_table(p.kernels, saved_bytes=saved).to_csv())
             print(f"per-layer report: {path}")
