@@ -375,7 +375,8 @@ def layer_table(kernels: pd.DataFrame, depth: int | None = None, saved_bytes: pd
 
     Columns: ``time_ms``, ``share_pct`` of the total time, ``bound`` (``compute`` or ``memory``, whichever
     holds most of the layer's time), ``flops``, ``bytes`` (DRAM traffic), ``kernels`` (count), and
-    ``saved_bytes`` (activations saved for backward, from :func:`neusight.memory.saved_activations`) if given.
+    ``saved_bytes`` (activations saved for backward, from :func:`neusight.memory.saved_activations`) if given; a
+    layer that saves some but launches no kernel of its own gets a row of its own with no time (bound ``-``).
     """
     k = _check(kernels, (*_KERNEL_COLUMNS, "bound"))
     g = k.assign(layer=_groups(k, depth))
@@ -385,8 +386,18 @@ def layer_table(kernels: pd.DataFrame, depth: int | None = None, saved_bytes: pd
     by_bound = g.groupby(["layer", "bound"], sort=False)["latency_ms"].sum().unstack(fill_value=0.0)
     out.insert(2, "bound", by_bound.idxmax(axis=1).reindex(out.index))
     if saved_bytes is not None:
-        groups = pd.Series([module_group(m, "forward", depth) for m in saved_bytes.index], index=saved_bytes.index)
-        out["saved_bytes"] = saved_bytes.groupby(groups.to_numpy()).sum().reindex(out.index).fillna(0).astype("int64")
+        groups = [module_group(m, "forward", depth) for m in saved_bytes.index]
+        per = saved_bytes.groupby(groups, sort=False).sum()
+        order = list(out.index)
+        for i, name in enumerate(per.index):   # a layer that saves but launches no kernel of its own (under
+            if name not in out.index:          # torch.compile its kernels fused into the next layer's): a row
+                prev = next((p for p in reversed(per.index[:i]) if p in order), None)   # after the one before it
+                order.insert(order.index(prev) + 1 if prev is not None else 0, name)
+        out = out.reindex(order)
+        out[["time_ms", "share_pct", "flops", "bytes"]] = out[["time_ms", "share_pct", "flops", "bytes"]].fillna(0.0)
+        out["kernels"] = out["kernels"].fillna(0).astype("int64")
+        out["bound"] = out["bound"].fillna("-")
+        out["saved_bytes"] = per.reindex(order).fillna(0).astype("int64")
     return out
 
 

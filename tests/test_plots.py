@@ -116,6 +116,13 @@ def test_layer_table(kernels):
     assert t["share_pct"].sum() == pytest.approx(100.0)
     assert t.loc["transformer.h.0", "kernels"] == 7
     assert t.loc["transformer.h.0", "saved_bytes"] == 120 and t.loc["transformer.h.1", "saved_bytes"] == 0
+    # a layer that saves but launches no kernel of its own keeps its bytes, in a row after the layer before it
+    saved = pd.Series({"transformer.h.0.attn": 100, "transformer.drop": 7, "transformer.h.1.mlp": 3})
+    t = plots.layer_table(kernels, saved_bytes=saved)
+    assert list(t.index) == ["transformer.h.0", "transformer.drop", "transformer.h.1", "lm_head", "(loss)",
+                             "(optimizer)"]
+    assert t["saved_bytes"].sum() == 110 and t["share_pct"].sum() == pytest.approx(100.0)
+    assert t.loc["transformer.drop", ["time_ms", "kernels", "bound"]].tolist() == [0.0, 0, "-"]
 
 
 @pytest.mark.parametrize("key, dtype, dashed", [("h100-sxm5-80gb", "float32", "GEMM"), ("l4", "float32", "GEMM"),
