@@ -1,7 +1,7 @@
 """Memory of a training step under torch.compile: the forecast (``estimate_memory(..., fused=True)``) against a real
 compiled run on this CPU. Writes docs/memory-compiled.md.
 
-    python scripts/bench_compiled_memory.py            # ~4 min on 2 cores, needs a C++ compiler (Inductor's CPU code)
+    python scripts/bench_compiled_memory.py            # 10-15 min on 2 cores, needs a C++ compiler (Inductor's CPU code)
     python scripts/bench_compiled_memory.py --out /tmp/memory-compiled.md
 
 Each row is a two-layer model of a Hugging Face architecture at width 768 (batch 2, sequence 512, one AdamW step),
