@@ -281,7 +281,7 @@ def _category(s: _Storage, mode: str) -> str:
 
 def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
     """Turn the eager run's storages into the compiled run's (step 4 of the module docstring)."""
-    from neusight.graph.fusion import fused_units
+    from neusight.graph.fusion import _device_key, fused_units
 
     k = graph.kernels
     launching = set(k.loc[k["family"] != Family.VIEW.value, "op_index"])
@@ -289,7 +289,9 @@ def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
     storages += _gemm_copies_of_relaid_cats(storages, graph, views)
     sizes = [s.nbytes for s in storages]
     _unmaterialized(storages, units, views)
-    _recomputed(storages, units, sizes, views, graph)
+    # the min-cut depends on the graph and on what the fusion asks of the device (as the units): solved once each
+    cache, key = graph.__dict__.setdefault("_remat_cache", {}), _device_key(graph, device)
+    cache[key] = _recomputed(storages, units, sizes, views, graph, cache.get(key))
 
 
 def _gemm_copies_of_relaid_cats(storages: list[_Storage], graph: Graph, views: set[int]) -> list[_Storage]:
@@ -339,19 +341,21 @@ def _unmaterialized(storages: list[_Storage], units: list[set[int]], views: set[
 
 
 def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int], views: set[int],
-                graph: Graph) -> None:
+                graph: Graph, saved: set[int] | None = None) -> set[int]:
     """What torch.compile's partitioner saves for the backward and what it recomputes there instead
     (:func:`neusight.remat.saved_set`, its min-cut): a recomputed storage lives to its last forward use (or is
     never written, when a fused kernel kept it on chip), what it is recomputed from lives to the last backward use
     of what it rebuilds; a saved one a fused kernel would have kept on chip is written after all. Storages of a
-    rewritten attention chain (a unit with backward ops) are the fused attention kernels' own business."""
+    rewritten attention chain (a unit with backward ops) are the fused attention kernels' own business. ``saved``:
+    the min-cut's answer for these storages when known (it is returned)."""
     from neusight.remat import saved_set
 
     phase = {r.index: r.phase for r in graph.ops}
     attention = set().union(*(u for u in units if any(phase[i] == "backward" for i in u)))
     candidates = {k for k, s in enumerate(storages) if s.kind == "made in forward" and not s.held
                   and phase[s.start] == "forward" and s.start not in attention}
-    saved = saved_set(storages, graph, candidates, dict(enumerate(sizes)), views)
+    if saved is None:
+        saved = saved_set(storages, graph, candidates, dict(enumerate(sizes)), views)
     made: dict[int, list[int]] = {}
     for k, s in enumerate(storages):
         made.setdefault(s.start, []).append(k)
@@ -386,6 +390,7 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int
             elif need[k] > storages[j].end:
                 storages[j].end, storages[j].backward_use = need[k], True
     storages += stats
+    return saved
 
 
 def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> None:
@@ -808,8 +813,8 @@ def measure_cpu(model: Any, batch_size: int = 1, seq_len: int | None = None, mod
     compiled : bool
         Run the module under ``torch.compile`` (Inductor's CPU backend; needs a C++ compiler), compiled in an
         un-measured first run (Dynamo's cache reset first): what its fused kernels keep on chip and what its
-        partitioner saves for backward, to check ``estimate_memory(..., fused=True)``. Without the tracer's CUDA code paths, which Dynamo does not
-        trace through (Inductor lowers dropout and attention itself).
+        partitioner saves for backward, to check ``estimate_memory(..., fused=True)``. Without the tracer's CUDA
+        code paths, which Dynamo does not trace through (Inductor lowers dropout and attention itself).
 
     Returns
     -------

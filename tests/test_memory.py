@@ -653,3 +653,22 @@ def test_compiled_cache_update_of_split_heads_costs_the_attention_gemms_a_copy_e
     with_copies = sum(_saved_ops(g, True).values())
     monkeypatch.setattr(neusight.memory, "_gemm_copies_of_relaid_cats", lambda *a: [])
     assert with_copies - sum(_saved_ops(g, True).values()) == 2 * layers * n * s * width * 4
+
+
+def test_compiled_memory_solves_the_min_cut_once_per_graph_and_fusion(monkeypatch):
+    """A ranking forecasts one trace on many GPUs: the min-cut is solved once per outcome of the fusion (kept on the
+    graph as the fusion is), and forget_fusion drops it with the rest."""
+    import neusight.remat
+    from neusight.graph.fusion import forget_fusion
+
+    g = neusight.trace(_CastingBlock(64).to(torch.bfloat16), batch_size=4, input_shapes=[(128, 64)],
+                       mode="training", optimizer=None, dtype="bfloat16")
+    calls, real = [], neusight.remat.saved_set
+    monkeypatch.setattr(neusight.remat, "saved_set", lambda *a: calls.append(1) or real(*a))
+    first = estimate_memory(g, "t4", fused=True)
+    again = [estimate_memory(g, d, fused=True) for d in ("t4", "l4", "a100-pcie-40gb")]
+    assert len(calls) == 1
+    assert all(r.tensor_peak_bytes == first.tensor_peak_bytes for r in again)
+    assert saved_bytes_by_op(g, fused=True, device="t4").equals(saved_bytes_by_op(g, fused=True, device="l4"))
+    forget_fusion(g)
+    assert estimate_memory(g, "t4", fused=True).timeline.equals(first.timeline) and len(calls) == 2

@@ -138,9 +138,10 @@ class _ByOp:
 
 
 def forget_fusion(g: Graph) -> None:
-    """Drop what the fusion kept on ``g`` (its fused tables, dataflow and questions to GPUs): the next fused
-    forecast of ``g`` runs the whole pass again, as the first one did (for timing it)."""
-    for key in ("_fusion_cache", "_fusion_flow", "_fusion_asks"):
+    """Drop what the fusion kept on ``g`` (its fused tables, dataflow, questions to GPUs, and the memory's min-cut
+    of :mod:`neusight.remat`): the next fused forecast of ``g`` runs the whole pass again, as the first one did (for
+    timing it)."""
+    for key in ("_fusion_cache", "_fusion_flow", "_fusion_asks", "_remat_cache"):
         g.__dict__.pop(key, None)
 
 
