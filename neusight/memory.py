@@ -314,9 +314,15 @@ def _gemm_copies_of_relaid_cats(storages: list[_Storage], graph: Graph, views: s
             continue
         out = outs[0]
         back = [u for u in out.users - views if u in gemm and graph.ops[u].phase == "backward"]
-        for u in sorted(u for u in out.users - views if u in gemm and graph.ops[u].phase == "forward"):
+        fwd = sorted(u for u in out.users - views if u in gemm and graph.ops[u].phase == "forward")
+        for u in fwd:
             copies.append(_Storage(out.nbytes, u, max([u, *back]), "made in forward", graph.ops[u].module,
                                    backward_use=bool(back), users={u, *back}))
+        if fwd:   # the backward GEMMs read the copies, not the cat
+            out.users -= set(back)
+            out.backward_use = any(graph.ops[u].phase == "backward" for u in out.users)
+            if not out.held:
+                out.end = max(out.users | {out.start})
     return copies
 
 
@@ -356,9 +362,6 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int
                   and phase[s.start] == "forward" and s.start not in attention}
     if saved is None:
         saved = saved_set(storages, graph, candidates, dict(enumerate(sizes)), views)
-    made: dict[int, list[int]] = {}
-    for k, s in enumerate(storages):
-        made.setdefault(s.start, []).append(k)
     read: dict[int, set[int]] = {}
     for k, s in enumerate(storages):
         for u in s.users - views:
