@@ -16,9 +16,11 @@ min-cut on a traced graph's storages (:func:`saved_set`), with the partitioner's
   twice when all its users fuse with its producer (saving it adds a write a fused kernel would not make), times
   1.1 per op between it and the backward (the partitioner's bias towards tensors made late in the forward).
 
+The row statistics a recomputed softmax is rebuilt from (two FP32 values per row) are added by
+:func:`neusight.memory._recomputed`, which applies the cut; a norm's are outputs of their own, which the cut saves.
 What this does not model: the heuristic that cuts fusible chains longer than 100 nodes (the traced models break
-their chains with GEMMs long before), the small statistics a recomputed softmax or norm keeps (a value or two per
-row), and graph breaks (one joint graph per step is assumed, as Hugging Face models compile).
+their chains with GEMMs long before), and graph breaks (one joint graph per step is assumed, as Hugging Face models
+compile).
 """
 
 from __future__ import annotations
