@@ -40,8 +40,6 @@ from neusight.errors import InputError
 from neusight.graph.graph import Graph
 from neusight.kernels.base import Family
 
-SOFTMAX_OPS = ("_softmax", "_log_softmax", "_safe_softmax")
-
 __all__ = ["CATEGORIES", "CpuMeasurement", "MemoryReport", "estimate_memory", "find_max_batch", "fixed_costs",
            "measure_cpu", "saved_activations"]
 
@@ -383,7 +381,7 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int
         s.end = max((u for u in s.users - views if phase[u] != "backward"), default=s.start)
         s.backward_use = False
         rec = graph.ops[s.start]
-        if rec.call.op.split(".")[1] in SOFTMAX_OPS:   # its two row statistics (max, sum of exp) are saved, in FP32
+        if any(kn.family is Family.SOFTMAX for kn in rec.kernels):   # its two row statistics (max, sum) are saved
             out = rec.call.outputs[0]
             stats.append(_Storage(8 * out.numel // max(out.shape[-1], 1), s.start, need[k], s.kind, s.module,
                                   backward_use=True))
