@@ -17,7 +17,9 @@ Method (:func:`estimate_memory`)
 4. Under torch.compile (``fused=True``) the storages become the compiled run's before step 2's lifetimes: what a
    fused kernel keeps on chip is not allocated (:func:`_unmaterialized`), and the forward keeps for the backward
    what Inductor's min-cut partitioner saves, the rest being recomputed there (:func:`_recomputed`,
-   :mod:`neusight.remat`).
+   :mod:`neusight.remat`). The compiled backward also gets a zero gradient for each output the loss does not read
+   (:func:`_tangents`), runs a GEMM whose output is only added to another gradient inside that sum
+   (:func:`_addmm_sums`), and writes pointwise kernels' outputs over inputs they read last (:func:`_in_place`).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ class _Storage:
     backward_use: bool = False
     held: bool = False     # kept alive to the end of the step by the caller
     users: set[int] = field(default_factory=set)   # the ops that read it
+    output_grad: int = 0   # a model output that requires grad: the bytes of its gradient (held outputs only)
 
 
 def _block(nbytes: np.ndarray) -> np.ndarray:
@@ -246,6 +249,8 @@ def _walk(graph: Graph) -> list[_Storage]:
         s = current.get(t.storage)
         if s is not None:
             s.held = True
+            if t.requires_grad:
+                s.output_grad += t.numel * t.itemsize
     return storages
 
 
@@ -285,11 +290,118 @@ def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
     launching = set(k.loc[k["family"] != Family.VIEW.value, "op_index"])
     units, views = fused_units(graph, device), {r.index for r in graph.ops} - launching
     storages += _gemm_copies_of_relaid_cats(storages, graph, views)
+    storages += _tangents(storages, graph)
     sizes = [s.nbytes for s in storages]
     _unmaterialized(storages, units, views)
     # the min-cut depends on the graph and on what the fusion asks of the device (as the units): solved once each
     cache, key = graph.__dict__.setdefault("_remat_cache", {}), _device_key(graph, device)
     cache[key] = _recomputed(storages, units, sizes, views, graph, cache.get(key))
+    _addmm_sums(storages, graph, views)
+    _in_place(storages, graph, units, views, launching)
+
+
+def _families(graph: Graph) -> dict[int, set[str]]:
+    """The kernel families each op launches."""
+    families: dict[int, set[str]] = {}
+    for i, fam in zip(graph.kernels["op_index"].tolist(), graph.kernels["family"].tolist()):
+        families.setdefault(i, set()).add(fam)
+    return families
+
+
+def _in_place(storages: list[_Storage], graph: Graph, units: list[set[int]], views: set[int],
+              launching: set[int]) -> None:
+    """Inductor writes a pointwise kernel's output over an input that the kernel reads for the last time when the two
+    are the same size (its scheduler's in-place buffer update: within 5 %, never over), a saved tensor the backward
+    is done with included; eager allocates the output anew, so both live while the op runs. Here a kernel is a fused
+    unit or a lone launching op of the model's forward or backward whose kernels are all elementwise (reductions,
+    softmax and norms read their input more than once, GEMMs are library calls); the input it takes over then dies
+    when the output is made."""
+    families = _families(graph)
+    grouped = set().union(*units) if units else set()
+    kernels = [*units, *({i} for i in sorted(launching - grouped))]
+    made: dict[int, list[_Storage]] = {}
+    read: dict[int, list[_Storage]] = {}
+    for s in storages:
+        if s.nbytes and s.kind.startswith("made in") and not s.held:
+            made.setdefault(s.start, []).append(s)
+            for u in s.users - views - {s.start}:
+                read.setdefault(u, []).append(s)
+    elementwise = {Family.ELEMENTWISE.value}
+    for ops in kernels:
+        ops = ops - views
+        if not ops or any(graph.ops[i].phase not in ("forward", "backward") or not families.get(i, set()) <= elementwise
+                          for i in ops):
+            continue
+        lo, hi = min(ops), max(ops)
+        free = list({id(s): s for i in sorted(ops) for s in read.get(i, ()) if s.start < lo <= s.end <= hi}.values())
+        for out in (s for i in sorted(ops) for s in made.get(i, ())):
+            taken = next((s for s in free if 0.95 * s.nbytes <= out.nbytes <= s.nbytes), None)
+            if taken is not None:
+                free.remove(taken)
+                taken.end = min(taken.end, out.start - 1)
+
+
+def _tangents(storages: list[_Storage], graph: Graph) -> list[_Storage]:
+    """The compiled model is one autograd Function to the training loop, whose backward gets a gradient for every
+    output that requires one: an output the loss never reads (a KV cache the model returns, its keys and values made
+    from the weights) gets a zero tensor of its size (autograd's ``materialize_grads``), allocated when the backward
+    reaches the compiled region, after the loss's own backward ops, and freed by Inductor's backward code after its
+    last use, in the backward of the module that made the output. Eager's backward has none."""
+    phase = [r.phase for r in graph.ops]
+    backward = [i for i, p in enumerate(phase) if p == "backward"]
+    if not backward:
+        return []
+    loss_back = [u for s in storages if s.kind == "made in loss" for u in s.users if phase[u] == "backward"]
+    start = min(max(loss_back, default=backward[0] - 1) + 1, backward[-1])
+    own: dict[str, int] = {}     # module -> its last backward op; inside: the same for its submodules' ops
+    inside: dict[str, int] = {}
+    for i in (i for i in backward if i >= start):
+        module = graph.ops[i].module
+        own[module] = i
+        while module:
+            module = module.rpartition(".")[0]
+            inside[module] = i
+    return [_Storage(s.output_grad, start, own.get(s.module, inside.get(s.module, backward[-1])), "made in backward",
+                     s.module) for s in storages
+            if s.output_grad and s.kind == "made in forward" and not any(phase[u] == "loss" for u in s.users)]
+
+
+def _addmm_sums(storages: list[_Storage], graph: Graph, views: set[int]) -> None:
+    """Inductor rewrites ``mm(a, b) + c`` into one ``addmm(c, a, b)`` (a post-grad pattern; on a GPU only where the
+    sum feeds something other than pointwise ops): a weight used twice (tied embeddings and output layer) gets the
+    gradient of its first use from a GEMM that eager runs at once and adds to the second use's at the end of the
+    backward; compiled, that GEMM runs at the end, inside the sum (a gradient, returned), so its output is never held
+    on its own and its operands (the logits' gradient, the last hidden states) live until then."""
+    ops = graph.ops
+    families = _families(graph)
+    elementwise = {Family.ELEMENTWISE.value}
+    by_start: dict[int, list[_Storage]] = {}
+    reads: dict[int, list[_Storage]] = {}
+    for s in storages:
+        by_start.setdefault(s.start, []).append(s)
+        for u in s.users - views:
+            reads.setdefault(u, []).append(s)
+    for r in ops:
+        if r.phase != "backward" or r.call.op != "aten.mm.default" or not r.call.outputs:
+            continue
+        shape = r.call.outputs[0].shape
+        for out in (s for s in by_start.get(r.index, ()) if s.kind.startswith("made in") and not s.held):
+            later = out.users - views - {r.index}
+            if len(later) != 1:
+                continue
+            a = ops[min(later)]
+            args = a.call.tensor_args()
+            if (a.phase != "backward" or a.call.op != "aten.add.Tensor" or len(args) != 2
+                    or any(t.shape != shape for t in args)):
+                continue
+            fed = {u for t in by_start.get(a.index, ()) for u in t.users - views - {a.index}
+                   if ops[u].phase == "backward"}
+            if fed and all(families.get(u, set()) <= elementwise for u in fed):
+                continue
+            out.nbytes = 0
+            for s in reads.get(r.index, ()):
+                if s is not out and s.kind.startswith("made in") and s.end < a.index:
+                    s.end = a.index
 
 
 def _gemm_copies_of_relaid_cats(storages: list[_Storage], graph: Graph, views: set[int]) -> list[_Storage]:
