@@ -506,6 +506,42 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int
     return saved
 
 
+def _autograd_nodes(storages: list[_Storage], graph: Graph) -> None:
+    """Eager's autograd engine runs a backward node's formula as one function: what its ops read (the node's saved
+    tensors, the gradient it was handed) and the temporaries they make are freed when the node returns, not after the
+    op that reads them last (MulBackward0 of ``a * b`` holds a, b and the gradient until it has made both products).
+    Only then does it add each result to what the next node's input buffer already holds: those ``add`` ops, recorded
+    in the node after its formula's, are no part of it. Under torch.compile the backward is Inductor's code, which
+    frees each buffer after its last use."""
+    ops = graph.ops
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for r in ops:
+        if r.node >= 0:
+            first.setdefault(r.node, r.index)
+            last[r.node] = r.index
+    if not last:
+        return
+    made: dict[int, int] = {}   # storage -> the op that made it
+    buffered: set[int] = set()   # adds of a gradient made before their node to one of it: the engine's accumulation
+    for r in ops:
+        args = r.call.tensor_args()
+        if r.node >= 0 and r.call.op == "aten.add.Tensor" and len(args) == 2 and any(
+                made.get(t.storage, r.index) < first[r.node] for t in args):
+            buffered.add(r.index)
+        for t in r.call.outputs:
+            made.setdefault(t.storage, r.index)
+    formula_end = {}
+    for k, j in last.items():
+        while j > first[k] and j in buffered:
+            j -= 1
+        formula_end[k] = j
+    for x in storages:
+        k = ops[x.end].node
+        if k >= 0 and x.end <= formula_end[k]:
+            x.end = formula_end[k]
+
+
 def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> None:
     """Apply the training-loop lifetimes: what the caller holds and the gradients live to the end of the step.
 
@@ -569,6 +605,8 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
     storages = _walk(graph)
     if fused:
         _compiled(storages, graph, device)
+    else:
+        _autograd_nodes(storages, graph)
     _lifetimes(storages, n, keep_grads=graph.keeps_grads)
     storages += _layout_workspace(graph, device, fused)
     modules = {r.index: r.module for r in graph.ops}

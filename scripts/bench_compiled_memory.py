@@ -12,7 +12,10 @@ before the step (weights, optimizer state, inputs).
 
 What the CPU can and cannot check: Inductor's fusion and its partitioner's choice of what to save for the backward
 (the min-cut rematerialization) are the same code on the CPU as on a GPU, so ``neusight.remat``'s emulation of
-that min-cut is checked here. A rewritten attention chain is not: on the CPU,
+that min-cut is checked here, with what the compiled backward allocates on its own (a zero gradient per returned
+KV-cache tensor, the tied embedding's gradient GEMM run inside its sum, pointwise kernels written in place; the
+sum's rewrite is skipped on a GPU where it feeds only pointwise ops, which no row here has). A rewritten attention
+chain is not checked: on the CPU,
 scaled_dot_product_attention with dropout runs its math backend, which keeps the scores, while a GPU's fused
 kernels recompute them (the BERT row shows the CPU's number next to the forecast for the GPU, and is left out of
 the error). Nothing is fitted to these numbers.

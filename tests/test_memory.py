@@ -134,6 +134,33 @@ def test_forecast_matches_cpu_run(case, mode, tiny_gpt2):
 
 
 
+class _NewGelu(nn.Module):
+    """GPT-2's tanh GELU written out (transformers' NewGELUActivation) between two linear layers: each op's backward
+    is an autograd node of its own, and several of them add their result to the same input gradient."""
+
+    def __init__(self, d: int = 64, f: int = 1024) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, f), nn.Linear(f, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0)))))
+
+
+def test_backward_node_frees_what_it_read_when_it_returns():
+    """Ground truth: a CPU run. The autograd engine frees what a backward node's ops read (MulBackward0 holds both
+    factors and the gradient until it has made both products; PowBackward0 its temporaries) when the node returns,
+    and only then adds the node's result to the input gradient it accumulates in. Freeing each tensor after the op
+    that reads it last was 14 % low here; counting those sums as part of the node, 14 % high."""
+    kw = dict(batch_size=16, mode="training", optimizer=None, input_shapes=[(128, 64)])
+    measured = measure_cpu(_NewGelu(), **kw)
+    g = neusight.trace(_NewGelu(), **kw)
+    assert estimate_memory(g, allocator="exact").peak_bytes == pytest.approx(measured.peak_bytes, rel=1e-4)
+    nodes = [r.node for r in g.ops if r.phase == "backward" and r.node >= 0]
+    assert {r.node for r in g.ops if r.phase != "backward"} == {-1}
+    assert nodes == sorted(nodes) and len(set(nodes)) > 10       # numbered in the order the engine runs them
+
+
 def test_gradient_checkpointing_matches_a_cpu_run_and_trades_memory_for_a_recompute(tiny_gpt2):
     """With Hugging Face's activation checkpointing, the step keeps only the layers' inputs (a real CPU run with
     the same checkpointing agrees with the forecast) and runs each layer's forward again in the backward pass:

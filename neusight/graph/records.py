@@ -99,3 +99,4 @@ class OpRecord:
     kernels: list = field(default_factory=list)   # list[Kernel] built by the registry
     modeled: bool = True
     recompute: bool = False   # run again in the backward pass by activation checkpointing (a forward op there)
+    node: int = -1      # backward: which autograd node's apply ran it (numbered in order); -1 elsewhere

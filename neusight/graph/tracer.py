@@ -149,6 +149,21 @@ class _Recorder(TorchDispatchMode):
         # code outside dispatch), which would then pass for the recorded output. Which addresses get reused varies
         # from process to process; holding them (meta storages have no data) keeps every id unique.
         self._held: list[Any] = []
+        self._node: Any = None   # the autograd node the last backward op ran in, and its number
+        self._nodes = -1
+
+    def _node_number(self) -> int:
+        """Which autograd node's apply runs the current backward op, numbered in order (-1: none, or a checkpoint's
+        recomputation). The engine frees what a node's ops read (its saved tensors, its incoming gradient) and the
+        temporaries of its formula when the node returns, not after each op (:mod:`neusight.memory`)."""
+        if self.phase != "backward" or _RECOMPUTING:
+            return -1
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return -1
+        if node is not self._node:   # held until the next node, so no two nodes in a row share an identity
+            self._node, self._nodes = node, self._nodes + 1
+        return self._nodes
 
     @contextlib.contextmanager
     def fused_region(self, name: str, inputs: tuple, info: dict) -> Any:
@@ -179,7 +194,7 @@ class _Recorder(TorchDispatchMode):
         kernels = kernel if isinstance(kernel, list) else [kernel]   # a maker may return several
         info["kernel"] = kernel
         call = OpCall(FUSED_OP_PREFIX + name, None, tuple(ins), {}, tuple(outs))
-        self.ops.append(OpRecord(start, phase, module, call, kernels, True, bool(_RECOMPUTING)))
+        self.ops.append(OpRecord(start, phase, module, call, kernels, True, bool(_RECOMPUTING), self._node_number()))
 
     def _module(self) -> str:
         deepest = self.entered_module()
@@ -233,7 +248,7 @@ class _Recorder(TorchDispatchMode):
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled,
-                                 bool(_RECOMPUTING)))
+                                 bool(_RECOMPUTING), self._node_number()))
         if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
             self._verdicts[out] = _PLAIN_BATCH[packet]
         return out
