@@ -752,6 +752,35 @@ def test_compiled_gradient_of_tied_weights_is_one_addmm_at_the_end():
     assert moved == []
 
 
+class _Skip(nn.Module):
+    """A skip connection around a linear layer: the input gradient of ``h`` is a GEMM's output plus the gradient
+    that skips it; with a ReLU before, that sum feeds the ReLU's backward (a pointwise op), without, the first
+    layer's GEMMs."""
+
+    def __init__(self, relu: bool, d: int = 64) -> None:
+        super().__init__()
+        self.w1, self.w2, self.relu = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False), relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        h = torch.relu(h) if self.relu else h
+        return self.w2(h) + h
+
+
+def test_compiled_gemm_plus_sum_stays_apart_on_a_gpu_where_the_sum_feeds_a_pointwise_op():
+    """Inductor keeps ``mm + add`` unfused on a GPU when the sum's users are all pointwise (they would rather fuse
+    the add): the GEMM's output is then held on its own, as in eager. Where the sum feeds GEMMs it becomes addmm."""
+    from neusight.memory import _addmm_sums, _walk
+
+    for relu, rewritten in ((True, []), (False, [("aten.mm.default", "w2")])):
+        g = neusight.trace(_Skip(relu), batch_size=256, mode="training", optimizer=None, input_shapes=[(64,)])
+        storages = _walk(g)
+        before = [x.nbytes for x in storages]
+        _addmm_sums(storages, g, {r.index for r in g.ops if not r.kernels})
+        gone = [(g.ops[x.start].call.op, g.ops[x.start].module) for x, b in zip(storages, before) if x.nbytes != b]
+        assert gone == rewritten, relu
+
+
 def test_compiled_pointwise_kernel_writes_over_the_input_it_reads_last(monkeypatch):
     """OPT's ReLU backward (threshold_backward) reads the gradient fc2's backward made for the last time and writes one
     of the same size: Inductor writes it in place, eager holds both while the op runs."""
