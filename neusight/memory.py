@@ -296,8 +296,9 @@ def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
     # the min-cut depends on the graph and on what the fusion asks of the device (as the units): solved once each
     cache, key = graph.__dict__.setdefault("_remat_cache", {}), _device_key(graph, device)
     cache[key] = _recomputed(storages, units, sizes, views, graph, cache.get(key))
-    _addmm_sums(storages, graph, views)
-    _in_place(storages, graph, units, views, launching)
+    families = _families(graph)
+    _addmm_sums(storages, graph, views, families)
+    _in_place(storages, graph, units, views, launching, families)
 
 
 def _families(graph: Graph) -> dict[int, set[str]]:
@@ -308,15 +309,14 @@ def _families(graph: Graph) -> dict[int, set[str]]:
     return families
 
 
-def _in_place(storages: list[_Storage], graph: Graph, units: list[set[int]], views: set[int],
-              launching: set[int]) -> None:
+def _in_place(storages: list[_Storage], graph: Graph, units: list[set[int]], views: set[int], launching: set[int],
+              families: dict[int, set[str]]) -> None:
     """Inductor writes a pointwise kernel's output over an input that the kernel reads for the last time when the two
     are the same size (its scheduler's in-place buffer update: within 5 %, never over), a saved tensor the backward
     is done with included; eager allocates the output anew, so both live while the op runs. Here a kernel is a fused
     unit or a lone launching op of the model's forward or backward whose kernels are all elementwise (reductions,
     softmax and norms read their input more than once, GEMMs are library calls); the input it takes over then dies
     when the output is made."""
-    families = _families(graph)
     grouped = set().union(*units) if units else set()
     kernels = [*units, *({i} for i in sorted(launching - grouped))]
     made: dict[int, list[_Storage]] = {}
@@ -366,14 +366,13 @@ def _tangents(storages: list[_Storage], graph: Graph) -> list[_Storage]:
             if s.output_grad and s.kind == "made in forward" and not any(phase[u] == "loss" for u in s.users)]
 
 
-def _addmm_sums(storages: list[_Storage], graph: Graph, views: set[int]) -> None:
+def _addmm_sums(storages: list[_Storage], graph: Graph, views: set[int], families: dict[int, set[str]]) -> None:
     """Inductor rewrites ``mm(a, b) + c`` into one ``addmm(c, a, b)`` (a post-grad pattern; on a GPU only where the
     sum feeds something other than pointwise ops): a weight used twice (tied embeddings and output layer) gets the
     gradient of its first use from a GEMM that eager runs at once and adds to the second use's at the end of the
     backward; compiled, that GEMM runs at the end, inside the sum (a gradient, returned), so its output is never held
     on its own and its operands (the logits' gradient, the last hidden states) live until then."""
     ops = graph.ops
-    families = _families(graph)
     elementwise = {Family.ELEMENTWISE.value}
     by_start: dict[int, list[_Storage]] = {}
     reads: dict[int, list[_Storage]] = {}
