@@ -296,21 +296,28 @@ def _compiled(storages: list[_Storage], graph: Graph, device: Any) -> None:
     # the min-cut depends on the graph and on what the fusion asks of the device (as the units): solved once each
     cache, key = graph.__dict__.setdefault("_remat_cache", {}), _device_key(graph, device)
     cache[key] = _recomputed(storages, units, sizes, views, graph, cache.get(key))
-    families = _families(graph)
-    _addmm_sums(storages, graph, views, families)
-    _in_place(storages, graph, units, views, launching, families)
+    _addmm_sums(storages, graph, views)
+    _in_place(storages, graph, units, views, launching)
 
 
-def _families(graph: Graph) -> dict[int, set[str]]:
-    """The kernel families each op launches."""
-    families: dict[int, set[str]] = {}
-    for i, fam in zip(graph.kernels["op_index"].tolist(), graph.kernels["family"].tolist()):
-        families.setdefault(i, set()).add(fam)
-    return families
+def _by_op(storages: list[_Storage], views: set[int]) -> tuple[dict[int, list[_Storage]], dict[int, list[_Storage]]]:
+    """The storages each op makes, and those each op reads (views, which launch nothing, and the maker left out)."""
+    made: dict[int, list[_Storage]] = {}
+    read: dict[int, list[_Storage]] = {}
+    for s in storages:
+        made.setdefault(s.start, []).append(s)
+        for u in s.users - views - {s.start}:
+            read.setdefault(u, []).append(s)
+    return made, read
 
 
-def _in_place(storages: list[_Storage], graph: Graph, units: list[set[int]], views: set[int], launching: set[int],
-              families: dict[int, set[str]]) -> None:
+def _elementwise(rec: Any) -> bool:
+    """Whether every kernel the op launches is elementwise."""
+    return all(k.family is Family.ELEMENTWISE for k in rec.kernels)
+
+
+def _in_place(storages: list[_Storage], graph: Graph, units: list[set[int]], views: set[int],
+              launching: set[int]) -> None:
     """Inductor writes a pointwise kernel's output over an input that the kernel reads for the last time when the two
     are the same size (its scheduler's in-place buffer update: within 5 %, never over), a saved tensor the backward
     is done with included; eager allocates the output anew, so both live while the op runs. Here a kernel is a fused
@@ -319,17 +326,10 @@ def _in_place(storages: list[_Storage], graph: Graph, units: list[set[int]], vie
     when the output is made."""
     grouped = set().union(*units) if units else set()
     kernels = [*units, *({i} for i in sorted(launching - grouped))]
-    made: dict[int, list[_Storage]] = {}
-    read: dict[int, list[_Storage]] = {}
-    for s in storages:
-        if s.nbytes and s.kind.startswith("made in") and not s.held:
-            made.setdefault(s.start, []).append(s)
-            for u in s.users - views - {s.start}:
-                read.setdefault(u, []).append(s)
-    elementwise = {Family.ELEMENTWISE.value}
+    made, read = _by_op([s for s in storages if s.nbytes and s.kind.startswith("made in") and not s.held], views)
     for ops in kernels:
         ops = ops - views
-        if not ops or any(graph.ops[i].phase not in ("forward", "backward") or not families.get(i, set()) <= elementwise
+        if not ops or any(graph.ops[i].phase not in ("forward", "backward") or not _elementwise(graph.ops[i])
                           for i in ops):
             continue
         lo, hi = min(ops), max(ops)
@@ -366,20 +366,14 @@ def _tangents(storages: list[_Storage], graph: Graph) -> list[_Storage]:
             if s.output_grad and s.kind == "made in forward" and not any(phase[u] == "loss" for u in s.users)]
 
 
-def _addmm_sums(storages: list[_Storage], graph: Graph, views: set[int], families: dict[int, set[str]]) -> None:
+def _addmm_sums(storages: list[_Storage], graph: Graph, views: set[int]) -> None:
     """Inductor rewrites ``mm(a, b) + c`` into one ``addmm(c, a, b)`` (a post-grad pattern; on a GPU only where the
     sum feeds something other than pointwise ops): a weight used twice (tied embeddings and output layer) gets the
     gradient of its first use from a GEMM that eager runs at once and adds to the second use's at the end of the
     backward; compiled, that GEMM runs at the end, inside the sum (a gradient, returned), so its output is never held
     on its own and its operands (the logits' gradient, the last hidden states) live until then."""
     ops = graph.ops
-    elementwise = {Family.ELEMENTWISE.value}
-    by_start: dict[int, list[_Storage]] = {}
-    reads: dict[int, list[_Storage]] = {}
-    for s in storages:
-        by_start.setdefault(s.start, []).append(s)
-        for u in s.users - views:
-            reads.setdefault(u, []).append(s)
+    by_start, reads = _by_op(storages, views)
     for r in ops:
         if r.phase != "backward" or r.call.op != "aten.mm.default" or not r.call.outputs:
             continue
@@ -395,11 +389,11 @@ def _addmm_sums(storages: list[_Storage], graph: Graph, views: set[int], familie
                 continue
             fed = {u for t in by_start.get(a.index, ()) for u in t.users - views - {a.index}
                    if ops[u].phase == "backward"}
-            if fed and all(families.get(u, set()) <= elementwise for u in fed):
+            if fed and all(_elementwise(ops[u]) for u in fed):
                 continue
             out.nbytes = 0
             for s in reads.get(r.index, ()):
-                if s is not out and s.kind.startswith("made in") and s.end < a.index:
+                if s.kind.startswith("made in") and s.end < a.index:
                     s.end = a.index
 
 
@@ -409,9 +403,7 @@ def _gemm_copies_of_relaid_cats(storages: list[_Storage], graph: Graph, views: s
     a projection: (batch, seq, heads, dim) in memory), the attention GEMMs that read the cache through views can no
     longer flatten batch and heads, and Inductor gives each one a contiguous copy of its operand, which that GEMM's
     backward reads: one more storage the size of the cat per GEMM that reads it in the forward."""
-    made: dict[int, list[_Storage]] = {}
-    for s in storages:
-        made.setdefault(s.start, []).append(s)
+    made = _by_op(storages, views)[0]
     gemm = set(graph.kernels.loc[graph.kernels["family"].isin([Family.BMM.value, Family.LINEAR.value]), "op_index"])
     copies: list[_Storage] = []
     for r in graph.ops:
@@ -524,9 +516,8 @@ def _autograd_nodes(storages: list[_Storage], graph: Graph) -> None:
     made: dict[int, int] = {}   # storage -> the op that made it
     buffered: set[int] = set()   # adds of a gradient made before their node to one of it: the engine's accumulation
     for r in ops:
-        args = r.call.tensor_args()
-        if r.node >= 0 and r.call.op == "aten.add.Tensor" and len(args) == 2 and any(
-                made.get(t.storage, r.index) < first[r.node] for t in args):
+        args = r.call.tensor_args() if r.node >= 0 and r.call.op == "aten.add.Tensor" else ()
+        if len(args) == 2 and any(made.get(t.storage, r.index) < first[r.node] for t in args):
             buffered.add(r.index)
         for t in r.call.outputs:
             made.setdefault(t.storage, r.index)

@@ -730,13 +730,13 @@ def test_compiled_gradient_of_tied_weights_is_one_addmm_at_the_end():
     once and adds the embedding's at the end; Inductor fuses the GEMM and the sum into one addmm at the end, so the
     logits' gradient and the last hidden states live until then and the GEMM's output is never held alone. Llama's
     output layer has its own weight: nothing moves."""
-    from neusight.memory import _addmm_sums, _families, _walk
+    from neusight.memory import _addmm_sums, _walk
 
     def rewritten(cfg):
         g = neusight.trace(cfg, batch_size=2, seq_len=64, mode="training", optimizer=None)
         storages = _walk(g)
         before = [(x.nbytes, x.end) for x in storages]
-        _addmm_sums(storages, g, {r.index for r in g.ops if not r.kernels}, _families(g))
+        _addmm_sums(storages, g, {r.index for r in g.ops if not r.kernels})
         return g, [(x, b) for x, b in zip(storages, before) if (x.nbytes, x.end) != b]
 
     g, moved = rewritten({"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512})
@@ -770,13 +770,13 @@ class _Skip(nn.Module):
 def test_compiled_gemm_plus_sum_stays_apart_on_a_gpu_where_the_sum_feeds_a_pointwise_op():
     """Inductor keeps ``mm + add`` unfused on a GPU when the sum's users are all pointwise (they would rather fuse
     the add): the GEMM's output is then held on its own, as in eager. Where the sum feeds GEMMs it becomes addmm."""
-    from neusight.memory import _addmm_sums, _families, _walk
+    from neusight.memory import _addmm_sums, _walk
 
     for relu, rewritten in ((True, []), (False, [("aten.mm.default", "w2")])):
         g = neusight.trace(_Skip(relu), batch_size=256, mode="training", optimizer=None, input_shapes=[(64,)])
         storages = _walk(g)
         before = [x.nbytes for x in storages]
-        _addmm_sums(storages, g, {r.index for r in g.ops if not r.kernels}, _families(g))
+        _addmm_sums(storages, g, {r.index for r in g.ops if not r.kernels})
         gone = [(g.ops[x.start].call.op, g.ops[x.start].module) for x, b in zip(storages, before) if x.nbytes != b]
         assert gone == rewritten, relu
 
