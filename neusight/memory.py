@@ -7,14 +7,18 @@ Method (:func:`estimate_memory`)
    storage is one of the op's inputs is a view or an in-place result (same storage, counted once); any other
    output is a fresh allocation. A storage id (the address of the meta StorageImpl) can be reused by a later
    allocation once its storage is freed, so a fresh output always starts a new lifetime.
-2. A storage is live from the op that produces it to its last use as an input or output of a later op, with
-   the exceptions the training loop imposes (see ``_lifetimes``): parameters, buffers and optimizer state live
-   throughout; gradients from the backward op that produces them to the end of the step; the model inputs and
-   the model outputs the loss reads (logits) are held by the caller for the whole step.
+2. A storage is live from the op that produces it to its last use as an input or output of a later op, or
+   later, until the program dropped it as the trace ran (``OpRecord.freed``): a Python variable still holding it
+   (Hugging Face's attention returns its probabilities), a tensor autograd saved for a node that has not run yet,
+   the temporaries of a backward node's formula, which go when the node returns. The training loop adds its own
+   (see ``_lifetimes``): parameters, buffers and optimizer state live throughout; gradients from the backward op
+   that produces them to the end of the step; the model inputs and the model outputs the loss reads (logits) are
+   held by the caller for the whole step.
 3. Live bytes per op = sum of the storages live while it runs (its inputs and outputs both held). The caching
    allocator rounds every block to 512 B; the peak op's blocks are then packed into segments (the reserved
    memory an OOM is decided on), and the framework's fixed costs (CUDA context, cuBLAS/cuDNN workspaces) added.
-4. Under torch.compile (``fused=True``) the storages become the compiled run's before step 2's lifetimes: what a
+4. Under torch.compile (``fused=True``) the storages become the compiled run's before step 2's lifetimes (not the
+   trace's frees: Inductor's code frees each buffer after its last use, whatever Python held eagerly): what a
    fused kernel keeps on chip is not allocated (:func:`_unmaterialized`), and the forward keeps for the backward
    what Inductor's min-cut partitioner saves, the rest being recomputed there (:func:`_recomputed`,
    :mod:`neusight.remat`). The compiled backward also gets a zero gradient for each output the loss does not read
@@ -177,8 +181,9 @@ def _segment_slack(blocks: np.ndarray) -> int:
             + ceil(small, SMALL_SEGMENT_BYTES) - small)
 
 
-def _walk(graph: Graph) -> list[_Storage]:
-    """Cut the op sequence into storages with first and last use (step 1-2 of the module docstring)."""
+def _walk(graph: Graph, frees: bool = False) -> list[_Storage]:
+    """Cut the op sequence into storages with first and last use (step 1-2 of the module docstring); ``frees``:
+    a storage lives at least until the traced program dropped it (``OpRecord.freed``), the eager run's lifetimes."""
     n = len(graph.ops)
     fixed = {t.storage: kind for kind, metas in (("weights", graph.params), ("weights", graph.buffers))
              for t in metas}
@@ -241,6 +246,10 @@ def _walk(graph: Graph) -> list[_Storage]:
             s = _Storage(t.nbytes, i, i, f"made in {phase}", rec.module)
             storages.append(s)
             current[t.storage] = s
+        for sid in rec.freed if frees else ():
+            s = current.get(sid)
+            if s is not None:
+                s.end = max(s.end, i)
     for t in graph.grads:   # the latest storage at a grad's address is the grad (it is alive at the end)
         s = current.get(t.storage)
         if s is not None and s.kind not in ("weights", "optimizer"):
@@ -497,41 +506,6 @@ def _recomputed(storages: list[_Storage], units: list[set[int]], sizes: list[int
     return saved
 
 
-def _autograd_nodes(storages: list[_Storage], graph: Graph) -> None:
-    """Eager's autograd engine runs a backward node's formula as one function: what its ops read (the node's saved
-    tensors, the gradient it was handed) and the temporaries they make are freed when the node returns, not after the
-    op that reads them last (MulBackward0 of ``a * b`` holds a, b and the gradient until it has made both products).
-    Only then does it add each result to what the next node's input buffer already holds: those ``add`` ops, recorded
-    in the node after its formula's, are no part of it. Under torch.compile the backward is Inductor's code, which
-    frees each buffer after its last use."""
-    ops = graph.ops
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for r in ops:
-        if r.node >= 0:
-            first.setdefault(r.node, r.index)
-            last[r.node] = r.index
-    if not last:
-        return
-    made: dict[int, int] = {}   # storage -> the op that made it
-    buffered: set[int] = set()   # adds of a gradient made before their node to one of it: the engine's accumulation
-    for r in ops:
-        args = r.call.tensor_args() if r.node >= 0 and r.call.op == "aten.add.Tensor" else ()
-        if len(args) == 2 and any(made.get(t.storage, r.index) < first[r.node] for t in args):
-            buffered.add(r.index)
-        for t in r.call.outputs:
-            made.setdefault(t.storage, r.index)
-    formula_end = {}
-    for k, j in last.items():
-        while j > first[k] and j in buffered:
-            j -= 1
-        formula_end[k] = j
-    for x in storages:
-        k = ops[x.end].node
-        if k >= 0 and x.end <= formula_end[k]:
-            x.end = formula_end[k]
-
-
 def _lifetimes(storages: list[_Storage], n: int, keep_grads: bool = False) -> None:
     """Apply the training-loop lifetimes: what the caller holds and the gradients live to the end of the step.
 
@@ -592,11 +566,9 @@ def estimate_memory(graph: Graph, device: Any = None, *, allocator: Allocator = 
 
         device = load_device(device)
     n = len(graph.ops)
-    storages = _walk(graph)
+    storages = _walk(graph, frees=not fused)
     if fused:
         _compiled(storages, graph, device)
-    else:
-        _autograd_nodes(storages, graph)
     _lifetimes(storages, n, keep_grads=graph.keeps_grads)
     storages += _layout_workspace(graph, device, fused)
     modules = {r.index: r.module for r in graph.ops}

@@ -99,4 +99,6 @@ class OpRecord:
     kernels: list = field(default_factory=list)   # list[Kernel] built by the registry
     modeled: bool = True
     recompute: bool = False   # run again in the backward pass by activation checkpointing (a forward op there)
-    node: int = -1      # backward: which autograd node's apply ran it (numbered in order); -1 elsewhere
+    # storages whose last recorded tensor (a Python object or a C++ reference: a saved tensor, an engine buffer) was
+    # dropped after this op and before the next one, as the traced program ran: its own frees, not last uses
+    freed: tuple[int, ...] = ()

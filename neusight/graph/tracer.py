@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import logging
 import random
 import sys
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
@@ -109,11 +111,20 @@ class _Tracker(ModuleTracker):
     attention returning its weights) was entered only once that tensor's gradient had been computed: the kernels
     computing it (the attention's last matmul's gradients) went to the parent module."""
 
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        if _RECOMPUTING:   # see _fw_post_hook
+            self._get_append_fn(self._get_mod_name(mod), False)()
+        else:
+            super()._fw_pre_hook(mod, input)
+
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         name = self._get_mod_name(mod)
         self._get_pop_fn(name, False)()
         tensors = [a for a in tree_flatten(output)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
-        if tensors:
+        # A checkpoint's recomputation builds a graph the backward never runs (its results stand in for the saved
+        # tensors): gradient hooks on it would never fire, and would keep that graph, and what it saves, alive until
+        # the trace ends (a hook's closure holds the nodes it is registered on)
+        if tensors and not _RECOMPUTING:
             self._hooks.append(register_multi_grad_hook(tensors, self._get_append_fn(name, True), mode="any"))
 
 
@@ -149,21 +160,12 @@ class _Recorder(TorchDispatchMode):
         # code outside dispatch), which would then pass for the recorded output. Which addresses get reused varies
         # from process to process; holding them (meta storages have no data) keeps every id unique.
         self._held: list[Any] = []
-        self._node: Any = None   # the autograd node the last backward op ran in, and its number
-        self._nodes = -1
-
-    def _node_number(self) -> int:
-        """Which autograd node's apply runs the current backward op, numbered in order (-1: none, or a checkpoint's
-        recomputation). The engine frees what a node's ops read (its saved tensors, its incoming gradient) and the
-        temporaries of its formula when the node returns, not after each op (:mod:`neusight.memory`)."""
-        if self.phase != "backward" or _RECOMPUTING:
-            return -1
-        node = torch._C._current_autograd_node()
-        if node is None:
-            return -1
-        if node is not self._node:   # held until the next node, so no two nodes in a row share an identity
-            self._node, self._nodes = node, self._nodes + 1
-        return self._nodes
+        # When the program drops each recorded output: a weak reference per tensor object, whose callback notes the
+        # op it went after (the ops of a fused region are one op). PyTorch keeps a tensor's Python object as long as
+        # C++ holds the tensor (a saved tensor, the engine's gradient buffer), so this is the tensor's own end.
+        self._watch: list[weakref.ref] = []
+        self._dropped_after: dict[int, int] = {}   # storage -> the op after which its last watched tensor went
+        self._region_start: int | None = None
 
     @contextlib.contextmanager
     def fused_region(self, name: str, inputs: tuple, info: dict) -> Any:
@@ -179,11 +181,11 @@ class _Recorder(TorchDispatchMode):
 
         start, module, phase = len(self.ops), self._module(), self.phase
         outputs: list[torch.Tensor] = []
-        self._in_region = True
+        self._in_region, self._region_start = True, start
         try:
             yield outputs
         finally:
-            self._in_region = False
+            self._in_region, self._region_start = False, None
         inner = self.ops[start:]
         del self.ops[start:]
         if not inner and "make" not in info:
@@ -194,7 +196,7 @@ class _Recorder(TorchDispatchMode):
         kernels = kernel if isinstance(kernel, list) else [kernel]   # a maker may return several
         info["kernel"] = kernel
         call = OpCall(FUSED_OP_PREFIX + name, None, tuple(ins), {}, tuple(outs))
-        self.ops.append(OpRecord(start, phase, module, call, kernels, True, bool(_RECOMPUTING), self._node_number()))
+        self.ops.append(OpRecord(start, phase, module, call, kernels, True, bool(_RECOMPUTING)))
 
     def _module(self) -> str:
         deepest = self.entered_module()
@@ -245,13 +247,32 @@ class _Recorder(TorchDispatchMode):
         if not any(t.device.type == "meta" for t in flat_in) and not any(t.device.type == "meta" for t in flat_out):
             return out  # host-side scalar bookkeeping (e.g. optimizer step counters on the CPU)
         outs = tuple(TensorMeta.of(t, self._held) for t in flat_out)
+        for t, meta in zip(flat_out, outs):
+            if t.device.type == "meta":
+                self._watch.append(weakref.ref(t, functools.partial(self._drop, meta.storage)))
         call = OpCall(str(func), packet, _metas(args), {k: _metas(v) for k, v in kwargs.items()}, outs)
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled,
-                                 bool(_RECOMPUTING), self._node_number()))
+                                 bool(_RECOMPUTING)))
         if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
             self._verdicts[out] = _PLAIN_BATCH[packet]
         return out
+
+    def _drop(self, storage: int, _ref: Any) -> None:
+        i = len(self.ops) - 1 if self._region_start is None else self._region_start
+        if i >= 0:
+            self._dropped_after[storage] = i
+
+    def close(self) -> None:
+        """Write down when the program dropped each storage (``OpRecord.freed``, on the op after which its last
+        watched tensor went); what is still held now (the model's output, the loss) is the caller's, not the
+        trace's to free."""
+        self._watch.clear()   # a dropped weak reference calls back no more
+        by_op: dict[int, list[int]] = {}
+        for storage, i in self._dropped_after.items():
+            by_op.setdefault(i, []).append(storage)
+        for i, storages in by_op.items():
+            self.ops[i].freed = tuple(storages)
 
     def _read_scalar(self, t: torch.Tensor) -> Any:
         """``.item()`` / ``bool()`` of a meta tensor: the plain-batch value of an ``all()`` or ``any()``, or an
@@ -263,6 +284,18 @@ class _Recorder(TorchDispatchMode):
                          f"bool() or a Python comparison on a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} "
                          "tensor): the trace has shapes, not values, so a branch or a size that depends on the data "
                          "cannot be followed. Make it static or trace a module without it")
+
+
+@contextlib.contextmanager
+def _cycles_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (reference counting still frees at once)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _tensors(obj: Any, found: list) -> None:
@@ -1140,45 +1173,50 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     paths = _CudaPaths(device, attn_implementation)
     if kv_cache_dtype:
         paths.region = rec.fused_region
-    try:
-        with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, paths, rec, recompute_ctx, ssm_ctx as fused_names:
-            with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
-                out = module(*args, **kwargs)
-                forward_calls = dispatch_calls(module)
-                held = _held_tensors(out)
+    # no cyclic garbage collection while recording: when it would run depends on the process's history, and a tensor
+    # it frees would end where it ran (``_Recorder.close``); unreachable cycles wait for the trace's end instead
+    with _cycles_paused():
+        try:
+            with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, paths, rec, recompute_ctx, ssm_ctx as fused_names:
+                with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
+                    out = module(*args, **kwargs)
+                    forward_calls = dispatch_calls(module)
+                    held = _held_tensors(out)
+                    if training:
+                        rec.phase = "loss"
+                        loss = built.loss(out, args, kwargs)
                 if training:
-                    rec.phase = "loss"
-                    loss = built.loss(out, args, kwargs)
-            if training:
-                if scaler:   # GradScaler.scale(loss): the loss times the scale, then backward
-                    loss = loss * scaler["scale"]
-                held.append(TensorMeta.of(loss))
-                rec.phase = "backward"
-                loss.backward()
-    except (TraceError, InputError, ModelError):
-        raise
-    except Exception as e:
-        raise ModelError(f"{built.name} failed on the meta device: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-                         f"Check the input shapes (batch_size={batch_size}, seq_len={seq_len})") from None
-    state: list[TensorMeta] = []
-    if opt is not None:
-        _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
-        with tracker, _CudaPaths(device, attn_implementation), rec:
-            rec.phase = "optimizer"
-            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            if scaler and (clip_grad_norm is not None or not isinstance(opt, _FusedAdam)):
-                # GradScaler.unscale_ (before clipping; a fused step unscales inside its own kernel otherwise)
-                inv = scaler["scale"].reciprocal()
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, scaler["found_inf"], inv)
-            if clip_grad_norm is not None:
-                _clip_grad_norm(grads, float(clip_grad_norm))
-            opt.step()
-            if scaler:                                         # GradScaler.update
-                torch._amp_update_scale_(scaler["scale"], scaler["growth"], scaler["found_inf"], 2.0, 0.5, 2000)
-            if zero_grad:   # zero_grad(set_to_none=False) with foreach kernels, as on CUDA: one memset pass
-                torch._foreach_zero_(grads)
-        state = [TensorMeta.of(t) for st in opt.state.values() for t in st.values()
-                 if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+                    if scaler:   # GradScaler.scale(loss): the loss times the scale, then backward
+                        loss = loss * scaler["scale"]
+                    held.append(TensorMeta.of(loss))
+                    rec.phase = "backward"
+                    loss.backward()
+        except (TraceError, InputError, ModelError):
+            raise
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ModelError(f"{built.name} failed on the meta device: {type(e).__name__}: {first}. "
+                             f"Check the input shapes (batch_size={batch_size}, seq_len={seq_len})") from None
+        state: list[TensorMeta] = []
+        if opt is not None:
+            _init_optimizer_state(opt)   # the state a steady-state step finds (the first step creates it lazily)
+            with tracker, _CudaPaths(device, attn_implementation), rec:
+                rec.phase = "optimizer"
+                grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                if scaler and (clip_grad_norm is not None or not isinstance(opt, _FusedAdam)):
+                    # GradScaler.unscale_ (before clipping; a fused step unscales inside its own kernel otherwise)
+                    inv = scaler["scale"].reciprocal()
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, scaler["found_inf"], inv)
+                if clip_grad_norm is not None:
+                    _clip_grad_norm(grads, float(clip_grad_norm))
+                opt.step()
+                if scaler:                                         # GradScaler.update
+                    torch._amp_update_scale_(scaler["scale"], scaler["growth"], scaler["found_inf"], 2.0, 0.5, 2000)
+                if zero_grad:   # zero_grad(set_to_none=False) with foreach kernels, as on CUDA: one memset pass
+                    torch._foreach_zero_(grads)
+            state = [TensorMeta.of(t) for st in opt.state.values() for t in st.values()
+                     if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        rec.close()
     dispatch = [(name, "forward" if i < len(forward_calls.get(name, ())) else "backward", b)
                 for name, calls in dispatch_calls(module).items() for i, b in enumerate(calls)]
     named = list(module.named_parameters())
