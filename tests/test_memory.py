@@ -190,6 +190,43 @@ def test_checkpointed_recomputation_is_freed_as_the_backward_uses_it():
     assert estimate_memory(g, allocator="exact").tensor_peak_bytes == pytest.approx(measured.peak_bytes, rel=2e-3)
 
 
+class _Gate(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.lin(h) * r
+
+
+class _LateGradient(nn.Module):
+    """A module (the gate) whose two inputs get their gradients far apart: h's when the gate's backward runs, r's
+    only after the MLP that also reads r has run its backward."""
+
+    def __init__(self, d: int = 256, f: int = 2048) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, f), nn.Linear(f, d)
+        self.gate = _Gate(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.b(x)
+        w = self.down(torch.tanh(self.up(r)))
+        return self.gate(self.a(x), r) + w
+
+
+def test_module_tracking_holds_no_gradient():
+    """The tracer leaves a module in the backward pass once all its inputs' gradients are ready; torch's
+    ModuleTracker (``register_multi_grad_hook``) holds the ones that came first until then, which the program does
+    not (+2.4 % here, through the MLP's backward). Ground truth: a CPU run."""
+    kw = dict(batch_size=512, mode="training", optimizer=None, input_shapes=[(256,)])
+    measured = measure_cpu(_LateGradient(), **kw)
+    g = neusight.trace(_LateGradient(), **kw)
+    assert estimate_memory(g, allocator="exact").peak_bytes == pytest.approx(measured.peak_bytes, rel=1e-4)
+    gate = [r for r in g.ops if r.phase == "backward" and r.module.startswith("gate")]
+    assert gate and all(r.module in ("gate", "gate.lin") for r in gate)   # attributed as before
+
+
 def test_trace_leaves_the_garbage_collector_as_it_found_it():
     """The trace pauses Python's cyclic collector (its runs would move when tensors are dropped) and restores it,
     also when the model fails."""

@@ -109,13 +109,16 @@ class _Tracker(ModuleTracker):
     """torch's ModuleTracker, except that the backward pass enters a module as soon as the gradient of any of its
     outputs is ready. torch's waits for all of them, so a module that also returns a tensor its caller drops (an
     attention returning its weights) was entered only once that tensor's gradient had been computed: the kernels
-    computing it (the attention's last matmul's gradients) went to the parent module."""
+    computing it (the attention's last matmul's gradients) went to the parent module. It leaves a module when the
+    gradients of all its inputs are ready, as torch's does, without holding the ones that came first until then
+    (the program would not: the trace sees when it drops each tensor, :mod:`neusight.memory`)."""
 
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
-        if _RECOMPUTING:   # see _fw_post_hook
-            self._get_append_fn(self._get_mod_name(mod), False)()
-        else:
-            super()._fw_pre_hook(mod, input)
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
+        tensors = [a for a in tree_flatten(input)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors and not _RECOMPUTING:   # see _fw_post_hook
+            self._hooks.append(_when_all_grads(tensors, self._get_pop_fn(name, True)))
 
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         name = self._get_mod_name(mod)
@@ -126,6 +129,31 @@ class _Tracker(ModuleTracker):
         # the trace ends (a hook's closure holds the nodes it is registered on)
         if tensors and not _RECOMPUTING:
             self._hooks.append(register_multi_grad_hook(tensors, self._get_append_fn(name, True), mode="any"))
+
+
+class _Handles(list):
+    def remove(self) -> None:
+        for h in self:
+            h.remove()
+
+
+def _when_all_grads(tensors: list[torch.Tensor], fn: Any) -> _Handles:
+    """Call ``fn()`` once the gradients of all ``tensors`` the running backward computes are ready: torch's
+    ``register_multi_grad_hook(..., mode="all")``, which also keeps each gradient until the last one comes, to hand
+    them to ``fn``; this one keeps none."""
+    nodes = [torch.autograd.graph._get_grad_fn_or_grad_acc(t) for t in tensors]
+    seen: dict[int, list[int]] = {}   # backward call -> [gradients seen, gradients it computes]
+
+    def hook(_grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in seen:
+            seen[task] = [0, sum(map(torch._C._will_engine_execute_node, nodes))]
+        seen[task][0] += 1
+        if seen[task][0] == seen[task][1]:
+            del seen[task]
+            fn()
+
+    return _Handles(t.register_hook(hook) for t in tensors)
 
 
 class _EnteredModules(dict):
