@@ -132,6 +132,8 @@ class _Tracker(ModuleTracker):
 
 
 class _Handles(list):
+    """Hook handles removed together."""
+
     def remove(self) -> None:
         for h in self:
             h.remove()
@@ -182,7 +184,6 @@ class _Recorder(TorchDispatchMode):
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self._verdicts = WeakTensorKeyDictionary()   # outputs of all() / any() on meta -> their plain-batch value
-        self._in_region = False
         # Every recorded output's storage, held for the trace: a storage's id is the address of its StorageImpl, and
         # a freed one could be reused by a tensor made where the trace does not see it (the autograd engine, Python
         # code outside dispatch), which would then pass for the recorded output. Which addresses get reused varies
@@ -193,7 +194,7 @@ class _Recorder(TorchDispatchMode):
         # C++ holds the tensor (a saved tensor, the engine's gradient buffer), so this is the tensor's own end.
         self._watch: list[weakref.ref] = []
         self._dropped_after: dict[int, int] = {}   # storage -> the op after which its last watched tensor went
-        self._region_start: int | None = None
+        self._region: list[int] | None = None      # storages dropped inside the open fused region (None: none open)
 
     @contextlib.contextmanager
     def fused_region(self, name: str, inputs: tuple, info: dict) -> Any:
@@ -202,21 +203,25 @@ class _Recorder(TorchDispatchMode):
         may return a list of kernels),
         reading ``inputs`` and writing the tensors the caller appends to the yielded list; the kernel is left in
         ``info["kernel"]``. A region inside another one is part of the outer one."""
-        if self._in_region:
+        if self._region is not None:
             yield []
             return
         from neusight.graph.ssm import FUSED_OP_PREFIX, fused_kernel
 
         start, module, phase = len(self.ops), self._module(), self.phase
         outputs: list[torch.Tensor] = []
-        self._in_region, self._region_start = True, start
+        self._region = dropped = []
         try:
             yield outputs
         finally:
-            self._in_region, self._region_start = False, None
+            self._region = None
         inner = self.ops[start:]
         del self.ops[start:]
-        if not inner and "make" not in info:
+        empty = not inner and "make" not in info   # no op: what went inside went after the op before the region
+        at = start - 1 if empty else start
+        for storage in dropped if at >= 0 else ():
+            self._dropped_after[storage] = at
+        if empty:
             return
         ins = [TensorMeta.of(t) for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         outs = [TensorMeta.of(t) for t in outputs if t.device.type == "meta"]
@@ -287,9 +292,10 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _drop(self, storage: int, _ref: Any) -> None:
-        i = len(self.ops) - 1 if self._region_start is None else self._region_start
-        if i >= 0:
-            self._dropped_after[storage] = i
+        if self._region is not None:
+            self._region.append(storage)
+        elif self.ops:
+            self._dropped_after[storage] = len(self.ops) - 1
 
     def close(self) -> None:
         """Write down when the program dropped each storage (``OpRecord.freed``, on the op after which its last
