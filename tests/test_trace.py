@@ -16,6 +16,7 @@ from torch import nn
 
 import neusight
 from neusight.errors import InputError, ModelError, TraceError
+from neusight.memory import estimate_memory
 from tests.conftest import DATASET, need_shared
 
 ALL_MODELS = [("gpt2", dict(seq_len=64)), ("bert-base", dict(seq_len=64)), ("opt-1.3b", dict(seq_len=64)),
@@ -1630,11 +1631,13 @@ def test_a_downloaded_models_directory_is_read_through_its_config(tmp_path):
 
 _MODULES_OF_A_TRACE = """
 import sys, neusight
+from neusight.memory import estimate_memory
 cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=512)
 for ckpt in (False, True):
-    k = neusight.trace(cfg, 1, 16, "training", optimizer=None, gradient_checkpointing=ckpt).kernels
-    print("|".join(k["module"].astype(str)))
+    g = neusight.trace(cfg, 1, 16, "training", optimizer=None, gradient_checkpointing=ckpt)
+    print("|".join(g.kernels["module"].astype(str)))
+    print(estimate_memory(g, allocator="exact").peak_bytes)
 """
 
 
@@ -1650,9 +1653,13 @@ def test_kernels_go_to_the_same_modules_in_every_process():
         assert r.returncode == 0, r.stderr
         runs.append(r.stdout.splitlines())
     assert runs[0] == runs[1]
-    g = neusight.trace(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512), 1, 16, "training",
-                       optimizer=None, gradient_checkpointing=True)
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512)
+    # the memory forecast too, which follows when the traced run dropped each tensor: the same in this process,
+    # whatever it ran before
+    for line, ckpt in ((1, False), (3, True)):
+        g = neusight.trace(cfg, 1, 16, "training", optimizer=None, gradient_checkpointing=ckpt)
+        assert int(runs[0][line]) == estimate_memory(g, allocator="exact").peak_bytes
     k = g.kernels
     layer = k.loc[k["phase"] == "backward", "module"].str.extract(r"layers\.(\d+)\b")[0].dropna().astype(int)
     counts = layer.value_counts()
