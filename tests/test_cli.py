@@ -170,23 +170,19 @@ BAD = {
 
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """The bad-input commands, a few at a time (each pays the torch import; all at once, the first one waited
-    for the CPU with every other and came near its time limit on a slow 2-core machine)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """The bad-input commands, each in a process of its own forked from one that imported the tools once
+    (tests/forked_cli.py: a process per command line paid 2 s of imports each, 80 times)."""
     tmp = tmp_path_factory.mktemp("bad")
     bad_yaml = tmp / "bad_gpu.yaml"
     bad_yaml.write_text("name: Made-up GPU\nvendor: nvidia\nsm_count: -3\n")   # no aliases, negative SMs
-
-    def run(case: str) -> subprocess.CompletedProcess:
-        cmd = BAD[case][0]
-        args = [a.format(bad_yaml=bad_yaml) for a in cmd[1:]]
-        p = _start(cmd[0], *args, f"hydra.run.dir={tmp / case}", cwd=tmp)
-        stdout, stderr = p.communicate(timeout=300)
-        return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(BAD, pool.map(run, BAD)))
+    commands = [{"tool": BAD[case][0][0], "cwd": str(tmp),
+                 "args": [a.format(bad_yaml=bad_yaml) for a in BAD[case][0][1:]] + [f"hydra.run.dir={tmp / case}"]}
+                for case in BAD]
+    r = subprocess.run([sys.executable, "-m", "tests.forked_cli", "--jobs", "3", "--timeout", "300"], cwd=REPO,
+                       input=json.dumps(commands), capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    return {case: subprocess.CompletedProcess(c["args"], out["returncode"], out["stdout"], out["stderr"])
+            for case, c, out in zip(BAD, commands, json.loads(r.stdout))}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
