@@ -141,3 +141,30 @@ def test_transposed_conv_flops_match_flop_counter(layer, shape):
     # training: the weight gradient has the forward's FLOPs (the model's input needs no gradient)
     t = neusight.trace(layer(), batch_size=2, mode="training", input_shapes=[shape], optimizer=None)
     assert t.flops("backward", GEMM) == fc.get_total_flops()
+
+
+class _Spectral(torch.nn.Module):
+    """A 2-D FFT over (sequence, features), then back along the features: FNet / FNO-style token mixing."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = torch.fft.fft2(self.proj(x).to(torch.complex64))
+        return torch.fft.irfft(y, n=256, dim=-1).sum() + y.abs().sum()
+
+
+def test_fft_transforms_are_modelled_with_their_flops():
+    """torch.fft's transforms (and the complex sign in abs's backward) are kernels of their own, none unmodeled:
+    5·n·log2(n) FLOPs per complex transform of n points, half that for a real side; bytes = input + output."""
+    g = neusight.trace(_Spectral(), batch_size=8, mode="training", input_shapes=[[32, 256]])
+    assert g.unmodeled == []
+    k = g.kernels.set_index(["phase", "kernel"])
+    n2 = 32 * 256                                                     # fft2 over (32, 256): 8 transforms
+    assert k.loc[("forward", "_fft_c2c"), "flops"] == 8 * 5 * n2 * 13
+    assert k.loc[("forward", "_fft_c2c"), "bytes"] == 2 * 8 * n2 * 8   # complex64 in and out
+    assert k.loc[("forward", "_fft_c2r"), "flops"] == 8 * 32 * 5 * 256 * 8 / 2   # 256 real transforms of 256
+    assert k.loc[("backward", "_fft_r2c"), "flops"] == 8 * 32 * 5 * 256 * 8 / 2
+    assert k.loc[("backward", "sgn"), "dtype"] == "complex64"
+    assert k.loc[("forward", "_fft_c2c"), "dtype"] == "float32"      # the parts' precision, for the peaks

@@ -135,4 +135,5 @@ ELEMENTWISE_FLOPS: dict[str, float] = {
     "sqrt": 2.0, "rsqrt": 2.0, "div": 1.0, "reciprocal": 1.0, "sin": 4.0, "cos": 4.0, "softplus": 4.0, "mish": 8.0,
     "elu": 3.0, "addcmul": 2.0, "addcdiv": 2.0, "lerp": 2.0, "native_dropout": 2.0, "native_dropout_backward": 1.0,
     "relu": 1.0, "threshold_backward": 1.0, "fill": 0.0, "zero": 0.0, "uniform": 2.0, "normal": 4.0, "bernoulli": 2.0,
+    "sgn": 6.0,   # a complex z / |z|
 }

@@ -73,7 +73,7 @@ ELEMENTWISE_OPS = _ops(
     "addcdiv_", "square", "isnan", "isinf", "nan_to_num", "logit", "trunc", "frac", "fill_", "zero_",
     *RANDOM_OPS, "_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl",
     "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward",
-    "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2",
+    "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2", "sgn", "sgn_",
 )
 
 
@@ -90,6 +90,34 @@ def _elementwise(c: OpCall) -> list[Kernel]:
         ins = []  # a fill writes only
     return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=fpe,
                              bytes_total=_nbytes(ins) + _nbytes(list(outs)), dtype=main.dtype)]
+
+
+@register(*_ops("_fft_r2c", "_fft_c2r", "_fft_c2c"))
+def _fft(c: OpCall) -> list[Kernel]:
+    """A cuFFT transform over ``dim`` (``torch.fft.*``): one kernel reading its input and writing its output once
+    (NB: cuFFT runs a transform that fits in shared memory in one pass, larger ones in several; one pass is
+    charged), 5·n·log2(n) FLOPs per complex transform of n points, half that for a real input or output; the
+    family of memory-bound kernels, whose roofline takes the larger of its FLOP and byte bounds."""
+    x, outs = c.tensor_args()[0], c.outputs
+    if not outs or not x.numel:
+        return []
+    out = outs[0]
+    dims = [d % max(1, len(x.shape)) for d in c.args[1]]
+    real = c.op.startswith(("aten._fft_r2c", "aten._fft_c2r"))
+    # the transform's length: the real side's sizes (c2r: the output's, given by last_dim_size)
+    side = out if c.op.startswith("aten._fft_c2r") else x
+    n = math.prod(side.shape[d] for d in dims) or 1
+    transforms = side.numel // n
+    flops = transforms * 5.0 * n * math.log2(max(n, 2)) * (0.5 if real else 1.0)
+    rows, cols = _rows_cols(out)
+    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=flops / max(1, rows * cols),
+                             bytes_total=float(x.view_nbytes + out.view_nbytes), dtype=_real_dtype(x.dtype))]
+
+
+def _real_dtype(dtype: str) -> str:
+    """The real dtype of a complex one's parts (``complex64`` -> ``float32``); other dtypes as they are."""
+    return {"complex32": "float16", "complex64": "float32", "complex128": "float64"}.get(
+        str(dtype).removeprefix("torch."), str(dtype))
 
 
 FOREACH_OPS = [p for p in aten_packets("_foreach_") if p.__name__ not in ("_foreach_norm",)]
