@@ -168,3 +168,36 @@ def test_fft_transforms_are_modelled_with_their_flops():
     assert k.loc[("backward", "_fft_r2c"), "flops"] == 8 * 32 * 5 * 256 * 8 / 2
     assert k.loc[("backward", "sgn"), "dtype"] == "complex64"
     assert k.loc[("forward", "_fft_c2c"), "dtype"] == "float32"      # the parts' precision, for the peaks
+
+
+class _Odds(torch.nn.Module):
+    """Layers whose aten ops no preset runs: weight norm, PReLU, GLU, nn.Bilinear, cdist, LSTM projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.wn = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(32, 64))
+        self.prelu = torch.nn.PReLU()
+        self.bilinear = torch.nn.Bilinear(16, 16, 8)
+        self.lstm = torch.nn.LSTM(16, 32, proj_size=8, batch_first=True)
+
+    def forward(self, x):                                        # x: (batch, 10, 32)
+        y = torch.nn.functional.glu(self.prelu(self.wn(x)))      # (batch, 10, 32)
+        z = self.bilinear(y[..., :16], y[..., 16:])              # (batch, 10, 8)
+        return torch.cdist(z, z).sum() + self.lstm(y[..., :16])[0].sum()
+
+
+def test_layers_no_preset_runs_are_modelled():
+    """Each of these ops was charged at zero FLOPs as unmodeled; now each has its kernel (an LSTM projection's
+    unsafe_split is a view: no kernel). nn.Bilinear: 3 FLOPs per element of the broadcast product batch x
+    out x in1 x in2; cdist: 3 per feature of every pair of rows."""
+    b = 4
+    g = neusight.trace(_Odds(), batch_size=b, mode="training", input_shapes=[[10, 32]])
+    assert g.unmodeled == []
+    k = g.kernels.set_index(["phase", "kernel"])
+    for phase, name in (("forward", "_weight_norm_interface"), ("forward", "_prelu_kernel"), ("forward", "glu"),
+                        ("backward", "glu_backward"), ("backward", "_prelu_kernel_backward"),
+                        ("backward", "_weight_norm_interface_backward")):
+        assert (phase, name) in k.index, name
+    assert k.loc[("forward", "_trilinear"), "flops"] == 3 * (b * 10) * 8 * 16 * 16
+    assert k.loc[("forward", "_cdist_forward"), "flops"] == 3 * b * 10 * 10 * 8
+    assert not g.kernels["kernel"].str.contains("split").any()

@@ -136,4 +136,5 @@ ELEMENTWISE_FLOPS: dict[str, float] = {
     "elu": 3.0, "addcmul": 2.0, "addcdiv": 2.0, "lerp": 2.0, "native_dropout": 2.0, "native_dropout_backward": 1.0,
     "relu": 1.0, "threshold_backward": 1.0, "fill": 0.0, "zero": 0.0, "uniform": 2.0, "normal": 4.0, "bernoulli": 2.0,
     "sgn": 6.0,   # a complex z / |z|
+    "glu": 5.0, "glu_backward": 8.0,   # a sigmoid and a product
 }

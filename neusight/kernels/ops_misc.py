@@ -46,7 +46,8 @@ VIEW_OPS = _ops("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "trans
                 "squeeze", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
                 "detach", "as_strided", "as_strided_", "diagonal", "unfold", "view_as", "expand_as", "movedim", "lift_fresh",
                 "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
-                "_to_dense", "numpy_T", "view_as_real", "view_as_complex", "dropout", "_conj", "conj", "_neg_view")
+                "_to_dense", "numpy_T", "view_as_real", "view_as_complex", "dropout", "_conj", "conj", "_neg_view",
+                "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk")
 
 
 @register(*VIEW_OPS)
@@ -74,6 +75,8 @@ ELEMENTWISE_OPS = _ops(
     *RANDOM_OPS, "_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl",
     "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward",
     "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2", "sgn", "sgn_",
+    "glu", "glu_backward", "_prelu_kernel", "_prelu_kernel_backward", "_weight_norm_interface",
+    "_weight_norm_interface_backward",
 )
 
 
@@ -112,6 +115,46 @@ def _fft(c: OpCall) -> list[Kernel]:
     rows, cols = _rows_cols(out)
     return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=flops / max(1, rows * cols),
                              bytes_total=float(x.view_nbytes + out.view_nbytes), dtype=_real_dtype(x.dtype))]
+
+
+@register(*_ops("_cdist_forward", "_cdist_backward"))
+def _cdist(c: OpCall) -> list[Kernel]:
+    """``torch.cdist``'s direct kernel (PyTorch takes it over its matmul form for small sets or p != 2): every
+    pair of rows, a difference, a power and a sum per feature (3 FLOPs; 4 in the backward, which also reads the
+    distances); bytes = inputs + outputs. ``_cdist_forward(x1, x2, p, mode)`` makes (..., P, R);
+    ``_cdist_backward(grad, x1, x2, p, cdist)`` makes x1's gradient."""
+    ins, outs = c.tensor_args(), c.outputs
+    if not outs:
+        return []
+    backward = c.op.startswith("aten._cdist_backward")
+    pairs = ins[0] if backward else outs[0]
+    x1 = ins[1] if backward else ins[0]
+    flops = (4.0 if backward else 3.0) * pairs.numel * (x1.shape[-1] if x1.shape else 1)
+    rows, cols = _rows_cols(outs[0])
+    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=flops / max(1, rows * cols),
+                             bytes_total=_nbytes(ins) + _nbytes(list(outs)), dtype=outs[0].dtype)]
+
+
+@register(*_ops("_trilinear"))
+def _trilinear(c: OpCall) -> list[Kernel]:
+    """``nn.Bilinear``'s (and ``F.bilinear``'s) product of three broadcast tensors summed over some dims:
+    ``_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, ...)``, each ``i`` unsqueezed at its ``expand``
+    dims. 3 FLOPs per element of the broadcast product (two multiplies, one add); bytes = inputs + output. NB:
+    one kernel, where ATen runs it as a few batched matmuls: a bound on the safe side of their FLOPs."""
+    ins, outs = c.tensor_args(), c.outputs
+    if not outs or len(ins) < 3:
+        return []
+    shapes = []
+    for t, expand in zip(ins[:3], c.args[3:6]):
+        shape = list(t.shape)
+        for d in sorted(expand):
+            shape.insert(d, 1)
+        shapes.append(shape)
+    product = math.prod(max(sizes) for sizes in zip(*shapes)) if shapes[0] else 1
+    rows, cols = _rows_cols(outs[0])
+    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols,
+                             flops_per_elem=3.0 * product / max(1, rows * cols),
+                             bytes_total=_nbytes(ins) + _nbytes(list(outs)), dtype=outs[0].dtype)]
 
 
 def _real_dtype(dtype: str) -> str:
