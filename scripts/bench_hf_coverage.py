@@ -138,6 +138,7 @@ def try_one(model_type: str) -> dict:
         finally:
             signal.alarm(0)
         return {**row, "traces": "yes", "layers": layers or "default", "kernels": len(g.kernels),
+                "unmodeled": " ".join(sorted({op.removeprefix("aten.").split(".")[0] for op in g.unmodeled})),
                 "trace s": time.perf_counter() - t, "class": "", "first note / failure": g.notes[0][:110]}
     return {**row, "traces": "no", "class": classify(message), "first note / failure": message[:160]}
 
@@ -151,6 +152,15 @@ def render(df: pd.DataFrame, seconds: float, version: str) -> str:
              "config class's defaults at 2 or 8 layers, or at the config's own layer count.", ""]
     counts = df.groupby(["kind", "traces"]).size().unstack(fill_value=0).reset_index()
     lines += [markdown_table(counts, index=False), ""]
+    gaps = ok["unmodeled"].fillna("").str.split()
+    ops = pd.Series([op for row in gaps for op in row], dtype=object).value_counts()
+    whole = f"{int((gaps.str.len() == 0).sum())} of the {len(ok)} that trace have a kernel model for every aten op " \
+            "they run"
+    if len(ops):
+        whole += ("; the others run ops with none, each charged as one memory-bound kernel reading its inputs and "
+                  "writing its outputs at zero FLOPs (`Graph.unmodeled`, column `unmodeled`): "
+                  + ", ".join(f"`{op}` ({n})" for op, n in ops.items()) + " (model types running each)")
+    lines += [whole + ".", ""]
     failed = df[df["traces"] == "no"]
     if len(failed):
         by = failed.groupby("class")["model_type"].apply(lambda s: ", ".join(s)).reset_index()
@@ -183,7 +193,8 @@ def main() -> None:
     for i, (t, kind) in enumerate(kinds.items()):
         rows.append({"kind": kind, **try_one(t)})
         print(f"[{i + 1}/{len(kinds)}] {t}: {rows[-1]['traces']} {rows[-1].get('class', '')}", flush=True)
-    cols = ["model_type", "kind", "traces", "layers", "kernels", "trace s", "class", "first note / failure"]
+    cols = ["model_type", "kind", "traces", "layers", "kernels", "unmodeled", "trace s", "class",
+            "first note / failure"]
     df = pd.DataFrame(rows).reindex(columns=cols)
     text = render(df, time.perf_counter() - t0, transformers.__version__)
     atomic_write_text(args.out, text)

@@ -137,4 +137,7 @@ ELEMENTWISE_FLOPS: dict[str, float] = {
     "relu": 1.0, "threshold_backward": 1.0, "fill": 0.0, "zero": 0.0, "uniform": 2.0, "normal": 4.0, "bernoulli": 2.0,
     "sgn": 6.0,   # a complex z / |z|
     "glu": 5.0, "glu_backward": 8.0,   # a sigmoid and a product
+    "log_sigmoid_forward": 5.0, "log_sigmoid_backward": 5.0, "erfinv": 8.0, "erfc": 4.0, "tan": 4.0,
+    "asin": 4.0, "acos": 4.0, "atan": 4.0, "sinh": 4.0, "cosh": 4.0, "asinh": 4.0, "acosh": 4.0, "atanh": 4.0,
+    "log2": 2.0, "log10": 2.0, "exp2": 2.0, "lgamma": 8.0, "digamma": 8.0,
 }

@@ -76,7 +76,9 @@ ELEMENTWISE_OPS = _ops(
     "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward",
     "native_dropout_backward", "_masked_scale", "masked_scatter", "triu", "tril", "polar", "atan2", "sgn", "sgn_",
     "glu", "glu_backward", "_prelu_kernel", "_prelu_kernel_backward", "_weight_norm_interface",
-    "_weight_norm_interface_backward",
+    "_weight_norm_interface_backward", "log_sigmoid_forward", "log_sigmoid_backward", "erfinv", "erfinv_", "erfc",
+    "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log2", "log10", "exp2", "lgamma",
+    "digamma", "sinc", "hypot", "xlogy", "special_xlog1py",
 )
 
 
@@ -355,7 +357,8 @@ def _embedding_bwd(c: OpCall) -> list[Kernel]:
 # ---------------------------------------------------------------------------- copies and factories
 COPY_OPS = _ops("clone", "_to_copy", "copy_", "copy", "contiguous", "cat", "stack", "constant_pad_nd", "repeat",
                 "flip", "roll", "index", "_unsafe_index", "index_select", "gather", "scatter", "scatter_", "scatter_add",
-                "scatter_add_", "index_add", "index_add_", "index_put", "index_put_", "index_copy", "masked_select",
+                "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_put",
+                "index_put_", "index_copy", "masked_select",
                 "slice_backward", "select_backward", "index_select_backward", "unfold_backward", "new_zeros", "new_ones",
                 "new_full", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "arange", "scalar_tensor",
                 "lift_fresh_copy", "nll_loss_backward", "nll_loss2d_backward", "one_hot", "linspace", "tensor_split",
