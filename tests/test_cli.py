@@ -28,6 +28,8 @@ BAD = {
     # (tool, arguments) -> a fragment the one-line message must contain
     "predict-unknown-gpu": (("neusight-predict", "model=gpt2", "device=h999"), "unknown device 'h999'"),
     "predict-unknown-model": (("neusight-predict", "model=gpt9", "device=t4"), "gpt9"),
+    "predict-uncached-hub-id": (("neusight-predict", "model=acme/not-in-any-cache", "device=t4"),
+                                "hf download acme/not-in-any-cache config.json"),
     "predict-batch-0": (("neusight-predict", "model=gpt2", "device=t4", "batch_size=0"), "batch_size=0"),
     "predict-negative-seq": (("neusight-predict", "model=gpt2", "device=t4", "seq_len=-4"), "seq_len=-4"),
     "predict-missing-yaml": (("neusight-predict", "model=gpt2", "device=/nonexistent/gpu.yaml"), "/nonexistent/gpu.yaml"),

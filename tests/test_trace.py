@@ -880,7 +880,7 @@ def test_hub_names_of_fine_tuned_variants_build_their_preset(hub_name, preset):
 
     assert _preset_of_hub_name(hub_name) == preset
     if preset is None:
-        with pytest.raises(ModelError, match="Hub id whose config.json is in your Hugging Face cache"):
+        with pytest.raises(ModelError, match="looks like a Hugging Face Hub id, but its config.json is not in your"):
             build_model(hub_name)
     elif preset in ("gpt2-large", "llama-2-7b"):
         built = build_model(hub_name)
@@ -905,6 +905,28 @@ def test_a_hub_id_in_the_local_cache_is_built_from_its_config(tmp_path):
     assert note == "acme/tiny-llama: its config.json from the local Hugging Face cache"
     built = neusight.trace({"model_type": "llama", **_SMALL_LM}, batch_size=1, seq_len=8)
     assert int(params) == sum(t.numel for t in built.params)
+
+
+def test_a_hub_id_without_a_readable_cached_config_says_why_and_how_to_fix_it(tmp_path, monkeypatch):
+    """A Hub id that is no preset's: not in the cache -> the one-file download that fixes it; in the cache but not
+    readable by this transformers -> that file and transformers' reason (was: 'neither a preset nor an existing
+    config JSON' and the list of presets, for both)."""
+    from huggingface_hub import constants
+
+    from neusight.graph.models import build_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelError, match=r"Hub id, but its config.json is not in your Hugging Face cache \("
+                                         + re.escape(str(tmp_path)) + r"\).*hf download acme/not-cached config.json"):
+        build_model("acme/not-cached")
+    snapshot = tmp_path / "models--acme--odd" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--acme--odd" / "refs").mkdir()
+    (tmp_path / "models--acme--odd" / "refs" / "main").write_text("abc123")
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "no_such_type_xyz"}))
+    with pytest.raises(ModelError, match=re.escape(f"its cached config.json ({snapshot / 'config.json'}) cannot be "
+                                                   "read by transformers") + ".*no_such_type_xyz"):
+        build_model("acme/odd")
 
 
 def test_data_dependent_module_names_op_and_module():

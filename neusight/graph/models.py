@@ -332,6 +332,9 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return built
     close = difflib.get_close_matches(key, list_models() + list(PRESET_ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
+    if _HUB_ID.match(name):
+        raise ModelError(f"model={name!r} looks like a Hugging Face Hub id, but {_hub_config_problem(name)}, or a "
+                         f"preset (neusight-predict model=list prints them).{hint}")
     raise ModelError(f"model={name!r} is neither a preset nor an existing config JSON.{hint} "
                      f"Presets: {', '.join(list_models())}; or pass the path of a Hugging Face config.json (or of "
                      "a downloaded model's directory), a Hub id whose config.json is in your Hugging Face cache, or "
@@ -371,6 +374,30 @@ def _cached_hub_config(name: str) -> dict[str, Any] | None:
     except Exception:   # noqa: BLE001 - not cached, not a Hub id, or a config transformers cannot read
         return None
     return config.to_dict()
+
+
+def _hub_config_problem(name: str) -> str:
+    """Why Hub id ``name`` gave no config: its config.json not in the local Hugging Face cache, or there but not
+    readable by the installed transformers; with the fix, for an error message."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    if not isinstance(cached, str):
+        return (f"its config.json is not in your Hugging Face cache ({constants.HF_HUB_CACHE}), and nothing is "
+                f"downloaded. Fix: fetch that one file once (hf download {name} config.json) and run again, or pass "
+                "the path of the model's config.json")
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception as e:   # noqa: BLE001 - the reason goes into the message
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    else:   # readable now (written since the first look): nothing wrong with it
+        return f"its cached config.json ({cached}) gave no model here. Fix: run again"
+    return (f"its cached config.json ({cached}) cannot be read by transformers {transformers.__version__} "
+            f"({reason[:200]}). Fix: pass the path of a config.json this transformers reads (a newer transformers "
+            "may know the model type)")
 
 
 # "package.module:Attribute": an importable nn.Module class, or a function returning a module, called with no
