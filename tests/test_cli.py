@@ -3,6 +3,7 @@ good input -> the summary, the side-by-side table and the files asked for."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -821,3 +822,25 @@ def test_layers_csv_of_a_compiled_step_counts_what_the_compiled_backward_keeps(t
     # the embedding dropout's kernels fuse into the first block's: its saved mask and output keep a row of their own
     drop = csv.set_index("layer").loc["transformer.drop"]
     assert drop["kernels"] == 0 and drop["time_ms"] == 0 and drop["saved_bytes"] > 0
+
+
+def test_help_says_what_every_option_does_and_its_default():
+    """`--help` lists every option of the command's config with the comment written beside (or above) it in the
+    source and the composed default (conf/*.yaml over the dataclass); Hydra's own help printed the config alone."""
+    from neusight.cli.common import options_help
+    from neusight.cli.predict import ABOUT, PredictConfig
+    from neusight.cli.train import TrainConfig
+
+    text = options_help("neusight-predict", "predict", PredictConfig, ABOUT)
+    flat = " ".join(text.split())
+    for f in dataclasses.fields(PredictConfig):
+        assert re.search(rf"^  {f.name}\b", text, re.M), f.name
+    assert "model preset, HF config JSON path, or pkg.module:Class (an nn.Module) (default: gpt2-large)" in flat
+    # a comment that runs on over several lines, joined
+    assert ("plan: forecast every dp x tp x pp layout of this many GPUs (with the micro-batch counts, ep of MoE "
+            "models, ZeRO stages, recompute), ranked;") in flat
+    train = " ".join(options_help("neusight-train", "train", TrainConfig, None).split())
+    assert "calibrate.dataset NeuSight dataset folder (labels/, models/)" in train      # a comment above its field
+    assert re.search(r"predictor\.\* config group predictor/: hyper-parameters per family; \d+ settings", train)
+    r = subprocess.run([str(BIN / "neusight-predict"), "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("usage: neusight-predict") and "== Config ==" not in r.stdout

@@ -19,7 +19,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors
+from neusight.cli.common import CONF_DIR, catch_user_errors, entry_point
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ class CollectConfig:
     ops: list[str] = field(default_factory=lambda: ["linear", "bmm", "conv", "add", "addu", "mul", "mulu", "div",
                                                     "divu", "pow", "powu", "relu", "tanh", "gelu", "softmax", "ln"])
     sweep: str = "default"               # default | quick
-    samples: Optional[int] = None        # shapes per op (default: the sweep's)
+    samples: Optional[int] = None        # shapes per op; null = the sweep's
     device: Optional[str] = None         # cuda | cuda:1 | cpu; default: the current GPU, else the CPU
-    device_name: Optional[str] = None    # the Device column (default: torch.cuda.get_device_name())
+    device_name: Optional[str] = None    # the Device column; null = torch.cuda.get_device_name()
     repeats: int = 25                    # timed calls per shape
     keep: int = 5                        # the mean of this many fastest is the latency
     seed: int = 0
@@ -73,4 +73,4 @@ def _app(cfg: CollectConfig) -> None:
         print(f"{op}: {path}")
 
 
-main = exit_2_on_config_errors(_app)
+main = entry_point(_app, "neusight-collect", "collect", CollectConfig, __doc__)

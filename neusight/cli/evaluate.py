@@ -40,7 +40,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.common import (CONF_DIR, catch_user_errors, exit_2_on_config_errors, help_if_asked,
+                                 quiet_third_party_logs)
 from neusight.cli.predict import _rewrite_predictor_override, job_labels
 
 log = logging.getLogger(__name__)
@@ -305,5 +306,7 @@ class SweepSummaryCallback(Callback):
 
 
 def main() -> Any:
+    if help_if_asked("neusight-evaluate", "evaluate", EvaluateConfig, __doc__):
+        return 0
     sys.argv = [sys.argv[0], *_rewrite_predictor_override(sys.argv[1:])]
     return exit_2_on_config_errors(_app)()

@@ -16,7 +16,7 @@ from typing import List, Optional
 import hydra
 from hydra.core.config_store import ConfigStore
 
-from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.common import CONF_DIR, catch_user_errors, entry_point, quiet_third_party_logs
 from neusight.kernel_eval import EVAL_TRACES, TRAIN_TRACES, GBRConfig
 from neusight.predictor.model import TRAINING_GPUS
 
@@ -90,4 +90,4 @@ def _app(cfg: EvaluateKernelsConfig) -> float:
     return float(overall["neusight_mape"].mean())
 
 
-main = exit_2_on_config_errors(_app)
+main = entry_point(_app, "neusight-evaluate-kernels", "evaluate_kernels", EvaluateKernelsConfig, __doc__)

@@ -42,7 +42,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.common import (CONF_DIR, catch_user_errors, exit_2_on_config_errors, help_if_asked,
+                                 quiet_third_party_logs)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -1698,6 +1699,22 @@ def _rewrite_predictor_override(argv: list[str]) -> list[str]:
     return [_GROUP_ALIAS.sub("checkpoint=", a) for a in argv]
 
 
+ABOUT = """Forecast how long a model's inference pass, training step or generate() call takes on GPUs you may not
+have, from their spec sheets, and the memory it needs: the total, its phases, the top kernels and layers.
+
+examples:
+  neusight-predict model=gpt3-2.7b device=h100-sxm5-80gb batch_size=2 seq_len=2048 mode=training
+  neusight-predict model=gpt2-large device=[a100-80gb-pcie,h100-sxm5-80gb] batch_size=4 seq_len=1024  # side by side
+  neusight-predict model=llama-3-8b device=all batch_size=8 seq_len=512 new_tokens=128 dtype=bfloat16  # all GPUs
+  neusight-predict model=gpt3-2.7b device=h100-sxm5-80gb batch_size=64 seq_len=2048 mode=training gpus=8  # plan
+  neusight-predict model=list device=list                  # the model presets and the GPU spec library
+
+More in the repository: README.md (the commands), docs/guide.md (what the options do, with measured examples),
+docs/limits.md (what the forecasts leave out)."""
+
+
 def main() -> Any:
+    if help_if_asked("neusight-predict", "predict", PredictConfig, ABOUT):
+        return 0
     sys.argv = [sys.argv[0], *_rewrite_predictor_override(sys.argv[1:])]
     return exit_2_on_config_errors(_app)()

@@ -12,7 +12,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.common import CONF_DIR, catch_user_errors, entry_point, quiet_third_party_logs
 from neusight.cli.predict import _step_options
 
 log = logging.getLogger(__name__)
@@ -84,4 +84,4 @@ def _app(cfg: TraceConfig) -> None:
         print(f"kernel table: {path}")
 
 
-main = exit_2_on_config_errors(_app)
+main = entry_point(_app, "neusight-trace", "trace", TraceConfig, __doc__)

@@ -18,7 +18,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from neusight.cli.common import CONF_DIR, catch_user_errors, exit_2_on_config_errors, quiet_third_party_logs
+from neusight.cli.common import CONF_DIR, catch_user_errors, entry_point, quiet_third_party_logs
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -154,4 +154,4 @@ def _app(cfg: TrainConfig) -> float:
     return mean / max(n, 1)
 
 
-main = exit_2_on_config_errors(_app)
+main = entry_point(_app, "neusight-train", "train", TrainConfig, __doc__)
