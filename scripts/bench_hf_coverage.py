@@ -8,7 +8,9 @@ multimodal one with an image-text-to-text class (forecast through its language m
 config class's defaults with its layer counts set to 2 and traced for one training step (batch 2, sequence
 128, forward, loss, backward, AdamW). A type that fails at 2 layers in a way a layer count can cause is tried
 again at 8, then at its config's own layer count: hybrid models place their attention layers by index
-(Qwen3-Next every 4th, Jamba from the 5th, Bamba's list of indices), and two layers can hold none. Each failure is put in one class by its message:
+(Qwen3-Next every 4th, Jamba from the 5th, Bamba's list of indices), and two layers can hold none. A causal LM
+or multimodal type that traces is also traced for one generation step with a KV cache at the same layer count
+(column ``decode step``). Each failure is put in one class by its message:
 
 - ``config``: the config class's own defaults do not build a model (a field left None, a check of
   transformers' that its defaults fail); a user's real config.json sets those fields.
@@ -48,6 +50,8 @@ LAYERS = (2, 8, None)   # None: the config's own layer count
 LAYER_COUNT_FAILURE = (r"only contain LinearAttention|Validation|does not support the setting|index out of range|"
                        r"layer indices|set of layer types")
 TIMEOUT_S = 120
+DECODERS = ("causal LM", "multimodal")   # kinds whose generation step (kv_cache=) is tried too
+DECODE_CACHE = 127
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers")
 CLASSES = (
     ("config", r"could not build|is not a transformers config type|Validation|does not support the setting|"
@@ -115,7 +119,28 @@ def classify(message: str) -> str:
     return "other"
 
 
-def try_one(model_type: str) -> dict:
+def decode_step(model_type: str, layers: int | None) -> str:
+    """Whether one generation step with a KV cache traces (batch 2, one new token after DECODE_CACHE cached ones)
+    at the layer count the training step traced at: "yes", "refused" (an InputError: the model is no decoder-only
+    causal LM with a cache, said in one line) or "no: <the failure>"."""
+    from neusight.errors import InputError
+
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(TIMEOUT_S)
+    try:
+        neusight.trace(_config(model_type, layers), batch_size=BATCH, seq_len=1, kv_cache=DECODE_CACHE)
+    except _Timeout:
+        return f"no: no trace within {TIMEOUT_S} s"
+    except InputError:
+        return "refused"
+    except Exception as e:  # noqa: BLE001 - the failure is the finding
+        return f"no: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    finally:
+        signal.alarm(0)
+    return "yes"
+
+
+def try_one(model_type: str, kind: str = "") -> dict:
     row: dict[str, Any] = {"model_type": model_type}
     message = ""
     for layers in LAYERS:
@@ -137,9 +162,11 @@ def try_one(model_type: str) -> dict:
             continue
         finally:
             signal.alarm(0)
+        seconds = time.perf_counter() - t
         return {**row, "traces": "yes", "layers": layers or "default", "kernels": len(g.kernels),
                 "unmodeled": " ".join(sorted({op.removeprefix("aten.").split(".")[0] for op in g.unmodeled})),
-                "trace s": time.perf_counter() - t, "class": "", "first note / failure": g.notes[0][:110]}
+                "decode step": decode_step(model_type, layers) if kind in DECODERS else "",
+                "trace s": seconds, "class": "", "first note / failure": g.notes[0][:110]}
     return {**row, "traces": "no", "class": classify(message), "first note / failure": message[:160]}
 
 
@@ -161,6 +188,12 @@ def render(df: pd.DataFrame, seconds: float, version: str) -> str:
                   "writing its outputs at zero FLOPs (`Graph.unmodeled`, column `unmodeled`): "
                   + ", ".join(f"`{op}` ({n})" for op, n in ops.items()) + " (model types running each)")
     lines += [whole + ".", ""]
+    steps = ok[ok["kind"].isin(DECODERS)]["decode step"].fillna("")
+    lines += [f"A generation step with a KV cache (batch {BATCH}, one new token after {DECODE_CACHE} cached ones, "
+              f"at the same layer count; causal LMs and multimodal models): {int((steps == 'yes').sum())} of the "
+              f"{len(steps)} of those kinds that trace trace it, {int((steps == 'refused').sum())} are refused with "
+              "one line (no decoder-only causal LM with a cache: encoder-decoders, models without cache support), "
+              f"{int(steps.str.startswith('no').sum())} fail (column `decode step`).", ""]
     failed = df[df["traces"] == "no"]
     if len(failed):
         by = failed.groupby("class")["model_type"].apply(lambda s: ", ".join(s)).reset_index()
@@ -191,9 +224,9 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     for i, (t, kind) in enumerate(kinds.items()):
-        rows.append({"kind": kind, **try_one(t)})
+        rows.append({"kind": kind, **try_one(t, kind)})
         print(f"[{i + 1}/{len(kinds)}] {t}: {rows[-1]['traces']} {rows[-1].get('class', '')}", flush=True)
-    cols = ["model_type", "kind", "traces", "layers", "kernels", "unmodeled", "trace s", "class",
+    cols = ["model_type", "kind", "traces", "layers", "kernels", "unmodeled", "decode step", "trace s", "class",
             "first note / failure"]
     df = pd.DataFrame(rows).reindex(columns=cols)
     text = render(df, time.perf_counter() - t0, transformers.__version__)

@@ -1154,14 +1154,49 @@ def test_a_multimodal_config_is_forecast_through_its_language_model():
     assert "the vision encoder is not traced" in g.notes[0]
 
 
-def test_a_language_model_without_a_head_says_so():
-    """Qwen2-VL's text model has no LM-head class of its own in transformers: traced bare, and the notes say it."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_language_model_without_a_causal_lm_class_gets_its_composite_models_head(tied):
+    """Qwen2-VL's text model has no causal-LM class of its own in transformers (its head is
+    Qwen2VLForConditionalGeneration's): traced with that head, as a text-only prompt runs the composite model, so
+    training has its vocabulary GEMMs and cross-entropy and generation its KV cache. Parameters = the composite
+    model's, its vision tower left out, tied or not (before: traced bare, the mean of its output as the loss, and
+    kv_cache refused)."""
+    import transformers
+
     # heads of 128 (hidden / heads): its default M-RoPE sections need them
     text = {"model_type": "qwen2_vl_text", **_SMALL_LM, "hidden_size": 256, "head_dim": 128}
-    g = neusight.trace({"model_type": "qwen2_vl", "text_config": text},
-                       batch_size=1, seq_len=16, mode="training")
-    assert any("has no task head" in n and "the mean of its output stands in for the loss" in n for n in g.notes)
-    assert "loss" in set(g.kernels["phase"])
+    cfg = {"model_type": "qwen2_vl", "text_config": text, "tie_word_embeddings": tied}
+    g = neusight.trace(cfg, batch_size=2, seq_len=16, mode="training")
+    assert any("has no causal-LM class: traced with the LM head qwen2_vl's model puts on it" in n for n in g.notes)
+    head = g.kernels[(g.kernels["module"] == "lm_head") & (g.kernels["phase"] == "forward")]
+    assert len(head) == 1 and tuple(head["dims"].iloc[0]) == (1, 32, 256, 512)
+    composite = transformers.AutoConfig.for_model("qwen2_vl", text_config=text, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        full = transformers.Qwen2VLForConditionalGeneration(composite)
+    expected = sum(p.numel() for n, p in full.named_parameters() if ".visual." not in f".{n}")
+    assert sum(t.numel for t in g.params) == expected
+    step = neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=15)          # a decode step: one token's logits
+    head = step.kernels[step.kernels["module"] == "lm_head"]
+    assert tuple(head["dims"].iloc[0]) == (1, 2, 256, 512)
+    assert step.flops(families=("bmm",)) > 0
+
+
+def test_a_sparse_attention_indexer_caches_its_keys_for_a_decode_step():
+    """DeepSeek-V3.2's attention (transformers' DynamicIndexedLayer): a decode step's cache holds the indexer's
+    keys beside the latent keys and values, and the indexer scores every cached token (before: transformers
+    refused a plain DynamicCache). static_cache is refused with the reason."""
+    cfg = {"model_type": "deepseek_v32", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+           "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "n_routed_experts": 4, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+           "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "head_dim": 16, "index_n_heads": 2, "index_head_dim": 32, "index_topk": 8}
+    g = neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=63)
+    k = g.kernels
+    scores = k[k["module"].str.endswith("self_attn.indexer") & (k["family"] == "bmm")]
+    assert len(scores) and all(d[-1] == 64 for d in scores["dims"])          # every cached token and the new one
+    with pytest.raises(InputError, match="indexer's keys .*DynamicIndexedLayer"):
+        neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=63, static_cache=True,
+                       attn_implementation="sdpa")
 
 
 # Small state-space / linear-attention configs (neusight.graph.ssm): Mamba's selective scan, Mamba-2's chunked scan

@@ -472,7 +472,8 @@ def _is_vision(config: Any) -> bool:
 
 
 def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
-        image_size: int | None = None, moe_kernels: str = "auto", grouped_gemm: bool = False) -> BuiltModel:
+        image_size: int | None = None, moe_kernels: str = "auto", grouped_gemm: bool = False,
+        lm_head: dict[str, Any] | None = None) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
 
@@ -496,8 +497,14 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
         towers = [k.replace("_config", "") for k in ("vision_config", "audio_config", "speech_config")
                   if getattr(config, k, None) is not None]
         sub = text.to_dict()
+        # a language model with no causal-LM class of its own (Qwen2-VL's, Qwen3-VL's, ...) gets the head its
+        # ...ForConditionalGeneration puts on it, tied to the embeddings as the composite config says
+        tied = getattr(config, "tie_word_embeddings", None)
+        head_of = {"tied": bool(getattr(text, "tie_word_embeddings", False) if tied is None else tied),
+                   "owner": model_type}
         try:
-            built = _hf(name, sub.pop("model_type"), sub, head, attn, dtype, None, moe_kernels, grouped_gemm)
+            built = _hf(name, sub.pop("model_type"), sub, head, attn, dtype, None, moe_kernels, grouped_gemm,
+                        lm_head=head_of)
         except ModelError as e:
             raise ModelError(f"{model_type} is multimodal and is forecast through its language model (its "
                              f"text_config, {text.model_type}), which failed: {e}") from None
@@ -575,11 +582,55 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
             target = ids.reshape(-1) % vocab
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target)
 
+    if bare and lm_head is not None and head in (None, "causal-lm") and not is_seq2seq and \
+            hasattr(module, "get_input_embeddings"):
+        module = TextModelWithLMHead(module, vocab, tied=lm_head["tied"], dtype=dtype)
+        notes.append(f"{kind_name} has no causal-LM class: traced with the LM head {lm_head['owner']}'s model "
+                     "puts on it (" + ("tied to the token embeddings" if lm_head["tied"] else "weights of its own")
+                     + "), on the positions logits_to_keep asks for")
+        bare = False
     notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
     if bare:
         notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
                         "of its output stands in for the loss")
     return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+
+
+class TextModelWithLMHead(nn.Module):
+    """A multimodal model's language model as its ``...ForConditionalGeneration`` runs a text-only prompt, where
+    transformers has no causal-LM class for the language model alone (Qwen2-VL, Qwen3-VL, GLM-OCR, ...): the text
+    model, then the LM head (``hidden -> vocab``, no bias; tied to the token embeddings when the config ties them)
+    on the last ``logits_to_keep`` positions (0: all), as those classes' forward does. Named and shaped like a
+    causal LM (``model``, ``lm_head``, ``config``, the cache arguments), so a trace, a KV cache, LoRA, tensor
+    parallelism and quantization treat it as one."""
+
+    def __init__(self, model: nn.Module, vocab: int, *, tied: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        embed = model.get_input_embeddings()
+        self.lm_head = nn.Linear(embed.weight.shape[1], vocab, bias=False, device="meta", dtype=dtype)
+        if tied:
+            self.lm_head.weight = embed.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, cache: Any = None,
+                inputs_embeds: Any = None, use_cache: Any = None, logits_to_keep: int = 0, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]),
+                                      past_key_values=getattr(out, "past_key_values", None),
+                                      hidden_states=getattr(out, "hidden_states", None),
+                                      attentions=getattr(out, "attentions", None))
 
 
 def _build_hf(cls: Any, config: Any, name: str, attn: str, dtype: torch.dtype) -> nn.Module:

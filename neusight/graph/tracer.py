@@ -1469,7 +1469,8 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
                          "mode='inference', or leave kv_cache out")
     forward = getattr(built.module, "forward", None)
     params = inspect.signature(forward).parameters if forward is not None else {}
-    causal_lm = type(built.module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    causal_lm = (type(built.module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+                 or type(built.module).__name__ == "TextModelWithLMHead")
     encoder_decoder = getattr(getattr(built.module, "config", None), "is_encoder_decoder", False)
     if built.kind != "hf" or "cache" not in params or encoder_decoder or not causal_lm:
         raise InputError(f"kv_cache={kv_cache} needs a decoder-only causal language model; {built.name} "
@@ -1571,6 +1572,11 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
         for i, layer in enumerate(cache.layers):   # attention layers (not state-space ones)
             if not isinstance(getattr(layer, "keys", None), torch.Tensor):
                 continue
+            if isinstance(layer, _indexed_layer()):
+                raise InputError(f"static_cache=True writes each layer's new keys and values in place; "
+                                 f"{type(module).__name__}'s sparse attention also caches its indexer's keys "
+                                 "(DynamicIndexedLayer), which is not modelled in place. Fix: leave static_cache "
+                                 "out (transformers' dynamic cache)")
             if type(layer) is DynamicLayer:
                 cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage)
             elif type(layer) is DynamicSlidingWindowLayer:    # a window's buffer (StaticSlidingWindowLayer's)
@@ -1676,9 +1682,20 @@ def _config_cache(module: torch.nn.Module) -> Any:
         layers = DynamicCache(config=config).layers
     except Exception:   # a config the cache cannot read the layer types of: the plain cache
         return None
-    if not any(isinstance(layer, (LinearAttentionCacheLayerMixin, DynamicSlidingWindowLayer)) for layer in layers):
+    if not any(isinstance(layer, (LinearAttentionCacheLayerMixin, DynamicSlidingWindowLayer, *_indexed_layer()))
+               for layer in layers):
         return None
     return lambda: DynamicCache(config=config)
+
+
+def _indexed_layer() -> tuple:
+    """transformers' cache layer of sparse-attention models with an indexer (DeepSeek-V3.2, GLM-MoE-DSA: a key
+    cache of the indexer's beside the attention's), as a 1-tuple; empty where this transformers has none."""
+    try:
+        from transformers.cache_utils import DynamicIndexedLayer
+    except ImportError:
+        return ()
+    return (DynamicIndexedLayer,)
 
 
 def _grown_config_cache(probe: Any, batch: int, length: int) -> Any:
@@ -1708,6 +1725,14 @@ def _grown_config_cache(probe: Any, batch: int, length: int) -> Any:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and t.ndim == 4:
                 setattr(layer, name, grown(t, kept))
+        if isinstance(layer, _indexed_layer()):   # indexer keys (batch, tokens, dim), positions (dims, batch, tokens)
+            if isinstance(layer.indexer_keys, torch.Tensor):
+                t = layer.indexer_keys
+                layer.indexer_keys = torch.zeros(batch, length, *t.shape[2:], dtype=t.dtype, device="meta")
+            if isinstance(layer.indexer_position_ids, torch.Tensor):
+                t = layer.indexer_position_ids
+                layer.indexer_position_ids = torch.zeros(t.shape[0], batch, length, *t.shape[3:], dtype=t.dtype,
+                                                         device="meta")
     return probe
 
 
