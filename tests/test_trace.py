@@ -1199,6 +1199,24 @@ def test_a_sparse_attention_indexer_caches_its_keys_for_a_decode_step():
                        attn_implementation="sdpa")
 
 
+def test_a_models_own_cache_layers_hold_a_prefills_state_for_a_decode_step():
+    """DeepSeek-V4's compressed attention caches its own layer kind (a sliding window of keys plus compressed
+    entries, one per compress_rate tokens, and buffers of the tokens not yet compressed): the decode step's cache is
+    what a prefill of the context leaves in it, so the heavily compressed attention reads the window and
+    context / 128 entries (before: the window's keys grown from a one-token probe, and the step failed)."""
+    cfg = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+           "qk_rope_head_dim": 16, "q_lora_rank": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
+           "sliding_window": 16, "layer_types": ["heavily_compressed_attention"] * 2}
+    for context in (256, 1024):
+        g = neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=context - 1)
+        k = g.kernels
+        read = 16 + context // 128                          # the window's keys and the compressed entries
+        gemms = k[(k["module"] == "model.layers.1.self_attn") & (k["family"] == "bmm")]["dims"].tolist()
+        assert gemms == [(2 * 4, 1, 64, read), (2 * 4, 1, read, 64)], (context, gemms)   # scores, then values
+
+
 # Small state-space / linear-attention configs (neusight.graph.ssm): Mamba's selective scan, Mamba-2's chunked scan
 # and gated norm, Qwen3-Next's gated delta rule next to a full-attention layer.
 SSM = {

@@ -1560,7 +1560,11 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     if from_config is not None:
         probe = from_config()
         _first_step(module, probe, amp)
-        cache = _grown_config_cache(probe, batch, length)
+        if all(_grows_from_probe(layer) for layer in probe.layers):
+            cache = _grown_config_cache(probe, batch, length)
+        else:   # a model's own layer kind (DeepSeek-V4's compressed attention): its state after a prefill
+            cache = from_config()
+            _prefill(module, cache, batch, length, amp)
     else:
         cache = DynamicCache()
         for i, (k_heads, k_dim, k_dtype, v_heads, v_dim, v_dtype) in enumerate(_plain_cache_layers(module, amp)):
@@ -1583,6 +1587,23 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
                 cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage,
                                                           seen=layer.cumulative_length)
     return {"cache": cache, "use_cache": True}
+
+
+def _grows_from_probe(layer: Any) -> bool:
+    """Whether :func:`_grown_config_cache` knows all of a cache layer's state: transformers' own full-attention,
+    sliding-window, indexed and state-space layers; not a model's own subclass (DeepSeek-V4's compressed-attention
+    layers keep buffers and compressed entries beside their window)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+    return (type(layer) in (DynamicLayer, DynamicSlidingWindowLayer, *_indexed_layer())
+            or isinstance(layer, LinearAttentionCacheLayerMixin))
+
+
+def _prefill(module: torch.nn.Module, cache: Any, batch: int, length: int, amp: torch.dtype | None) -> None:
+    """``batch`` prompts of ``length`` tokens through the model into the empty ``cache`` (meta tensors, not
+    recorded): whatever state its layers keep after them, as generate()'s prefill leaves it."""
+    with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
+        module(input_ids=torch.zeros(batch, length, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
 
 
 def _first_step(module: torch.nn.Module, cache: Any, amp: torch.dtype | None) -> None:
