@@ -309,12 +309,28 @@ def test_lora_freezes_the_base_and_matches_a_cpu_run(tiny_gpt2):
     (dict(model="gpt2", lora_rank=0), "lora_rank=0"),
     (dict(model="gpt2", lora_rank=4, lora_targets=["q_proj"]), "match no linear projection"),
     (dict(model="resnet18", lora_rank=4), "no default LoRA target modules"),
+    # no default for the model type, but projections with names LoRA usually targets: named in the fix
+    (dict(model={"model_type": "qwen2_vl", "text_config": {
+        "model_type": "qwen2_vl_text", "hidden_size": 256, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 512}}, lora_rank=4),
+     "attention projections include q_proj, v_proj: e.g. lora_targets=[q_proj,v_proj]"),
     (dict(model="gpt2", lora_rank=4, tensor_parallel=2), "tensor parallelism"),
 ])
 def test_lora_refuses_what_it_cannot_do(kwargs, fragment):
     model = kwargs.pop("model")
     with pytest.raises(InputError, match=re.escape(fragment)):
-        neusight.trace(model, batch_size=2, seq_len=16 if model == "gpt2" else None, mode="training", **kwargs)
+        neusight.trace(model, batch_size=2, seq_len=None if model == "resnet18" else 16, mode="training", **kwargs)
+
+
+def test_lora_defaults_follow_peft_for_more_architectures():
+    """PEFT's default targets of Qwen2, Falcon-style fused QKV and Phi (its MLP too), without lora_targets."""
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "vocab_size": 512}
+    for cfg, wrapped in (({"model_type": "qwen2", **small, "num_key_value_heads": 2}, "q_proj, v_proj"),
+                         ({"model_type": "gpt_neox", **small}, "query_key_value"),
+                         ({"model_type": "phi", **small}, "fc1, fc2, q_proj, v_proj")):
+        g = neusight.trace(cfg, batch_size=2, seq_len=16, mode="training", lora_rank=4)
+        assert any(f"projections ({wrapped})" in n for n in g.notes), (cfg["model_type"], g.notes)
 
 
 @pytest.mark.parametrize("amp", ["bfloat16", "float16"])

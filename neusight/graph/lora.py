@@ -20,11 +20,19 @@ from torch import nn
 from neusight.errors import InputError
 
 # model_type -> the projections LoRA adapts by default (PEFT's defaults for these architectures: the attention's
-# query and value projections; GPT-2's fused QKV projection)
+# query and value projections, or the fused QKV projection where the model has one)
+_QV = ("q_proj", "v_proj")
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("c_attn",), "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
-    "opt": ("q_proj", "v_proj"), "bert": ("query", "value"), "switch_transformers": ("q", "v"), "t5": ("q", "v"),
+    "gpt2": ("c_attn",), "gpt_bigcode": ("c_attn",), "llama": _QV, "mistral": _QV, "mixtral": _QV, "opt": _QV,
+    "gptj": _QV, "gpt_neo": _QV, "bart": _QV, "stablelm": _QV, "gemma": _QV, "gemma2": _QV, "qwen2": _QV,
+    "bert": ("query", "value"), "roberta": ("query", "value"), "xlm-roberta": ("query", "value"),
+    "switch_transformers": ("q", "v"), "t5": ("q", "v"), "mt5": ("q", "v"), "gpt_neox": ("query_key_value",),
+    "falcon": ("query_key_value",), "bloom": ("query_key_value",), "codegen": ("qkv_proj",),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"),
 }
+# names of attention projections a model without defaults may have, to suggest as lora_targets
+_ATTENTION_PROJECTIONS = ("q_proj", "v_proj", "query", "value", "q", "v", "qkv_proj", "c_attn", "query_key_value",
+                          "Wqkv", "in_proj")
 DEFAULT_ALPHA = 8.0      # PEFT's LoraConfig default lora_alpha
 
 
@@ -58,9 +66,15 @@ def apply_lora(module: nn.Module, rank: int, targets: Sequence[str] | None = Non
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     if targets is None:
         if model_type not in DEFAULT_TARGETS:
+            linear = {name.rpartition(".")[2] for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+            have = [n for n in _ATTENTION_PROJECTIONS if n in linear]
+            pick = [n for n in have if n in ("q_proj", "v_proj")] or have[:2]
+            hint = (f"this model's attention projections include {', '.join(have)}: e.g. "
+                    f"lora_targets=[{','.join(pick)}]" if have else "e.g. lora_targets=[q_proj,v_proj], the last "
+                    "part of names from model.named_modules()")
             raise InputError(f"lora_rank={rank}: no default LoRA target modules for "
-                             f"{model_type or type(module).__name__}. Fix: name them, e.g. lora_targets=[q_proj,v_proj] "
-                             f"(defaults exist for {', '.join(sorted(DEFAULT_TARGETS))})")
+                             f"{model_type or type(module).__name__}. Fix: name them, {hint} (defaults, PEFT's, exist "
+                             f"for {', '.join(sorted(DEFAULT_TARGETS))})")
         targets = DEFAULT_TARGETS[model_type]
     targets = tuple(str(t) for t in targets)
     found = [(name, m) for name, m in module.named_modules()
