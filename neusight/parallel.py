@@ -548,7 +548,9 @@ class Links:
 # are not Llama-style in this sense and are refused; Phi-3's fused projections have entries of their own below.
 _LLAMA_STYLE = ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Gemma", "Gemma2", "Gemma3",
                 "Ministral", "Granite", "Cohere", "Olmo", "Helium", "Ernie4_5", "Arcee", "Exaone4", "SeedOss",
-                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2", "Llama4Text", "GptOss")
+                "HunYuanDenseV1", "Apertus", "SmolLM3", "Starcoder2", "Llama4Text", "GptOss",
+                # the language models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (multimodal rotary positions, same split)
+                "Qwen2VL", "Qwen2_5_VL", "Qwen3VLText")
 # multi-head latent attention blocks (DeepSeek-V2 / V3)
 _MLA = ("DeepseekV2", "DeepseekV3")
 # (class name, attribute) -> how Megatron splits that projection: "col" = output features, "row" = input features

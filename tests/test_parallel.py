@@ -483,6 +483,27 @@ def test_other_llama_style_blocks_halve_every_layer_product(model_type):
     assert half.unmodeled == []
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_language_models_language_models_split_like_llama(model_type):
+    """The language model of Qwen2-VL / Qwen2.5-VL / Qwen3-VL (multimodal rotary positions; traced with its
+    composite model's LM head): every layer product and the vocabulary-parallel LM head halve at tp=2."""
+    import transformers
+
+    if not hasattr(transformers.models, model_type):
+        pytest.skip(f"this transformers has no {model_type}")
+    text = {"model_type": f"{model_type}_text", **_TINY_DECODER, "hidden_size": 512, "head_dim": 128}  # M-RoPE: 128
+    whole, half = (neusight.trace({"model_type": model_type, "text_config": text}, batch_size=2, seq_len=32,
+                                  mode="training", optimizer=None, tensor_parallel=tp) for tp in (1, 2))
+
+    def products(g, modules):
+        k = g.kernels
+        return float(k.loc[k["family"].isin(["linear", "bmm"]) & k["module"].str.contains(modules), "flops"].sum())
+
+    for modules in (r"layers\.\d+\.", r"^lm_head$"):
+        assert products(half, modules) / products(whole, modules) == pytest.approx(0.5, abs=1e-9), modules
+    assert half.unmodeled == []
+
+
 def test_gpt_j_splits_like_llama_and_refuses_heads_tp_does_not_divide():
     """GPT-J's q / k / v / out projections and fc_in / fc_out halve at tp=2, so do its attention products and each
     GPU's KV cache (half the heads); 4 heads do not split 8 ways."""

@@ -616,8 +616,14 @@ class TextModelWithLMHead(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.set_input_embeddings(value)
+
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
 
     def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, cache: Any = None,
                 inputs_embeds: Any = None, use_cache: Any = None, logits_to_keep: int = 0, **kwargs: Any) -> Any:
