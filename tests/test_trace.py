@@ -1217,6 +1217,19 @@ def test_a_models_own_cache_layers_hold_a_prefills_state_for_a_decode_step():
         assert gemms == [(2 * 4, 1, 64, read), (2 * 4, 1, read, 64)], (context, gemms)   # scores, then values
 
 
+def test_a_cache_probe_takes_a_plain_batchs_branch_where_transformers_checks_for_padding():
+    """RoFormer's causal LM checks its input ids for padding tokens (a value read back) before the KV cache is
+    filled: the unrecorded probe of the cache answers as the trace does, a plain batch without padding (before: torch's
+    'Tensor.item() cannot be called on meta tensors')."""
+    cfg = {"model_type": "roformer", "is_decoder": True, "hidden_size": 64, "embedding_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 512,
+           "pad_token_id": 0}
+    g = neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=31)
+    gemms = g.kernels[(g.kernels["family"] == "bmm") & g.kernels["module"].str.contains(r"layer\.1\.")]
+    # 2 x 4 heads of 16: the new token's scores over the 31 cached and itself, then over their values
+    assert gemms["dims"].tolist() == [(8, 1, 16, 32), (8, 1, 32, 16)]
+
+
 # Small state-space / linear-attention configs (neusight.graph.ssm): Mamba's selective scan, Mamba-2's chunked scan
 # and gated norm, Qwen3-Next's gated delta rule next to a full-attention layer.
 SSM = {

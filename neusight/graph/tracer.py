@@ -1602,7 +1602,7 @@ def _grows_from_probe(layer: Any) -> bool:
 def _prefill(module: torch.nn.Module, cache: Any, batch: int, length: int, amp: torch.dtype | None) -> None:
     """``batch`` prompts of ``length`` tokens through the model into the empty ``cache`` (meta tensors, not
     recorded): whatever state its layers keep after them, as generate()'s prefill leaves it."""
-    with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
+    with torch.no_grad(), _PlainBatch(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(batch, length, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
 
 
@@ -1610,8 +1610,32 @@ def _first_step(module: torch.nn.Module, cache: Any, amp: torch.dtype | None) ->
     """One token of one sequence through the model into the empty ``cache``: each layer's (1, kv heads, 1, head_dim)
     keys and values in their dtypes (values may differ from keys: DeepSeek's latent attention caches its 512-wide
     compressed keys and values as "keys" and the 64-wide rotary key as "values")."""
-    with torch.no_grad(), Autocast(amp) if amp is not None else contextlib.nullcontext():
+    with torch.no_grad(), _PlainBatch(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
+
+
+class _PlainBatch(TorchDispatchMode):
+    """An unrecorded run of the model on meta tensors (a cache's probe or prefill): a branch on an ``all()`` /
+    ``any()`` takes a plain batch's way, as it does in the trace (:class:`_Recorder`: transformers' check of the
+    inputs for padding tokens reads one back); any other value read back is the trace's TraceError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._verdicts = WeakTensorKeyDictionary()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = func.overloadpacket
+        if packet is _SCALAR_READ and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            verdict = self._verdicts.get(args[0])
+            if verdict is not None and args[0].numel() == 1:
+                return verdict
+            raise TraceError("a value of a tensor is read back while the model fills its KV cache (.item(), bool() "
+                             "or a Python comparison): the trace has shapes, not values. Make it static or trace "
+                             "without kv_cache")
+        out = func(*args, **(kwargs or {}))
+        if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
+            self._verdicts[out] = _PLAIN_BATCH[packet]
+        return out
 
 
 # plain caches' layers by the model they were probed on (_plain_cache_layers); at most PLAIN_CACHE_MODELS kept
