@@ -1194,7 +1194,7 @@ def test_a_sparse_attention_indexer_caches_its_keys_for_a_decode_step():
     k = g.kernels
     scores = k[k["module"].str.endswith("self_attn.indexer") & (k["family"] == "bmm")]
     assert len(scores) and all(d[-1] == 64 for d in scores["dims"])          # every cached token and the new one
-    with pytest.raises(InputError, match="indexer's keys .*DynamicIndexedLayer"):
+    with pytest.raises(InputError, match=r"indexer keys beside them \(DynamicIndexedLayer\)"):
         neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=63, static_cache=True,
                        attn_implementation="sdpa")
 
@@ -1228,6 +1228,19 @@ def test_a_cache_probe_takes_a_plain_batchs_branch_where_transformers_checks_for
     gemms = g.kernels[(g.kernels["family"] == "bmm") & g.kernels["module"].str.contains(r"layer\.1\.")]
     # 2 x 4 heads of 16: the new token's scores over the 31 cached and itself, then over their values
     assert gemms["dims"].tolist() == [(8, 1, 16, 32), (8, 1, 32, 16)]
+
+
+def test_static_cache_refuses_cache_layers_it_cannot_write_in_place():
+    """Falcon-H1's layers cache attention keys and values and a state-space layer's states in one layer
+    (transformers' LinearAttentionAndFullAttentionLayer): static_cache=true is refused with the reason, where the
+    keys and values were concatenated every step under a note saying "written in place"."""
+    cfg = {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512, "mamba_d_ssm": 64,
+           "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 8}
+    assert neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=31, attn_implementation="sdpa").kernels is not None
+    with pytest.raises(InputError, match=r"conv and recurrent states beside them "
+                                         r"\(LinearAttentionAndFullAttentionLayer\)"):
+        neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=31, static_cache=True, attn_implementation="sdpa")
 
 
 # Small state-space / linear-attention configs (neusight.graph.ssm): Mamba's selective scan, Mamba-2's chunked scan

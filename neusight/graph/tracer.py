@@ -1576,16 +1576,19 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
         for i, layer in enumerate(cache.layers):   # attention layers (not state-space ones)
             if not isinstance(getattr(layer, "keys", None), torch.Tensor):
                 continue
-            if isinstance(layer, _indexed_layer()):
-                raise InputError(f"static_cache=True writes each layer's new keys and values in place; "
-                                 f"{type(module).__name__}'s sparse attention also caches its indexer's keys "
-                                 "(DynamicIndexedLayer), which is not modelled in place. Fix: leave static_cache "
-                                 "out (transformers' dynamic cache)")
             if type(layer) is DynamicLayer:
                 cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage)
             elif type(layer) is DynamicSlidingWindowLayer:    # a window's buffer (StaticSlidingWindowLayer's)
                 cache.layers[i] = _in_place_layer_class()(layer.keys, layer.values, room, storage,
                                                           seen=layer.cumulative_length)
+            else:   # keys and values beside other state: left as they were, the note would say "in place"
+                beside = ("its sparse attention's indexer keys" if isinstance(layer, _indexed_layer()) else
+                          "a state-space layer's conv and recurrent states" if hasattr(layer, "conv_states") else
+                          "state of the model's own")
+                raise InputError(f"static_cache=True writes each layer's new keys and values in place; "
+                                 f"{type(module).__name__} caches {beside} beside them ({type(layer).__name__}), "
+                                 "which is not modelled in place. Fix: leave static_cache out (transformers' "
+                                 "dynamic cache)")
     return {"cache": cache, "use_cache": True}
 
 
