@@ -26,12 +26,13 @@ Nothing here is a forecast's accuracy; it checks what a user's config can be tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
 
@@ -72,6 +73,19 @@ _TIMED_OUT = [False]
 def _alarm(*_: Any) -> None:
     _TIMED_OUT[0] = True   # whatever the interrupted code turns the exception into, the row says "timeout"
     raise _Timeout()
+
+
+@contextlib.contextmanager
+def _time_limit() -> Iterator[None]:
+    """At most TIMEOUT_S seconds for the block: then _Timeout, and _TIMED_OUT set (whatever the interrupted code
+    turns the exception into)."""
+    signal.signal(signal.SIGALRM, _alarm)
+    _TIMED_OUT[0] = False
+    signal.alarm(TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
 
 
 def model_types() -> dict[str, str]:
@@ -125,18 +139,16 @@ def decode_step(model_type: str, layers: int | None) -> str:
     causal LM with a cache, said in one line) or "no: <the failure>"."""
     from neusight.errors import InputError
 
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(TIMEOUT_S)
     try:
-        neusight.trace(_config(model_type, layers), batch_size=BATCH, seq_len=1, kv_cache=DECODE_CACHE)
+        with _time_limit():
+            neusight.trace(_config(model_type, layers), batch_size=BATCH, seq_len=1, kv_cache=DECODE_CACHE)
     except _Timeout:
         return f"no: no trace within {TIMEOUT_S} s"
     except InputError:
         return "refused"
     except Exception as e:  # noqa: BLE001 - the failure is the finding
-        return f"no: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
-    finally:
-        signal.alarm(0)
+        return (f"no: no trace within {TIMEOUT_S} s" if _TIMED_OUT[0] else
+                f"no: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
     return "yes"
 
 
@@ -147,12 +159,10 @@ def try_one(model_type: str, kind: str = "") -> dict:
         if message and not re.search(LAYER_COUNT_FAILURE, message):
             break   # the layer count is not what failed: another count fails the same way
         t = time.perf_counter()
-        signal.signal(signal.SIGALRM, _alarm)
-        _TIMED_OUT[0] = False
-        signal.alarm(TIMEOUT_S)
         try:
-            g = neusight.trace(_config(model_type, layers), batch_size=BATCH, seq_len=SEQ, mode="training",
-                               optimizer="adamw")
+            with _time_limit():
+                g = neusight.trace(_config(model_type, layers), batch_size=BATCH, seq_len=SEQ, mode="training",
+                                   optimizer="adamw")
         except _Timeout:
             message = f"no trace within {TIMEOUT_S} s"
             continue
@@ -160,8 +170,6 @@ def try_one(model_type: str, kind: str = "") -> dict:
             message = (f"no trace within {TIMEOUT_S} s" if _TIMED_OUT[0] else
                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             continue
-        finally:
-            signal.alarm(0)
         seconds = time.perf_counter() - t
         return {**row, "traces": "yes", "layers": layers or "default", "kernels": len(g.kernels),
                 "unmodeled": " ".join(sorted({op.removeprefix("aten.").split(".")[0] for op in g.unmodeled})),

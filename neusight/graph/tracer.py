@@ -36,7 +36,7 @@ from neusight.graph import fastmeta
 from neusight.graph.amp import Autocast, amp_dtype, model_dtype
 from neusight.graph.graph import SELECTIVE, Graph
 from neusight.graph.layout import check_memory_format
-from neusight.graph.models import BuiltModel, build_model
+from neusight.graph.models import BuiltModel, TextModelWithLMHead, build_model
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
 from neusight.kernels.base import Family
 from neusight.kernels.registry import build_kernels
@@ -174,7 +174,43 @@ class _EnteredModules(dict):
         del self[name]
 
 
-class _Recorder(TorchDispatchMode):
+class _PlainBatch(TorchDispatchMode):
+    """A run of the model on meta tensors where a branch on an ``all()`` / ``any()`` takes a plain batch's way
+    (:data:`_PLAIN_BATCH`) and any other value read back is a TraceError. On its own: the unrecorded runs that fill
+    a KV cache (its probe, a prefill; transformers' check of the inputs for padding tokens reads one back); the
+    recording mode, :class:`_Recorder`, is one too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._verdicts = WeakTensorKeyDictionary()   # outputs of all() / any() on meta -> their plain-batch value
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = func.overloadpacket
+        if packet is _SCALAR_READ and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            return self._read_scalar(args[0])
+        return self._remember(packet, func(*args, **(kwargs or {})))
+
+    def _where(self) -> str:
+        return "while the model fills its KV cache"
+
+    def _remember(self, packet: Any, out: Any) -> Any:
+        if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
+            self._verdicts[out] = _PLAIN_BATCH[packet]
+        return out
+
+    def _read_scalar(self, t: torch.Tensor) -> Any:
+        """``.item()`` / ``bool()`` of a meta tensor: the plain-batch value of an ``all()`` or ``any()``, or an
+        error saying where (the host sync itself, a few microseconds, is not a kernel and is not recorded)."""
+        verdict = self._verdicts.get(t)
+        if verdict is not None and t.numel() == 1:
+            return verdict
+        raise TraceError(f"a value of a tensor is read back {self._where()} (.item(), "
+                         f"bool() or a Python comparison on a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} "
+                         "tensor): the trace has shapes, not values, so a branch or a size that depends on the data "
+                         "cannot be followed. Make it static or trace a module without it")
+
+
+class _Recorder(_PlainBatch):
     """Private dispatch mode: appends an OpRecord per aten op that touches a meta tensor."""
 
     def __init__(self, tracker: ModuleTracker, root_name: str) -> None:
@@ -183,7 +219,6 @@ class _Recorder(TorchDispatchMode):
         self.root = root_name + "."
         self.phase = "forward"
         self.ops: list[OpRecord] = []
-        self._verdicts = WeakTensorKeyDictionary()   # outputs of all() / any() on meta -> their plain-batch value
         # Every recorded output's storage, held for the trace: a storage's id is the address of its StorageImpl, and
         # a freed one could be reused by a tensor made where the trace does not see it (the autograd engine, Python
         # code outside dispatch), which would then pass for the recorded output. Which addresses get reused varies
@@ -287,9 +322,7 @@ class _Recorder(TorchDispatchMode):
         kernels, modeled = build_kernels(call)
         self.ops.append(OpRecord(len(self.ops), self.phase, self._module(), call, kernels, modeled,
                                  bool(_RECOMPUTING)))
-        if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
-            self._verdicts[out] = _PLAIN_BATCH[packet]
-        return out
+        return self._remember(packet, out)
 
     def _drop(self, storage: int, _ref: Any) -> None:
         if self._region is not None:
@@ -308,16 +341,8 @@ class _Recorder(TorchDispatchMode):
         for i, storages in by_op.items():
             self.ops[i].freed = tuple(storages)
 
-    def _read_scalar(self, t: torch.Tensor) -> Any:
-        """``.item()`` / ``bool()`` of a meta tensor: the plain-batch value of an ``all()`` or ``any()``, or an
-        error naming the module (the host sync itself, a few microseconds, is not a kernel and is not recorded)."""
-        verdict = self._verdicts.get(t)
-        if verdict is not None and t.numel() == 1:
-            return verdict
-        raise TraceError(f"a value of a tensor is read back in module {self._module() or '<root>'!r} (.item(), "
-                         f"bool() or a Python comparison on a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} "
-                         "tensor): the trace has shapes, not values, so a branch or a size that depends on the data "
-                         "cannot be followed. Make it static or trace a module without it")
+    def _where(self) -> str:
+        return f"in module {self._module() or '<root>'!r}"
 
 
 @contextlib.contextmanager
@@ -1470,7 +1495,7 @@ def _check_kv_cache(built: BuiltModel, kv_cache: Any, mode: str, seq_len: int | 
     forward = getattr(built.module, "forward", None)
     params = inspect.signature(forward).parameters if forward is not None else {}
     causal_lm = (type(built.module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-                 or type(built.module).__name__ == "TextModelWithLMHead")
+                 or isinstance(built.module, TextModelWithLMHead))
     encoder_decoder = getattr(getattr(built.module, "config", None), "is_encoder_decoder", False)
     if built.kind != "hf" or "cache" not in params or encoder_decoder or not causal_lm:
         raise InputError(f"kv_cache={kv_cache} needs a decoder-only causal language model; {built.name} "
@@ -1615,30 +1640,6 @@ def _first_step(module: torch.nn.Module, cache: Any, amp: torch.dtype | None) ->
     compressed keys and values as "keys" and the 64-wide rotary key as "values")."""
     with torch.no_grad(), _PlainBatch(), Autocast(amp) if amp is not None else contextlib.nullcontext():
         module(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=cache, use_cache=True)
-
-
-class _PlainBatch(TorchDispatchMode):
-    """An unrecorded run of the model on meta tensors (a cache's probe or prefill): a branch on an ``all()`` /
-    ``any()`` takes a plain batch's way, as it does in the trace (:class:`_Recorder`: transformers' check of the
-    inputs for padding tokens reads one back); any other value read back is the trace's TraceError."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._verdicts = WeakTensorKeyDictionary()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        packet = func.overloadpacket
-        if packet is _SCALAR_READ and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
-            verdict = self._verdicts.get(args[0])
-            if verdict is not None and args[0].numel() == 1:
-                return verdict
-            raise TraceError("a value of a tensor is read back while the model fills its KV cache (.item(), bool() "
-                             "or a Python comparison): the trace has shapes, not values. Make it static or trace "
-                             "without kv_cache")
-        out = func(*args, **(kwargs or {}))
-        if packet in _PLAIN_BATCH and isinstance(out, torch.Tensor):
-            self._verdicts[out] = _PLAIN_BATCH[packet]
-        return out
 
 
 # plain caches' layers by the model they were probed on (_plain_cache_layers); at most PLAIN_CACHE_MODELS kept

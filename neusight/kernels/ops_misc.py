@@ -114,9 +114,7 @@ def _fft(c: OpCall) -> list[Kernel]:
     n = math.prod(side.shape[d] for d in dims) or 1
     transforms = side.numel // n
     flops = transforms * 5.0 * n * math.log2(max(n, 2)) * (0.5 if real else 1.0)
-    rows, cols = _rows_cols(out)
-    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=flops / max(1, rows * cols),
-                             bytes_total=float(x.view_nbytes + out.view_nbytes), dtype=_real_dtype(x.dtype))]
+    return _elementwise_total(c, out, flops, x.view_nbytes + out.view_nbytes, _real_dtype(x.dtype))
 
 
 @register(*_ops("_cdist_forward", "_cdist_backward"))
@@ -132,9 +130,7 @@ def _cdist(c: OpCall) -> list[Kernel]:
     pairs = ins[0] if backward else outs[0]
     x1 = ins[1] if backward else ins[0]
     flops = (4.0 if backward else 3.0) * pairs.numel * (x1.shape[-1] if x1.shape else 1)
-    rows, cols = _rows_cols(outs[0])
-    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=flops / max(1, rows * cols),
-                             bytes_total=_nbytes(ins) + _nbytes(list(outs)), dtype=outs[0].dtype)]
+    return _elementwise_total(c, outs[0], flops, _nbytes(ins) + _nbytes(list(outs)), outs[0].dtype)
 
 
 @register(*_ops("_trilinear"))
@@ -153,10 +149,15 @@ def _trilinear(c: OpCall) -> list[Kernel]:
             shape.insert(d, 1)
         shapes.append(shape)
     product = math.prod(max(sizes) for sizes in zip(*shapes)) if shapes[0] else 1
-    rows, cols = _rows_cols(outs[0])
-    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols,
-                             flops_per_elem=3.0 * product / max(1, rows * cols),
-                             bytes_total=_nbytes(ins) + _nbytes(list(outs)), dtype=outs[0].dtype)]
+    return _elementwise_total(c, outs[0], 3.0 * product, _nbytes(ins) + _nbytes(list(outs)), outs[0].dtype)
+
+
+def _elementwise_total(c: OpCall, out: TensorMeta, flops: float, nbytes: float, dtype: str) -> list[Kernel]:
+    """One kernel of the memory-bound (elementwise) family over ``out``'s rows x cols, with ``flops`` in all (for
+    kernels whose work is not a fixed count per output element: transforms, pairwise distances, products)."""
+    rows, cols = _rows_cols(out)
+    return [formulas.rowwise(Family.ELEMENTWISE, _short(c), rows, cols, flops_per_elem=flops / max(1, rows * cols),
+                             bytes_total=float(nbytes), dtype=dtype)]
 
 
 def _real_dtype(dtype: str) -> str:
