@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -141,6 +142,18 @@ def test_transposed_conv_flops_match_flop_counter(layer, shape):
     # training: the weight gradient has the forward's FLOPs (the model's input needs no gradient)
     t = neusight.trace(layer(), batch_size=2, mode="training", input_shapes=[shape], optimizer=None)
     assert t.flops("backward", GEMM) == fc.get_total_flops()
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_valid_padding_conv_traces_as_unpadded(dims):
+    # padding="valid" (SigLIP's patch embedding) reaches aten as a single padding entry for every spatial dim: the
+    # same kernels as padding=0, forward and both gradients
+    conv = torch.nn.Conv1d if dims == 1 else torch.nn.Conv2d
+    shape = (3, 56) if dims == 1 else (3, 56, 56)
+    kernels = [neusight.trace(conv(3, 16, 14, stride=14, padding=p), batch_size=2, mode="training", input_shapes=[shape],
+                              optimizer=None).kernels[["kernel", "dims", "flops", "bytes"]] for p in ("valid", 0)]
+    assert (kernels[0]["kernel"] == "conv_fwd").sum() == 1
+    pd.testing.assert_frame_equal(*kernels)
 
 
 class _Spectral(torch.nn.Module):

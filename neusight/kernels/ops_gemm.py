@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -102,12 +103,19 @@ def _linear(c: OpCall) -> list[Kernel]:
                           bias=isinstance(bias, TensorMeta), name="linear_tn")]
 
 
-def _conv_params(c: OpCall, first: int) -> tuple:
-    """(stride, padding, dilation, transposed, groups) from aten.convolution-style positional args."""
+def _conv_params(c: OpCall, first: int, x: TensorMeta) -> tuple:
+    """(stride, padding, dilation, transposed, groups) from aten.convolution-style positional args, each of the
+    first three one entry per spatial dim of ``x``: aten takes a single entry for all of them (``padding="valid"``
+    reaches it as ``[0]``, as in SigLIP's patch embedding)."""
     a = c.args
-    stride, padding, dilation, transposed = a[first], a[first + 1], a[first + 2], a[first + 3]
-    groups = a[first + 5]
-    return tuple(stride), tuple(padding), tuple(dilation), bool(transposed), int(groups)
+    spatial = len(x.shape) - 2
+
+    def per_dim(v: Any) -> tuple:
+        v = tuple(v)
+        return v * spatial if len(v) == 1 else v
+
+    return (per_dim(a[first]), per_dim(a[first + 1]), per_dim(a[first + 2]), bool(a[first + 3]),
+            int(a[first + 5]))
 
 
 def _conv_kernel(x: TensorMeta, w: TensorMeta, stride, padding, dilation, groups, name: str) -> Kernel:
@@ -191,7 +199,7 @@ def _depthwise_kernels(x: TensorMeta, w: TensorMeta, y: TensorMeta, stride, padd
 def _convolution(c: OpCall) -> list[Kernel]:
     """Forward convolution (+ a bias add kernel when a bias is given)."""
     x, w, bias = c.args[0], c.args[1], c.args[2] if len(c.args) > 2 else None
-    stride, padding, dilation, transposed, groups = _conv_params(c, 3)
+    stride, padding, dilation, transposed, groups = _conv_params(c, 3, x)
     layout = _nchw_operands(x, w, c.outputs[0])
     if transposed:
         # a transposed conv is the data gradient of the conv that maps its output back to its input: that conv's
@@ -215,7 +223,7 @@ def _convolution(c: OpCall) -> list[Kernel]:
 def _convolution_backward(c: OpCall) -> list[Kernel]:
     """Data gradient and weight gradient as two GEMMs of the forward's FLOPs; a bias gradient is a reduction."""
     dy, x, w = c.args[0], c.args[1], c.args[2]
-    stride, padding, dilation, transposed, groups = tuple(c.args[4]), tuple(c.args[5]), tuple(c.args[6]), bool(c.args[7]), int(c.args[9])
+    stride, padding, dilation, transposed, groups = _conv_params(c, 4, x)
     mask = c.args[10] if len(c.args) > 10 else (True, True, True)
     if _is_depthwise(x, groups, transposed):
         parts = tuple(name for name, on in zip(("dgrad", "wgrad"), mask[:2]) if on)
