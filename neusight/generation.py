@@ -113,6 +113,12 @@ def _check_run(batch_size: Any, prompt_len: Any, new_tokens: Any, static_cache: 
                          "new_tokens instead")
     if not isinstance(static_cache, bool):
         raise InputError(f"static_cache={static_cache!r} is not true or false. Fix: static_cache=True or leave it out")
+    if trace_kwargs.get("images") is not None:
+        raise InputError(f"images={trace_kwargs['images']}: generation from a prompt with images is not modelled (its "
+                         "decode steps would trace the language model alone, without the image encoder's weights). "
+                         "Fix: forecast the prefill with neusight.predict(..., seq_len=<prompt_len>, images=<n>, "
+                         "logits_to_keep=1) and the decode steps without images, the image tokens counted in "
+                         "prompt_len")
     from neusight.graph.tracer import check_kv_cache_dtype
 
     check_kv_cache_dtype(trace_kwargs.get("kv_cache_dtype"), 1, static_cache,

@@ -379,6 +379,23 @@ def test_context_parallel_run_from_the_command_line(tmp_path):
     assert longest and int(longest[1]) == 512       # the tiny model's 512 positions: the whole sequence's cap
 
 
+def test_images_of_a_multimodal_model_from_the_command_line(tmp_path):
+    """images=2: the run line says how many images each sequence has, the note what encodes them and how many of
+    seq_len's positions they fill."""
+    cfg = tmp_path / "tiny_llava.json"
+    cfg.write_text(json.dumps({"model_type": "llava", "image_token_index": 500, "text_config": _TINY_LLAMA,
+                               "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32,
+                                                 "intermediate_size": 64, "num_hidden_layers": 2,
+                                                 "num_attention_heads": 2, "image_size": 56, "patch_size": 14}}))
+    r = subprocess.run([str(BIN / "neusight-predict"), f"model={cfg}", "device=l4", "batch_size=2", "seq_len=64",
+                        "images=2", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "inference, batch 2, seq 64, 2 images per sequence" in r.stdout
+    assert ("2 images of 56x56 per sequence through its clip_vision_model encoder and projector, 16 positions"
+            in r.stdout)
+
+
 def test_plan_searching_context_parallelism_from_the_command_line(tmp_path):
     """gpus=2 cp=[1,2] cp_comm=auto: the plan forecasts the layouts of 2 GPUs and of one cp=2 group with each
     exchange, shows the cp columns and writes them to the plans' CSV."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -1152,6 +1153,95 @@ def test_a_multimodal_config_is_forecast_through_its_language_model():
     assert g.kernels[["family", "flops", "bytes"]].equals(alone.kernels[["family", "flops", "bytes"]])
     assert g.notes[0].startswith("the language model of llava (its text_config, llama)")
     assert "the vision encoder is not traced" in g.notes[0]
+
+
+_TINY_CLIP = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
+_TINY_LLAVA = {"model_type": "llava", "image_token_index": 500, "text_config": {"model_type": "llama", **_SMALL_LM},
+               "vision_config": _TINY_CLIP}
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_images_run_the_image_encoder_and_projector_before_the_language_model(mode):
+    """images=2: LLaVA's image-text class on 2 images per sequence: CLIP's patch convolution on batch x 2 images of
+    16 patches, their 16 features each at image tokens of the 48 positions, the language model and head over all
+    48. Parameters = the composite model's, its vision tower included; GEMM FLOPs = torch's FlopCounterMode of the
+    same forward (and backward)."""
+    import transformers
+
+    from neusight.graph.models import build_model, flop_counter_total
+
+    g = neusight.trace(dict(_TINY_LLAVA), batch_size=2, seq_len=48, mode=mode, images=2, optimizer=None)
+    assert g.images == 2
+    assert ("2 images of 56x56 per sequence through its clip_vision_model encoder and projector, 16 positions"
+            in g.notes[0])
+    k = g.kernels
+    conv = k[(k["family"] == "conv") & (k["phase"] == "forward")]
+    assert list(conv["dims"]) == [(1, 2 * 2 * 16, 3 * 14 * 14, 32)]
+    head = k[(k["module"] == "lm_head") & (k["phase"] == "forward")]
+    assert [tuple(d) for d in head["dims"]] == [(1, 2 * 48, 64, 512)]
+    composite = transformers.AutoConfig.for_model("llava", text_config={"model_type": "llama", **_SMALL_LM},
+                                                  vision_config=_TINY_CLIP)
+    with torch.device("meta"):
+        full = transformers.LlavaForConditionalGeneration(composite)
+    assert sum(t.numel for t in g.params) == sum(p.numel() for p in full.parameters())
+    text_only = neusight.trace(dict(_TINY_LLAVA), batch_size=2, seq_len=48, mode=mode, optimizer=None)
+    assert sum(t.numel for t in text_only.params) < sum(t.numel for t in g.params)
+    reference = flop_counter_total(build_model(dict(_TINY_LLAVA), images=2), mode, 2, 48)
+    assert g.flops(None, ("linear", "bmm", "conv")) == pytest.approx(reference, rel=0.01)
+
+
+def test_images_take_an_encoders_pooled_token_count():
+    """Gemma 3: SigLIP's patches (a padding='valid' convolution) pooled to mm_tokens_per_image tokens per image."""
+    vision = {**_TINY_CLIP, "model_type": "siglip_vision_model"}
+    cfg = {"model_type": "gemma3", "mm_tokens_per_image": 4, "vision_config": vision,
+           "text_config": {"model_type": "gemma3_text", **_SMALL_LM}}
+    g = neusight.trace(cfg, batch_size=1, seq_len=20, mode="training", images=3)
+    assert ("3 images of 56x56 per sequence through its siglip_vision_model encoder and projector, 4 positions"
+            in g.notes[0])
+    conv = g.kernels[(g.kernels["family"] == "conv") & (g.kernels["phase"] == "forward")]
+    assert list(conv["dims"]) == [(1, 3 * 16, 3 * 14 * 14, 32)]
+    with pytest.raises(InputError, match=r"seq_len=11 cannot hold the 12 image tokens of images=3 \(4 per image\)"):
+        neusight.trace(cfg, batch_size=1, seq_len=11, images=3)
+
+
+def test_images_of_a_composite_config_with_its_own_vocabulary():
+    """PaliGemma's config carries the vocabulary itself (its text-only trace is the composite class already): images=1
+    encodes the image too, with no new parameters."""
+    vision = {**_TINY_CLIP, "model_type": "siglip_vision_model"}
+    cfg = {"model_type": "paligemma", "vision_config": vision, "text_config": {"model_type": "gemma", **_SMALL_LM},
+           "projection_dim": 64}
+    g = neusight.trace(copy.deepcopy(cfg), batch_size=2, seq_len=20, images=1)
+    assert ("1 image of 56x56 per sequence through its siglip_vision_model encoder and projector, 16 positions"
+            in g.notes[0])
+    text_only = neusight.trace(copy.deepcopy(cfg), batch_size=2, seq_len=20)
+    assert sum(t.numel for t in g.params) == sum(t.numel for t in text_only.params)
+    assert g.flops(None, ("conv",)) > 0 == text_only.flops(None, ("conv",))
+
+
+@pytest.mark.parametrize("model,kw,error,fragment", [
+    (_TINY_LLAVA, dict(seq_len=64, kv_cache=63), InputError, r"images=1 with kv_cache=63: the images are encoded in"),
+    (_TINY_LLAVA, dict(seq_len=64, tensor_parallel=2), InputError, r"images=1 with tensor_parallel=2: splitting"),
+    (_TINY_LLAVA, dict(seq_len=64, head="masked-lm"), InputError, r"head='masked-lm': images= traces llava's"),
+    ("gpt2", dict(seq_len=64), InputError, r"images=1 is for multimodal models with an image encoder .* 'gpt2'"),
+    ("resnet18", {}, InputError, r"images=1 is for multimodal models .* resnet18 is a CNN"),
+    ({"model_type": "qwen2_vl"}, dict(seq_len=64), ModelError,
+     r"Qwen2VLForConditionalGeneration's image encoder \(qwen2_vl_vision\) cannot be traced on fixed-size pixel"),
+])
+def test_image_runs_not_modelled_are_refused(model, kw, error, fragment):
+    with pytest.raises(error, match=fragment):
+        neusight.trace(copy.deepcopy(model), batch_size=1, images=1, **kw)
+
+
+def test_images_in_generation_are_refused():
+    with pytest.raises(InputError, match=r"images=1: generation from a prompt with images is not modelled"):
+        neusight.predict_generation(dict(_TINY_LLAVA), "l4", 1, 64, 8, images=1)
+
+
+@pytest.mark.parametrize("images", [0, -1, True, 1.5])
+def test_images_must_be_a_positive_count(images):
+    with pytest.raises(InputError, match=r"is not a positive integer \(images per sequence\)"):
+        neusight.trace(dict(_TINY_LLAVA), batch_size=1, seq_len=64, images=images)
 
 
 @pytest.mark.parametrize("tied", [False, True])

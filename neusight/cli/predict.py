@@ -102,6 +102,8 @@ class PredictConfig:
     nvls: bool = True                    # all-reduces as NCCL's NVLS / NVLS_TREE where the GPUs' NVSwitches have
     #                                      NVLink SHARP (HGX H100 / H200 / B200); false: as NCCL_NVLS_ENABLE=0
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
+    images: Optional[int] = None         # multimodal models (LLaVA, Gemma 3, PaliGemma, ...): images per sequence,
+    #                                      encoded and put at image tokens among seq_len's positions; null = text only
     memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
@@ -222,11 +224,17 @@ def trained_on(p: Prediction) -> str:
 
 def _run_line(p: Prediction) -> str:
     what = p.mode + (f" ({' + '.join(p.phases)})" if p.mode == "training" else "")
-    shape = f"batch {p.batch_size}" + (f", seq {p.seq_len}" if p.seq_len else "")
+    shape = f"batch {p.batch_size}" + (f", seq {p.seq_len}" if p.seq_len else "") + _images_text(p.graph)
     n = p.graph.n_params if p.graph is not None else 0
     size = next((f", {n / scale:.1f} {unit} parameters" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"))
                  if n >= scale), f", {n} parameters" if n else "")
     return f"{p.model}: {what}, {shape}{size}"
+
+
+def _images_text(g: Any) -> str:
+    """``", 2 images per sequence"`` for a trace of a multimodal model fed images, else ""."""
+    n = getattr(g, "images", None)
+    return f", {n} image{'s' if n > 1 else ''} per sequence" if n else ""
 
 
 def _memory_line(p: Prediction) -> str | None:
@@ -427,7 +435,7 @@ def _step_options(cfg: Any) -> dict[str, Any]:
            "moe_kernels": getattr(cfg, "moe_kernels", "auto"), "ssm_kernels": getattr(cfg, "ssm_kernels", "fused"),
            "fp8": getattr(cfg, "fp8", False), "weight_quant": getattr(cfg, "weight_quant", None),
            "static_cache": getattr(cfg, "static_cache", False), "kv_cache_dtype": getattr(cfg, "kv_cache_dtype", None),
-           "memory_format": getattr(cfg, "memory_format", "contiguous")}
+           "memory_format": getattr(cfg, "memory_format", "contiguous"), "images": getattr(cfg, "images", None)}
     shapes = getattr(cfg, "input_shapes", None)
     if shapes is not None:
         from omegaconf import OmegaConf

@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from neusight.cli.common import CONF_DIR, catch_user_errors, entry_point, quiet_third_party_logs
-from neusight.cli.predict import _step_options
+from neusight.cli.predict import _images_text, _step_options
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class TraceConfig:
     optimizer: Optional[str] = "adamw"   # adamw | adam | sgd | adamw-fused | adam-fused | null (training only)
     attn_implementation: str = "eager"   # eager | sdpa | flash_attention_2 | flash_attention_3
     image_size: Optional[int] = None     # vision models; null = the model's native resolution (224, EfficientNet-B4: 380)
+    images: Optional[int] = None         # multimodal models (LLaVA, Gemma 3, PaliGemma, ...): images per sequence,
+    #                                      encoded and put at image tokens among seq_len's positions; null = text only
     memory_format: str = "contiguous"    # CNNs' layout: contiguous (NCHW, PyTorch's default) | channels_last (NHWC)
     dtype: str = "float32"
     amp: Any = None                      # mixed precision (torch.autocast): float16 | bfloat16 | true; null = none
@@ -68,7 +70,7 @@ def _app(cfg: TraceConfig) -> None:
               dtype=cfg.dtype, amp=cfg.amp, kv_cache=cfg.kv_cache, device=cfg.device, **_step_options(cfg))
     s = g.summary()
     total = pd.DataFrame([s.sum()], index=["total"])
-    print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "")
+    print(f"{g.model}: {g.mode}, batch {g.batch_size}" + (f", seq {g.seq_len}" if g.seq_len else "") + _images_text(g)
           + f", {g.n_params / 1e6:.1f} M parameters, {len(g.ops)} aten ops, {len(g.kernels)} kernels")
     for note in g.notes:
         print(f"  note: {note}")

@@ -40,6 +40,7 @@ class Graph:
     buffers: list[TensorMeta] = field(default_factory=list)
     optimizer_state: list[TensorMeta] = field(default_factory=list)
     image_size: int | None = None
+    images: int | None = None   # a multimodal model's images per sequence (their tokens are among seq_len's)
     held: list[TensorMeta] = field(default_factory=list)   # what the model output (and loss) keep alive
     param_names: list[str] = field(default_factory=list)   # ``named_parameters()`` names, in the order of ``params``
     keeps_grads: bool = False   # the step zeroes its gradients instead of freeing them (they live all step)

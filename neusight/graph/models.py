@@ -6,6 +6,7 @@ Presets are written here from the public architecture numbers of each family (pa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import inspect
@@ -16,7 +17,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -236,6 +237,8 @@ class BuiltModel:
     max_seq_len: int | None = None
     notes: list[str] = field(default_factory=list)
     image_size: int | None = None               # vision models: the side of the square input images
+    images: int | None = None                   # image-text models: images per sequence (their pixel_values)
+    image_tokens: int = 0                       # ... and the positions of a sequence their features fill
 
 
 def flop_counter_total(built: BuiltModel, mode: str, batch: int, seq: int | None) -> float:
@@ -246,7 +249,8 @@ def flop_counter_total(built: BuiltModel, mode: str, batch: int, seq: int | None
 
     args, kwargs = built.make_inputs(batch, seq)
     built.module.train(mode == "training")
-    with FlopCounterMode(display=False) as fc:
+    checks = transformers_checks_off() if built.images else contextlib.nullcontext()
+    with FlopCounterMode(display=False) as fc, checks:
         if mode == "training":
             out = built.module(*args, **kwargs)
             built.loss(out, args, kwargs).backward()
@@ -274,9 +278,16 @@ def _hf_attention(attn: str) -> str:
 def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None, attn_implementation: str = "eager",
                 image_size: int | None = None, input_shapes: list[tuple[int, ...]] | None = None,
                 dtype: torch.dtype = torch.float32, moe_kernels: str = "auto",
-                grouped_gemm: bool = False) -> BuiltModel:
+                grouped_gemm: bool = False, images: int | None = None) -> BuiltModel:
     """Build a model on the meta device from a preset name, an HF config (JSON path, ``PretrainedConfig`` or a
-    dict with ``model_type``) or an nn.Module."""
+    dict with ``model_type``) or an nn.Module; ``images``: a multimodal model's image-text class, fed that many
+    images per sequence (:func:`_hf_image_text`)."""
+    if images is not None and (not isinstance(images, int) or isinstance(images, bool) or images < 1):
+        raise InputError(f"images={images!r} is not a positive integer (images per sequence). Fix: e.g. images=1, "
+                         "or leave images out for a text-only prompt")
+    if images is not None and isinstance(model, nn.Module):
+        raise InputError(f"images={images} is for multimodal Hugging Face models; an nn.Module takes input_shapes. "
+                         "Fix: leave images out and give the pixel values' shape in input_shapes")
     if head is not None and head not in HEADS:
         raise ModelError(f"head={head!r} is not known; use one of {', '.join(HEADS)} or None (the config's architectures)")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -294,13 +305,17 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
                              "(e.g. transformers.GPT2Config(n_layer=6)) or a dict with 'model_type' and its fields")
         model_type = cfg.pop("model_type")
         name = str(cfg.get("_name_or_path") or model_type)
-        return _hf(name, model_type, cfg, head, attn_implementation, dtype, image_size, moe_kernels, grouped_gemm)
+        return _hf(name, model_type, cfg, head, attn_implementation, dtype, image_size, moe_kernels, grouped_gemm,
+                   images=images)
     name = str(model)
     if input_shapes and not (MODULE_REF.match(name) and not Path(name).expanduser().exists()):
         raise InputError(f"input_shapes={input_shapes!r} is for an nn.Module (or 'package.module:Class'); model={name!r} "
                          "builds its own inputs. Fix: leave input_shapes out")
     key = PRESET_ALIASES.get(name.lower(), name.lower())
     if key in CNN_PRESETS:
+        if images is not None:
+            raise InputError(f"images={images} is for multimodal models (LLaVA, Gemma 3, PaliGemma, ...); {key} is a "
+                             "CNN, fed a batch of images by batch_size. Fix: leave images out")
         if head not in (None, "image-classification"):
             raise ModelError(f"head={head!r} is for Hugging Face models; {key} is a CNN preset with its own "
                              "classifier. Fix: leave head out")
@@ -308,25 +323,29 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
         return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
-                   grouped_gemm)
+                   grouped_gemm, images=images)
     path = Path(name).expanduser()
     if path.suffix == ".json" or path.exists():
         cfg = _read_config_json(path)
         return _hf(path.name if path.is_dir() else path.stem, cfg.pop("model_type"), cfg, head, attn_implementation,
-                   dtype, image_size, moe_kernels, grouped_gemm)
+                   dtype, image_size, moe_kernels, grouped_gemm, images=images)
     if MODULE_REF.match(name):
+        if images is not None:
+            raise InputError(f"images={images} is for multimodal Hugging Face models; {name} is a module, which "
+                             "takes input_shapes. Fix: leave images out and give the pixel values' shape in "
+                             "input_shapes")
         return _from_module(_import_module_ref(name), input_shapes, dtype)
     cached = _cached_hub_config(name)
     if cached is not None:
         built = _hf(name, cached.pop("model_type"), cached, head, attn_implementation, dtype, image_size,
-                    moe_kernels, grouped_gemm)
+                    moe_kernels, grouped_gemm, images=images)
         built.notes.insert(0, f"{name}: its config.json from the local Hugging Face cache")
         return built
     preset = _preset_of_hub_name(name)
     if preset is not None:
         model_type, kwargs = HF_PRESETS[preset]
         built = _hf(preset, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
-                    grouped_gemm)
+                    grouped_gemm, images=images)
         built.notes.insert(0, f"{name!r} built as the preset {preset}, the same architecture (its own config.json, "
                               "as a path, would give the exact one)")
         return built
@@ -473,7 +492,7 @@ def _is_vision(config: Any) -> bool:
 
 def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, attn: str, dtype: torch.dtype,
         image_size: int | None = None, moe_kernels: str = "auto", grouped_gemm: bool = False,
-        lm_head: dict[str, Any] | None = None) -> BuiltModel:
+        lm_head: dict[str, Any] | None = None, images: int | None = None) -> BuiltModel:
     import transformers
     from transformers import AutoConfig
 
@@ -491,7 +510,13 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     if vision:
         return _hf_vision(name, model_type, config, head, architectures, attn, dtype, image_size, transformers)
     text = getattr(config, "text_config", None)
-    if not hasattr(config, "vocab_size") and hasattr(text, "vocab_size") and getattr(text, "model_type", None):
+    multimodal = not hasattr(config, "vocab_size") and hasattr(text, "vocab_size") and getattr(text, "model_type", None)
+    if images is not None and getattr(config, "vision_config", None) is None:
+        raise InputError(f"images={images} is for multimodal models with an image encoder (LLaVA, Gemma 3, "
+                         f"PaliGemma, InternVL, ...); {name!r} ({model_type}) has none. Fix: leave images out")
+    if images is not None:
+        return _hf_image_text(name, model_type, config, head, attn, dtype, images, moe_kernels, grouped_gemm)
+    if multimodal:
         # a multimodal model (Gemma 3, Llama 4, Qwen3.5, Mistral 3, LLaVA, ...): its language model, as a text-only
         # prompt runs it; the image / audio encoders run only on those inputs and are not traced
         towers = [k.replace("_config", "") for k in ("vision_config", "audio_config", "speech_config")
@@ -533,28 +558,8 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     module = _build_hf(cls, config, name, attn, dtype)
     _strays_to_meta(module, dtype)
     is_seq2seq = bool(getattr(config, "is_encoder_decoder", False))
-    chosen = False    # whether moe_kernels chose the kernels of some experts layer
-    if model_type == "switch_transformers":
-        from neusight.graph.moe import fix_switch_capacity
-
-        notes.append(fix_switch_capacity(module, config))
-    else:
-        from neusight.graph.moe import (fix_llama4_experts, fix_routed_experts, fix_size_list_gates,
-                                        fix_zero_compute_experts)
-
-        kernels_notes = [fix_llama4_experts(module, moe_kernels), fix_routed_experts(module, moe_kernels, grouped_gemm)]
-        chosen = any(kernels_notes)
-        for routed in kernels_notes + [fix_size_list_gates(module), fix_zero_compute_experts(module)]:
-            if routed:
-                notes.append(routed)
-    if moe_kernels != "auto" and not chosen:
-        raise InputError(f"moe_kernels={moe_kernels!r} chooses the kernels of top-k routed experts layers (Mixtral, "
-                         f"Qwen-MoE, DeepSeek, gpt-oss, Llama 4, ...); {type(module).__name__} (model {name!r}) has "
-                         "none" + (": Switch Transformers' experts run as transformers runs them"
-                                   if model_type == "switch_transformers" else "") + ". Fix: leave moe_kernels out")
-    max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if model_type in ("t5", "switch_transformers") or not (isinstance(max_len, int) and max_len > 0):
-        max_len = None  # relative position buckets (or XLNet's -1: no limit): any length
+    notes.extend(_route_experts(module, config, model_type, name, moe_kernels, grouped_gemm))
+    max_len = _max_positions(config, model_type)
     vocab = config.vocab_size
     kind_name = type(module).__name__
 
@@ -566,8 +571,131 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
             kw["decoder_attention_mask"] = torch.ones(batch, seq, dtype=torch.long, device="meta")
         return (), kw
 
+    loss = _token_loss(vocab)
+
+    if bare and lm_head is not None and head in (None, "causal-lm") and not is_seq2seq and \
+            hasattr(module, "get_input_embeddings"):
+        module = TextModelWithLMHead(module, vocab, tied=lm_head["tied"], dtype=dtype)
+        notes.append(f"{kind_name} has no causal-LM class: traced with the LM head {lm_head['owner']}'s model "
+                     "puts on it (" + ("tied to the token embeddings" if lm_head["tied"] else "weights of its own")
+                     + "), on the positions logits_to_keep asks for")
+        bare = False
+    notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
+    if bare:
+        notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
+                        "of its output stands in for the loss")
+    return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+
+
+def _hf_image_text(name: str, model_type: str, config: Any, head: str | None, attn: str, dtype: torch.dtype,
+                   images: int, moe_kernels: str, grouped_gemm: bool) -> BuiltModel:
+    """A multimodal model as its image-text class runs a prompt of ``images`` images per sequence: the image encoder
+    and its projector on every image (``pixel_values`` of the encoder's fixed size), the features put into the
+    token embeddings at the image tokens' positions, then the language model and its head over the whole sequence,
+    as ``...ForConditionalGeneration.forward`` computes it (the image tokens are part of ``seq_len``). An encoder
+    that takes more than fixed-size pixel values (image sizes, tiles, patch grids, a second prompt) is refused."""
+    import transformers
+
+    if head not in (None, "causal-lm"):
+        raise InputError(f"head={head!r}: images= traces {model_type}'s image-text class, whose head is its "
+                         "language model's. Fix: leave head out")
+    cls = transformers.AutoModelForImageTextToText._model_mapping.get(type(config), None)
+    if cls is None:
+        raise ModelError(f"images={images}: transformers has no image-text-to-text class for {model_type}. Fix: "
+                         "leave images out to forecast its language model on a text-only prompt")
+    vision, text = config.vision_config, getattr(config, "text_config", None) or config
+    size = getattr(vision, "image_size", None)
+    side = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (list, tuple)) else ()
+    channels = getattr(vision, "num_channels", 3)
+    module = _build_hf(cls, config, name, attn, dtype)
+    _strays_to_meta(module, dtype)
+    notes = _route_experts(module, text, text.model_type, name, moe_kernels, grouped_gemm)
+    tokens, why = None, f"its vision config gives no image_size of two sides but {size!r}"
+    if len(side) == 2 and hasattr(module, "get_image_features"):
+        one = torch.zeros(1, channels, *side, dtype=dtype, device="meta")
+        try:
+            with torch.no_grad(), transformers_checks_off():
+                tokens = _feature_rows(module.get_image_features(pixel_values=one), text.hidden_size)
+            why = f"its features are not token embeddings of the language model's width, {text.hidden_size}"
+        except Exception as e:   # an encoder that needs more than the pixels: say what transformers said
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not tokens:
+        raise ModelError(f"images={images}: {cls.__name__}'s image encoder ({vision.model_type}) cannot be traced on "
+                         f"fixed-size pixel values alone ({why}); images= covers the encoders that can (LLaVA, "
+                         "Gemma 3, PaliGemma, InternVL, Aya Vision, ...). Fix: leave images out to forecast its "
+                         "language model on a text-only prompt")
+
+    def make_inputs(batch: int, seq: int | None) -> tuple[tuple, dict]:
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")   # (B, T), the image tokens among them
+        pixels = torch.zeros(batch * images, channels, *side, dtype=dtype, device="meta")
+        return (), {"input_ids": ids, "pixel_values": pixels}
+
+    many = "s" if images > 1 else ""
+    notes.insert(0, f"{cls.__name__} from a {model_type} config, attn_implementation={attn}: {images} image{many} of "
+                    f"{side[0]}x{side[1]} per sequence through its {vision.model_type} encoder and projector, "
+                    f"{tokens} positions of the sequence each (its image tokens; the rest of seq_len is text)")
+    return BuiltModel(name, module, "hf", make_inputs, _token_loss(text.vocab_size), True,
+                      _max_positions(text, text.model_type), notes, images=images, image_tokens=images * tokens)
+
+
+def _feature_rows(out: Any, hidden: int) -> int | None:
+    """How many token embeddings of width ``hidden`` ``get_image_features`` returned for one image: its tensor, its
+    list of per-image tensors, or the projected features an output object carries as ``pooler_output``."""
+    if not isinstance(out, (torch.Tensor, list, tuple)):
+        pooled = getattr(out, "pooler_output", None)
+        out = pooled if pooled is not None else getattr(out, "last_hidden_state", None)
+    parts = [out] if isinstance(out, torch.Tensor) else list(out or [])
+    if not parts or not all(isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == hidden for t in parts):
+        return None
+    return sum(t.numel() for t in parts) // hidden
+
+
+@contextlib.contextmanager
+def transformers_checks_off() -> Iterator[None]:
+    """transformers' data checks off (``TRANSFORMERS_DISABLE_TORCH_CHECK``, its switch for production): an image-text
+    model checks that its image tokens number its features, a count of values a meta tensor does not have."""
+    before = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)
+        else:
+            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
+
+
+def _route_experts(module: nn.Module, config: Any, model_type: str, name: str, moe_kernels: str,
+                   grouped_gemm: bool) -> list[str]:
+    """Set the kernels and the (balanced) routing of ``module``'s mixture-of-experts layers (:mod:`neusight.graph.moe`);
+    the notes that say what was chosen. ``moe_kernels`` other than "auto" on a model without routed experts is
+    refused."""
+    notes: list[str] = []
+    chosen = False    # whether moe_kernels chose the kernels of some experts layer
+    if model_type == "switch_transformers":
+        from neusight.graph.moe import fix_switch_capacity
+
+        notes.append(fix_switch_capacity(module, config))
+    else:
+        from neusight.graph.moe import (fix_llama4_experts, fix_routed_experts, fix_size_list_gates,
+                                        fix_zero_compute_experts)
+
+        kernels_notes = [fix_llama4_experts(module, moe_kernels), fix_routed_experts(module, moe_kernels, grouped_gemm)]
+        chosen = any(kernels_notes)
+        notes.extend(n for n in kernels_notes + [fix_size_list_gates(module), fix_zero_compute_experts(module)] if n)
+    if moe_kernels != "auto" and not chosen:
+        raise InputError(f"moe_kernels={moe_kernels!r} chooses the kernels of top-k routed experts layers (Mixtral, "
+                         f"Qwen-MoE, DeepSeek, gpt-oss, Llama 4, ...); {type(module).__name__} (model {name!r}) has "
+                         "none" + (": Switch Transformers' experts run as transformers runs them"
+                                   if model_type == "switch_transformers" else "") + ". Fix: leave moe_kernels out")
+    return notes
+
+
+def _token_loss(vocab: int) -> Callable[[Any, tuple, dict], torch.Tensor]:
+    """The training loss of a token model's output: cross-entropy over its main logits against its input ids, as
+    the NeuSight labels were measured."""
+
     def loss(out: Any, args: tuple, kw: dict) -> torch.Tensor:
-        # Cross-entropy over the main logits, as the NeuSight labels were measured.
         logits = getattr(out, "logits", None)
         logits = getattr(out, "prediction_logits", None) if logits is None else logits
         if logits is None:   # a bare encoder (no task head exists for it): the mean of its output stands in
@@ -582,18 +710,15 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
             target = ids.reshape(-1) % vocab
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target)
 
-    if bare and lm_head is not None and head in (None, "causal-lm") and not is_seq2seq and \
-            hasattr(module, "get_input_embeddings"):
-        module = TextModelWithLMHead(module, vocab, tied=lm_head["tied"], dtype=dtype)
-        notes.append(f"{kind_name} has no causal-LM class: traced with the LM head {lm_head['owner']}'s model "
-                     "puts on it (" + ("tied to the token embeddings" if lm_head["tied"] else "weights of its own")
-                     + "), on the positions logits_to_keep asks for")
-        bare = False
-    notes.insert(0, f"{kind_name} from a {model_type} config, attn_implementation={attn}")
-    if bare:
-        notes.insert(1, f"{kind_name} has no task head: traced without an output projection; in training the mean "
-                        "of its output stands in for the loss")
-    return BuiltModel(name, module, "hf", make_inputs, loss, True, max_len, notes)
+    return loss
+
+
+def _max_positions(config: Any, model_type: str) -> int | None:
+    """The most positions ``config``'s model takes; None for any length (relative position buckets, XLNet's -1)."""
+    max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if model_type in ("t5", "switch_transformers") or not (isinstance(max_len, int) and max_len > 0):
+        return None
+    return max_len
 
 
 class TextModelWithLMHead(nn.Module):

@@ -36,7 +36,7 @@ from neusight.graph import fastmeta
 from neusight.graph.amp import Autocast, amp_dtype, model_dtype
 from neusight.graph.graph import SELECTIVE, Graph
 from neusight.graph.layout import check_memory_format
-from neusight.graph.models import BuiltModel, TextModelWithLMHead, build_model
+from neusight.graph.models import BuiltModel, TextModelWithLMHead, build_model, transformers_checks_off
 from neusight.graph.records import OpCall, OpRecord, TensorMeta
 from neusight.kernels.base import Family
 from neusight.kernels.registry import build_kernels
@@ -955,10 +955,15 @@ def _check_run(built: BuiltModel, batch_size: int, seq_len: int | None, mode: st
     if optimizer is not None and str(optimizer).lower() not in OPTIMIZERS:
         raise InputError(f"optimizer={optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)} or None")
     if built.needs_seq_len:
-        if seq_len is None:
-            seq_len = min(built.max_seq_len or 512, 512)
+        if seq_len is None:   # 512 positions, or 512 of text after a multimodal prompt's image tokens
+            seq_len = min(built.max_seq_len or 512 + built.image_tokens, 512 + built.image_tokens)
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise InputError(f"seq_len={seq_len!r} is not a positive integer; use seq_len >= 1")
+        if seq_len < built.image_tokens:
+            raise InputError(f"seq_len={seq_len} cannot hold the {built.image_tokens} image tokens of images="
+                             f"{built.images} ({built.image_tokens // built.images} per image); seq_len counts every "
+                             f"position of the sequence, image tokens and text. Fix: seq_len >= {built.image_tokens}, "
+                             "e.g. " + str(built.image_tokens + 512) + " for 512 text tokens, or fewer images")
         if built.max_seq_len and seq_len * parts > built.max_seq_len:
             raise InputError(f"seq_len={seq_len * parts} exceeds {built.name}'s maximum of {built.max_seq_len} "
                              f"positions; use seq_len <= {built.max_seq_len}")
@@ -981,7 +986,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
           lora_targets: list[str] | tuple[str, ...] | None = None, moe_kernels: str = "auto",
           ssm_kernels: str = "fused", device: Any = None, static_cache: bool = False,
           kv_cache_dtype: str | None = None, memory_format: str = "contiguous", context_parallel: int = 1,
-          logits_to_keep: int | None = None, **unknown: Any) -> Graph:
+          logits_to_keep: int | None = None, images: int | None = None, **unknown: Any) -> Graph:
     """Trace ``model`` into the aten ops of one inference pass or one training step.
 
     Parameters
@@ -1085,6 +1090,11 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         attention layers' cache stored in FP8 (``fp8`` = e4m3), as serving engines' ``kv_cache_dtype`` does: half
         the bytes of a 16-bit cache in memory and in every attention's reads; each step's new keys and values are
         cast into it (sliding-window layers' buffers too). State-space layers' states keep the model's dtype.
+    images : int, optional
+        A multimodal model (LLaVA, Gemma 3, PaliGemma, InternVL, ...) as its image-text class runs a prompt with
+        this many images per sequence: the image encoder and projector on each image (pixel values of the encoder's
+        fixed size), their features at the image tokens' positions, then the language model over all ``seq_len``
+        positions (image tokens included). Default: its language model on a text-only prompt.
     logits_to_keep : int, optional
         A causal LM's head on the last ``logits_to_keep`` positions only (transformers' forward argument of that
         name), as ``generate()`` runs a prompt's prefill (it asks for the last token's logits). Default: every
@@ -1125,7 +1135,9 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
         device = load_device(device)
     built = build_model(model, head=head, attn_implementation=attn_implementation, image_size=image_size,
                         input_shapes=input_shapes, dtype=torch_dtype, moe_kernels=moe_kernels,
-                        grouped_gemm=grouped_gemm_runs(device, torch_dtype))
+                        grouped_gemm=grouped_gemm_runs(device, torch_dtype), images=images)
+    if images is not None:
+        _check_image_run(images, kv_cache, tensor_parallel, expert_parallel, context_parallel)
     if not isinstance(context_parallel, int) or isinstance(context_parallel, bool) or context_parallel < 1:
         raise InputError(f"context_parallel={context_parallel!r} is not a positive integer. Fix: e.g. "
                          "context_parallel=1 (the whole sequence)")
@@ -1237,7 +1249,8 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     with _cycles_paused():
         try:
             with rng_ctx, drop_ctx as dropped, grad_ctx, tracker, paths, rec, recompute_ctx, ssm_ctx as fused_names:
-                with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext():
+                with Autocast(amp_t) if amp_t is not None else contextlib.nullcontext(), \
+                        transformers_checks_off() if built.images else contextlib.nullcontext():
                     out = module(*args, **kwargs)
                     forward_calls = dispatch_calls(module)
                     held = _held_tensors(out)
@@ -1321,7 +1334,7 @@ def trace(model: Any, batch_size: int = 1, seq_len: int | None = None, mode: str
     return Graph(model=built.name, mode=mode, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer if training else None,
                  dtype=str(torch_dtype).removeprefix("torch."), ops=rec.ops, notes=notes,
                  params=params, grads=grads, buffers=buffers, optimizer_state=state, held=held,
-                 image_size=built.image_size, param_names=[n for n, _ in named],
+                 image_size=built.image_size, images=built.images, param_names=[n for n, _ in named],
                  keeps_grads=bool(zero_grad and opt is not None),
                  amp=amp_name, kv_cache=kv_cache or None, gradient_checkpointing=ckpt,
                  lora_rank=lora_rank if adapted else None, model_kind=built.kind, expert_dispatch=dispatch,
@@ -1862,6 +1875,22 @@ class _FusedAdam(torch.optim.AdamW):
             op(ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [],
                [s["step"] for s in st], lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                eps=group["eps"], amsgrad=False, maximize=False)
+
+
+def _check_image_run(images: int, kv_cache: int | None, tensor_parallel: int, expert_parallel: int,
+                     context_parallel: int) -> None:
+    """What a trace with ``images`` does not model, refused: the images go through the encoder in a prompt's
+    forward pass (a prefill), on one GPU's whole model."""
+    if kv_cache:
+        raise InputError(f"images={images} with kv_cache={kv_cache}: the images are encoded in the prompt's prefill, "
+                         "and a decode step reads them from the cache as any other token. Fix: forecast the prefill "
+                         "with images (no kv_cache), the decode steps without images")
+    split = {"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel,
+             "context_parallel": context_parallel}
+    for name, n in split.items():
+        if n != 1:
+            raise InputError(f"images={images} with {name}={n}: splitting an image encoder over GPUs is not modelled. "
+                             f"Fix: {name}=1 (data or pipeline parallelism), or leave images out")
 
 
 def _refuse_options(unknown: dict[str, Any]) -> None:
