@@ -714,7 +714,8 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     """Longest sequence (a multiple of ``step``) whose forecast memory peak fits on ``device`` at ``batch_size``.
 
     The same search as :func:`find_max_batch`, over multiples of ``step`` up to ``max_seq_len`` (default: the
-    model's maximum positions, else 1 << 20). Assumes memory grows with the sequence. Returns 0 if ``step``
+    model's maximum positions, else 1 << 20); with ``images`` (a multimodal prompt), its image tokens and a multiple
+    of ``step`` of text. Assumes memory grows with the sequence. Returns 0 if ``step``
     tokens do not fit. ``zero`` / ``dp`` / ``fused`` / ``traces`` / ``cp`` / ``cp_comm`` as in :func:`find_max_batch`
     (``batch_size`` is then one replica's; with ``cp`` each GPU holds multiples of ``step`` tokens of a sequence
     ``cp`` times as long, which is what is returned).
@@ -724,10 +725,11 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
 
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise InputError(f"step={step!r} is not a positive integer; use e.g. step=64")
-    built = build_model(model, **{k: trace_kwargs[k] for k in ("head", "attn_implementation", "input_shapes")
+    built = build_model(model, **{k: trace_kwargs[k] for k in ("head", "attn_implementation", "input_shapes", "images")
                                   if trace_kwargs.get(k) is not None})
     if not built.needs_seq_len:
         raise InputError(f"{built.name} takes no sequence length. Fix: find_max_batch for its batch size")
+    images = built.image_tokens    # a multimodal prompt's image tokens (images=): the search is over the text beside
     Parallelism(cp=cp, cp_comm=cp_comm)          # its own checks of cp
     if cp > 1 and cp_comm != "a2a" and step % 2:
         raise InputError(f"step={step} with cp={cp}: each GPU's part of a sequence is two chunks, so an even "
@@ -735,13 +737,13 @@ def find_max_seq_len(model: Any, device: Any, *, batch_size: int = 1, mode: str 
     if max_seq_len is not None and built.max_seq_len and max_seq_len > built.max_seq_len:
         raise InputError(f"max_seq_len={max_seq_len} exceeds {built.name}'s maximum of {built.max_seq_len} positions. "
                          f"Fix: max_seq_len <= {built.max_seq_len}, or leave it out to search up to it")
-    cap = (max_seq_len or built.max_seq_len or 1 << 20) // cp
+    cap = ((max_seq_len or built.max_seq_len or 1 << 20) - images) // cp
     if cap < step:
         return 0
-    return cp * step * _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=n * step), "seq_len", cap // step,
-                                    model, device, mode,
-                                    {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero, dp * cp,
-                                    fused, traces, cp_comm)
+    n = _largest_fit(lambda n: dict(batch_size=batch_size, seq_len=images + n * step), "seq_len", cap // step,
+                     model, device, mode, {**trace_kwargs, **({"context_parallel": cp} if cp > 1 else {})}, zero,
+                     dp * cp, fused, traces, cp_comm)
+    return images + cp * step * n if n else 0
 
 
 

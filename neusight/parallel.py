@@ -1010,6 +1010,10 @@ def predict_parallel(model: Any, device: Device | str, batch_size: int, seq_len:
     if megatron and training:
         optimizer = optimizer or "adamw-fused"
         trace_kwargs = {"clip_grad_norm": 1.0, "zero_grad": True, **trace_kwargs}
+    if pp > 1 and trace_kwargs.get("images") is not None:
+        raise InputError(f"pp={pp} with images={trace_kwargs['images']}: how pipeline stages share an image encoder's "
+                         "layers and the language model's is not modelled (its blocks would be split evenly, as if "
+                         "of equal cost). Fix: pp=1 (data parallelism), or leave images out")
     if cp > 1:
         if megatron:
             raise ContextParallelError(f"cp={cp} with megatron=True is not modelled (Megatron-LM's kernels here are "

@@ -10,7 +10,10 @@ config class's defaults with its layer counts set to 2 and traced for one traini
 again at 8, then at its config's own layer count: hybrid models place their attention layers by index
 (Qwen3-Next every 4th, Jamba from the 5th, Bamba's list of indices), and two layers can hold none. A causal LM
 or multimodal type that traces is also traced for one generation step with a KV cache at the same layer count
-(column ``decode step``). Each failure is put in one class by its message:
+(column ``decode step``), and a type with an image encoder (a ``vision_config``) that traces is traced for one
+inference pass with one image per sequence (``images=1``: its image encoder on fixed-size pixel values, the image
+tokens among the positions; column ``images``, with the tokens an image fills). Each failure is put in one class by
+its message:
 
 - ``config``: the config class's own defaults do not build a model (a field left None, a check of
   transformers' that its defaults fail); a user's real config.json sets those fields.
@@ -152,6 +155,30 @@ def decode_step(model_type: str, layers: int | None) -> str:
     return "yes"
 
 
+def _has_vision(model_type: str) -> bool:
+    """Whether the type's config defaults have an image encoder's config (``vision_config``)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.for_model(model_type), "vision_config", None) is not None
+
+
+def image_step(model_type: str, layers: int | None) -> str:
+    """Whether an inference pass with one image per sequence traces (batch 2, 512 text tokens after the image's),
+    at the layer count the training step traced at (the image encoder at its config's own): "yes: <n> tokens" or
+    "no: <the failure>" (for the encoders images= refuses, transformers' reason)."""
+    try:
+        with _time_limit():
+            g = neusight.trace(_config(model_type, layers), batch_size=BATCH, images=1)
+    except _Timeout:
+        return f"no: no trace within {TIMEOUT_S} s"
+    except Exception as e:  # noqa: BLE001 - the failure is the finding
+        if _TIMED_OUT[0]:
+            return f"no: no trace within {TIMEOUT_S} s"
+        why = re.search(r"alone \((.*)\); images= covers", str(e))
+        return f"no: {(why[1] if why else type(e).__name__ + ': ' + str(e).splitlines()[0])[:80]}"
+    return f"yes: {g.seq_len - 512} tokens"
+
+
 def try_one(model_type: str, kind: str = "") -> dict:
     row: dict[str, Any] = {"model_type": model_type}
     message = ""
@@ -174,6 +201,7 @@ def try_one(model_type: str, kind: str = "") -> dict:
         return {**row, "traces": "yes", "layers": layers or "default", "kernels": len(g.kernels),
                 "unmodeled": " ".join(sorted({op.removeprefix("aten.").split(".")[0] for op in g.unmodeled})),
                 "decode step": decode_step(model_type, layers) if kind in DECODERS else "",
+                "images": image_step(model_type, layers) if _has_vision(model_type) else "",
                 "trace s": seconds, "class": "", "first note / failure": g.notes[0][:110]}
     return {**row, "traces": "no", "class": classify(message), "first note / failure": message[:160]}
 
@@ -202,6 +230,13 @@ def render(df: pd.DataFrame, seconds: float, version: str) -> str:
               f"{len(steps)} of those kinds that trace trace it, {int((steps == 'refused').sum())} are refused with "
               "one line (no decoder-only causal LM with a cache: encoder-decoders, models without cache support), "
               f"{int(steps.str.startswith('no').sum())} fail (column `decode step`).", ""]
+    pictures = ok["images"].fillna("")
+    pictures = pictures[pictures != ""]
+    lines += [f"An inference pass with one image per sequence (`images=1`, batch {BATCH}, 512 text tokens after the "
+              f"image's): {int(pictures.str.startswith('yes').sum())} of the {len(pictures)} types with an image "
+              "encoder (a `vision_config`) that trace trace it; the others' image encoders take more than fixed-size "
+              "pixel values (image sizes, patch grids, tiles, a second prompt) or fail as the column says (column "
+              "`images`).", ""]
     failed = df[df["traces"] == "no"]
     if len(failed):
         by = failed.groupby("class")["model_type"].apply(lambda s: ", ".join(s)).reset_index()
@@ -234,8 +269,8 @@ def main() -> None:
     for i, (t, kind) in enumerate(kinds.items()):
         rows.append({"kind": kind, **try_one(t, kind)})
         print(f"[{i + 1}/{len(kinds)}] {t}: {rows[-1]['traces']} {rows[-1].get('class', '')}", flush=True)
-    cols = ["model_type", "kind", "traces", "layers", "kernels", "unmodeled", "decode step", "trace s", "class",
-            "first note / failure"]
+    cols = ["model_type", "kind", "traces", "layers", "kernels", "unmodeled", "decode step", "images", "trace s",
+            "class", "first note / failure"]
     df = pd.DataFrame(rows).reindex(columns=cols)
     text = render(df, time.perf_counter() - t0, transformers.__version__)
     atomic_write_text(args.out, text)

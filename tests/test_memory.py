@@ -579,6 +579,25 @@ def test_find_max_seq_len_brackets_the_limit(tmp_path):
         find_max_seq_len("resnet18", small, mode="training")
 
 
+def test_find_max_seq_len_with_images_counts_their_tokens_and_searches_the_text():
+    """images=2 of a LLaVA whose encoder gives 16 tokens per image: the longest sequence is those 32 tokens and a
+    multiple of 64 of text (a whole multiple of 64 would leave the text 32 tokens short of one); the fit brackets
+    the limit as for a text model."""
+    cfg = {"model_type": "llava", "image_token_index": 500,
+           "text_config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512,
+                           "max_position_embeddings": 8192},
+           "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}}
+    small = dataclasses.replace(load_device("l4"), memory_gib=2.0)
+    kw = dict(batch_size=4, mode="training", optimizer="adamw", images=2)
+    best = find_max_seq_len(json.loads(json.dumps(cfg)), small, **kw)
+    assert 32 < best < 8192 and (best - 32) % 64 == 0
+    fits = {n: estimate_memory(neusight.trace(json.loads(json.dumps(cfg)), seq_len=n, **kw), small).fits
+            for n in (best, best + 64)}
+    assert fits == {best: True, best + 64: False}
+
+
 def test_find_max_seq_len_of_an_nn_module_with_token_inputs():
     class LM(nn.Module):
         def __init__(self):

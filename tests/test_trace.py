@@ -1219,6 +1219,16 @@ def test_images_of_a_composite_config_with_its_own_vocabulary():
     assert g.flops(None, ("conv",)) > 0 == text_only.flops(None, ("conv",))
 
 
+@pytest.mark.parametrize("name, billions", [("llava-1.5-7b", 7.06), ("llava-1.5-13b", 13.4)])
+def test_llava_presets_have_their_published_sizes_and_image_tokens(name, billions):
+    """llava-hf's model cards: 7.06B / 13.4B parameters (the vision tower and projector included); 576 tokens per
+    336 x 336 image (24 x 24 patches of 14)."""
+    g = neusight.trace(name, batch_size=1, seq_len=600, images=1)
+    assert sum(t.numel for t in g.params) / 1e9 == pytest.approx(billions, rel=0.005)
+    assert ("1 image of 336x336 per sequence through its clip_vision_model encoder and projector, 576 positions"
+            in g.notes[0])
+
+
 @pytest.mark.parametrize("model,kw,error,fragment", [
     (_TINY_LLAVA, dict(seq_len=64, kv_cache=63), InputError, r"images=1 with kv_cache=63: the images are encoded in"),
     (_TINY_LLAVA, dict(seq_len=64, tensor_parallel=2), InputError, r"images=1 with tensor_parallel=2: splitting"),
@@ -1231,6 +1241,14 @@ def test_images_of_a_composite_config_with_its_own_vocabulary():
 def test_image_runs_not_modelled_are_refused(model, kw, error, fragment):
     with pytest.raises(error, match=fragment):
         neusight.trace(copy.deepcopy(model), batch_size=1, images=1, **kw)
+
+
+def test_images_with_pipeline_stages_are_refused_and_data_parallel_replicas_run():
+    with pytest.raises(InputError, match=r"pp=2 with images=1: how pipeline stages share an image encoder's layers"):
+        neusight.predict_parallel(dict(_TINY_LLAVA), "h100-sxm5-80gb", 4, 64, "training", pp=2, microbatches=2,
+                                  images=1)
+    replicas = neusight.predict_parallel(dict(_TINY_LLAVA), "h100-sxm5-80gb", 4, 64, "training", dp=2, images=1)
+    assert replicas.per_gpu.graph.images == 1
 
 
 def test_images_in_generation_are_refused():

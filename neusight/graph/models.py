@@ -194,6 +194,23 @@ HF_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                rms_norm_eps=1e-5, tie_word_embeddings=False))
        for size, experts, step, qk_norm, positions in (("scout", 16, 1, True, 10485760),
                                                        ("maverick", 128, 2, False, 1048576))},
+    # LLaVA-1.5 7B / 13B (Liu et al. 2024, from llava-hf's published config.json files): CLIP ViT-L/14 at 336 x 336
+    # (its second-to-last layer's 576 patch features, the class token dropped), a two-layer GELU projector, Vicuna
+    # v1.5 (Llama 2's layout; 64 more token embeddings, the image token among them). images= runs the encoder;
+    # without it, the language model on a text-only prompt.
+    **{f"llava-1.5-{size}": ("llava", dict(architectures=["LlavaForConditionalGeneration"], image_token_index=32000,
+                                           vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                           projector_hidden_act="gelu", tie_word_embeddings=False,
+                                           text_config=dict(model_type="llama", hidden_size=hidden,
+                                                            intermediate_size=inter, num_hidden_layers=layers,
+                                                            num_attention_heads=heads, num_key_value_heads=heads,
+                                                            vocab_size=32064, max_position_embeddings=4096,
+                                                            rms_norm_eps=1e-5, tie_word_embeddings=False),
+                                           vision_config=dict(model_type="clip_vision_model", hidden_size=1024,
+                                                              intermediate_size=4096, num_hidden_layers=24,
+                                                              num_attention_heads=16, image_size=336, patch_size=14,
+                                                              projection_dim=768, hidden_act="quick_gelu")))
+       for size, hidden, inter, layers, heads in (("7b", 4096, 11008, 32, 32), ("13b", 5120, 13824, 40, 40))},
     # Vision Transformers (Dosovitskiy et al. 2021, Table 1: ViT-Base / ViT-Large, patch 16) at 224 x 224 with the
     # ImageNet-1k classifier.
     "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -322,7 +339,7 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return _vision(key, image_size, dtype)
     if key in HF_PRESETS:
         model_type, kwargs = HF_PRESETS[key]
-        return _hf(key, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
+        return _hf(key, model_type, copy.deepcopy(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
                    grouped_gemm, images=images)
     path = Path(name).expanduser()
     if path.suffix == ".json" or path.exists():
@@ -344,8 +361,8 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     preset = _preset_of_hub_name(name)
     if preset is not None:
         model_type, kwargs = HF_PRESETS[preset]
-        built = _hf(preset, model_type, dict(kwargs), head, attn_implementation, dtype, image_size, moe_kernels,
-                    grouped_gemm, images=images)
+        built = _hf(preset, model_type, copy.deepcopy(kwargs), head, attn_implementation, dtype, image_size,
+                    moe_kernels, grouped_gemm, images=images)
         built.notes.insert(0, f"{name!r} built as the preset {preset}, the same architecture (its own config.json, "
                               "as a path, would give the exact one)")
         return built
@@ -610,12 +627,17 @@ def _hf_image_text(name: str, model_type: str, config: Any, head: str | None, at
     module = _build_hf(cls, config, name, attn, dtype)
     _strays_to_meta(module, dtype)
     notes = _route_experts(module, text, text.model_type, name, moe_kernels, grouped_gemm)
+    # the class's own encoder-and-projector call (on the composite, or on its inner model: DeepSeek-VL, Janus)
+    features = getattr(module, "get_image_features", None) or getattr(getattr(module, "model", None),
+                                                                      "get_image_features", None)
     tokens, why = None, f"its vision config gives no image_size of two sides but {size!r}"
-    if len(side) == 2 and hasattr(module, "get_image_features"):
+    if features is None:
+        why = f"{cls.__name__} has no get_image_features"
+    elif len(side) == 2:
         one = torch.zeros(1, channels, *side, dtype=dtype, device="meta")
         try:
             with torch.no_grad(), transformers_checks_off():
-                tokens = _feature_rows(module.get_image_features(pixel_values=one), text.hidden_size)
+                tokens = _feature_rows(features(pixel_values=one), text.hidden_size)
             why = f"its features are not token embeddings of the language model's width, {text.hidden_size}"
         except Exception as e:   # an encoder that needs more than the pixels: say what transformers said
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
