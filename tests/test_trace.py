@@ -1189,6 +1189,7 @@ def test_images_run_the_image_encoder_and_projector_before_the_language_model(mo
     assert sum(t.numel for t in text_only.params) < sum(t.numel for t in g.params)
     reference = flop_counter_total(build_model(dict(_TINY_LLAVA), images=2), mode, 2, 48)
     assert g.flops(None, ("linear", "bmm", "conv")) == pytest.approx(reference, rel=0.01)
+    assert g.unmodeled == []     # the features' scatter into the embeddings and, in training, its gradient
 
 
 def test_images_take_an_encoders_pooled_token_count():
