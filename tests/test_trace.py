@@ -1290,6 +1290,21 @@ def test_a_language_model_without_a_causal_lm_class_gets_its_composite_models_he
     assert step.flops(families=("bmm",)) > 0
 
 
+def test_a_models_own_cache_class_is_filled_by_a_prefill_for_a_decode_step():
+    """MiniMax takes only its own MiniMaxCache (its lightning-attention layers' states beside the keys and values):
+    the decode step gets that cache as a prefill of the context leaves it (before: transformers refused the plain
+    DynamicCache). The full-attention layer reads the 63 cached tokens and the new one, the lightning layer its
+    (heads, head_dim, head_dim) state, held as the step's input."""
+    cfg = {"model_type": "minimax", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"],
+           "block_size": 16}
+    g = neusight.trace(cfg, batch_size=2, seq_len=1, kv_cache=63)
+    scores = g.kernels[(g.kernels["module"] == "model.layers.1.self_attn") & (g.kernels["family"] == "bmm")]
+    assert [d[-1] for d in scores["dims"]][:1] == [64]
+    assert {(2, 4, 16, 16), (2, 2, 64, 16)} <= {tuple(t.shape) for t in g.held}
+
+
 def test_a_sparse_attention_indexer_caches_its_keys_for_a_decode_step():
     """DeepSeek-V3.2's attention (transformers' DynamicIndexedLayer): a decode step's cache holds the indexer's
     keys beside the latent keys and values, and the indexer scores every cached token (before: transformers

@@ -1595,7 +1595,11 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
     from transformers import DynamicCache
 
     from_config = _config_cache(module)
-    if from_config is not None:
+    own = _own_cache_class(module)
+    if own is not None:   # a cache class of the model's own (MiniMax's): its state after a prefill
+        cache = own()
+        _prefill(module, cache, batch, length, amp)
+    elif from_config is not None:
         probe = from_config()
         _first_step(module, probe, amp)
         if all(_grows_from_probe(layer) for layer in probe.layers):
@@ -1628,6 +1632,30 @@ def _kv_cache_inputs(module: torch.nn.Module, batch: int, length: int, amp: torc
                                  "which is not modelled in place. Fix: leave static_cache out (transformers' "
                                  "dynamic cache)")
     return {"cache": cache, "use_cache": True}
+
+
+def _own_cache_class(module: torch.nn.Module) -> type | None:
+    """The cache class a model's forward takes if it is its own (a subclass of DynamicCache that its base model's
+    ``cache`` argument names, as MiniMax's, which keeps its lightning-attention layers' states beside the keys and
+    values and refuses any other cache), made without arguments; None for transformers' own caches."""
+    import types
+    import typing
+
+    from transformers import DynamicCache
+
+    for m in (module, getattr(module, "model", None)):
+        forward = getattr(m, "forward", None)
+        try:
+            hint = inspect.signature(forward).parameters["cache"].annotation if forward is not None else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        for kind in kinds:
+            if isinstance(kind, type) and issubclass(kind, DynamicCache) and kind is not DynamicCache and not any(
+                    p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    for p in list(inspect.signature(kind.__init__).parameters.values())[1:]):
+                return kind
+    return None
 
 
 def _grows_from_probe(layer: Any) -> bool:
