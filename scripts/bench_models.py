@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import neusight  # noqa: E402
 from neusight.cli.common import quiet_third_party_logs  # noqa: E402
 from neusight.e2e_eval import markdown_table  # noqa: E402
-from neusight.graph.models import build_model, flop_counter_total, list_models  # noqa: E402
+from neusight.graph.models import HF_PRESETS, build_model, flop_counter_total, list_models  # noqa: E402
 from neusight.util import atomic_write_text  # noqa: E402
 
 OUT = REPO / "docs" / "models.md"
@@ -209,6 +209,12 @@ def run() -> pd.DataFrame:
         kw = {} if vision else {"seq_len": SEQ}
         for mode in ("inference", "training"):
             rows.append(_row(name, "vision" if vision else "sequence", "preset", name, mode, kw, {}))
+        if HF_PRESETS.get(name, ("", {}))[1].get("vision_config"):    # a multimodal preset: with one image too
+            image = {"images": 1}
+            seq = SEQ + build_model(name, **image).image_tokens
+            for mode in ("inference", "training"):
+                rows.append(_row(f"{name} images=1", "image + sequence", "preset", name, mode,
+                                 {"seq_len": seq, **image}, image))
     with tempfile.TemporaryDirectory() as tmp:
         for model_type, (kind, cfg) in HF_CONFIGS.items():
             path = Path(tmp) / f"{model_type}.json"
