@@ -1236,6 +1236,7 @@ def test_llava_presets_have_their_published_sizes_and_image_tokens(name, billion
     (_TINY_LLAVA, dict(seq_len=64, head="masked-lm"), InputError, r"head='masked-lm': images= traces llava's"),
     ("gpt2", dict(seq_len=64), InputError, r"images=1 is for multimodal models with an image encoder .* 'gpt2'"),
     ("resnet18", {}, InputError, r"images=1 is for multimodal models .* resnet18 is a CNN"),
+    ("vit-base", {}, InputError, r"images=1 is for multimodal models with an image encoder .* 'vit-base' \(vit\)"),
     ({"model_type": "qwen2_vl"}, dict(seq_len=64), ModelError,
      r"Qwen2VLForConditionalGeneration's image encoder \(qwen2_vl_vision\) cannot be traced on fixed-size pixel"),
 ])

@@ -524,13 +524,13 @@ def _hf(name: str, model_type: str, kwargs: dict[str, Any], head: str | None, at
     if image_size is not None and not vision:
         raise InputError(f"image_size={image_size!r} is for image models; {name!r} ({model_type}) takes tokens: "
                          "leave image_size out and give seq_len")
+    if images is not None and getattr(config, "vision_config", None) is None:
+        raise InputError(f"images={images} is for multimodal models with an image encoder (LLaVA, Gemma 3, "
+                         f"PaliGemma, InternVL, ...); {name!r} ({model_type}) has none. Fix: leave images out")
     if vision:
         return _hf_vision(name, model_type, config, head, architectures, attn, dtype, image_size, transformers)
     text = getattr(config, "text_config", None)
     multimodal = not hasattr(config, "vocab_size") and hasattr(text, "vocab_size") and getattr(text, "model_type", None)
-    if images is not None and getattr(config, "vision_config", None) is None:
-        raise InputError(f"images={images} is for multimodal models with an image encoder (LLaVA, Gemma 3, "
-                         f"PaliGemma, InternVL, ...); {name!r} ({model_type}) has none. Fix: leave images out")
     if images is not None:
         return _hf_image_text(name, model_type, config, head, attn, dtype, images, moe_kernels, grouped_gemm)
     if multimodal:
