@@ -1236,6 +1236,8 @@ def test_llava_presets_have_their_published_sizes_and_image_tokens(name, billion
     (_TINY_LLAVA, dict(seq_len=64, head="masked-lm"), InputError, r"head='masked-lm': images= traces llava's"),
     ("gpt2", dict(seq_len=64), InputError, r"images=1 is for multimodal models with an image encoder .* 'gpt2'"),
     ("resnet18", {}, InputError, r"images=1 is for multimodal models .* resnet18 is a CNN"),
+    (torch.nn.Linear(4, 4), dict(input_shapes=[(4,)]), InputError, r"images=1 is for multimodal Hugging Face models; "
+     r"Linear is an nn.Module"),
     ("vit-base", {}, InputError, r"images=1 is for multimodal models with an image encoder .* 'vit-base' \(vit\)"),
     ({"model_type": "qwen2_vl"}, dict(seq_len=64), ModelError,
      r"Qwen2VLForConditionalGeneration's image encoder \(qwen2_vl_vision\) cannot be traced on fixed-size pixel"),

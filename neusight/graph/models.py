@@ -302,16 +302,13 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
     if images is not None and (not isinstance(images, int) or isinstance(images, bool) or images < 1):
         raise InputError(f"images={images!r} is not a positive integer (images per sequence). Fix: e.g. images=1, "
                          "or leave images out for a text-only prompt")
-    if images is not None and isinstance(model, nn.Module):
-        raise InputError(f"images={images} is for multimodal Hugging Face models; an nn.Module takes input_shapes. "
-                         "Fix: leave images out and give the pixel values' shape in input_shapes")
     if head is not None and head not in HEADS:
         raise ModelError(f"head={head!r} is not known; use one of {', '.join(HEADS)} or None (the config's architectures)")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ModelError(f"attn_implementation={attn_implementation!r} is not supported; use one of "
                          f"{', '.join(map(repr, ATTN_IMPLEMENTATIONS))}")
     if isinstance(model, nn.Module):
-        return _from_module(model, input_shapes, dtype)
+        return _from_module(model, input_shapes, dtype, images)
     if isinstance(model, dict) or callable(getattr(model, "to_dict", None)):   # a config in memory
         if input_shapes:
             raise InputError(f"input_shapes={input_shapes!r} is for an nn.Module; a config builds its own inputs. "
@@ -347,11 +344,7 @@ def build_model(model: str | os.PathLike | nn.Module, *, head: str | None = None
         return _hf(path.name if path.is_dir() else path.stem, cfg.pop("model_type"), cfg, head, attn_implementation,
                    dtype, image_size, moe_kernels, grouped_gemm, images=images)
     if MODULE_REF.match(name):
-        if images is not None:
-            raise InputError(f"images={images} is for multimodal Hugging Face models; {name} is a module, which "
-                             "takes input_shapes. Fix: leave images out and give the pixel values' shape in "
-                             "input_shapes")
-        return _from_module(_import_module_ref(name), input_shapes, dtype)
+        return _from_module(_import_module_ref(name), input_shapes, dtype, images)
     cached = _cached_hub_config(name)
     if cached is not None:
         built = _hf(name, cached.pop("model_type"), cached, head, attn_implementation, dtype, image_size,
@@ -1018,7 +1011,12 @@ def _meta_copy(module: nn.Module) -> nn.Module:
         raise ModelError(f"{type(module).__name__} cannot be moved to the meta device: {e}") from None
 
 
-def _from_module(module: nn.Module, input_shapes: list[Any] | None, dtype: torch.dtype) -> BuiltModel:
+def _from_module(module: nn.Module, input_shapes: list[Any] | None, dtype: torch.dtype,
+                 images: int | None = None) -> BuiltModel:
+    if images is not None:
+        raise InputError(f"images={images} is for multimodal Hugging Face models; {type(module).__name__} is an "
+                         "nn.Module, which takes input_shapes. Fix: leave images out and give the pixel values' shape "
+                         "in input_shapes")
     if not input_shapes:
         raise InputError("an nn.Module needs input_shapes=[(dims of input 1 without batch), ...] so the tracer can "
                          "build example inputs, e.g. input_shapes=[(3, 224, 224)], or [(('seq',), torch.long)] for "
